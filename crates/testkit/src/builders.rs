@@ -1,0 +1,385 @@
+//! Builders for the objects stowage works on. Each starts from the smallest valid object and
+//! `build()`s the k8s-openapi type, e.g. `pv("a").capacity("1Gi").class("fast").build()`.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::{
+    CSIPersistentVolumeSource, Container, Namespace, Node, NodeCondition, NodeSpec, NodeStatus,
+    ObjectReference, PersistentVolume, PersistentVolumeClaim, PersistentVolumeClaimSpec,
+    PersistentVolumeClaimVolumeSource, PersistentVolumeSpec, Pod, PodSpec, ServiceAccount, Volume,
+    VolumeMount, VolumeResourceRequirements,
+};
+use k8s_openapi::api::storage::v1::{CSIDriver, CSIDriverSpec, StorageClass};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use kube::api::ObjectMeta;
+
+fn meta(name: &str) -> ObjectMeta {
+    ObjectMeta {
+        name: Some(name.to_string()),
+        ..Default::default()
+    }
+}
+
+fn strings(v: &[&str]) -> Vec<String> {
+    v.iter().map(|s| s.to_string()).collect()
+}
+
+/// A namespace and its `default` ServiceAccount (no service-account controller runs in tests, and
+/// the default ServiceAccount admission plugin rejects pods without one).
+pub fn namespace(name: &str) -> (Namespace, ServiceAccount) {
+    let sa = ServiceAccount {
+        metadata: ObjectMeta {
+            name: Some("default".into()),
+            namespace: Some(name.into()),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    (
+        Namespace {
+            metadata: meta(name),
+            ..Default::default()
+        },
+        sa,
+    )
+}
+
+pub struct NodeBuilder(Node);
+
+pub fn node(name: &str) -> NodeBuilder {
+    NodeBuilder(Node {
+        metadata: meta(name),
+        spec: Some(NodeSpec::default()),
+        status: None,
+    })
+}
+
+impl NodeBuilder {
+    pub fn label(mut self, k: &str, v: &str) -> Self {
+        self.0
+            .metadata
+            .labels
+            .get_or_insert_with(BTreeMap::new)
+            .insert(k.into(), v.into());
+        self
+    }
+    pub fn annotation(mut self, k: &str, v: &str) -> Self {
+        self.0
+            .metadata
+            .annotations
+            .get_or_insert_with(BTreeMap::new)
+            .insert(k.into(), v.into());
+        self
+    }
+    /// The annotation a kubelet (or stowage-agent) sets when the controller attaches for it.
+    pub fn controller_attach(self) -> Self {
+        self.annotation("volumes.kubernetes.io/controller-managed-attach-detach", "true")
+    }
+    pub fn ready(mut self, ready: bool) -> Self {
+        let st = self.0.status.get_or_insert_with(NodeStatus::default);
+        st.conditions = Some(vec![NodeCondition {
+            type_: "Ready".into(),
+            status: if ready { "True" } else { "False" }.into(),
+            ..Default::default()
+        }]);
+        self
+    }
+    pub fn build(self) -> Node {
+        self.0
+    }
+}
+
+pub fn csi_driver(name: &str, attach_required: bool) -> CSIDriver {
+    CSIDriver {
+        metadata: meta(name),
+        spec: CSIDriverSpec {
+            attach_required: Some(attach_required),
+            ..Default::default()
+        },
+    }
+}
+
+pub struct StorageClassBuilder(StorageClass);
+
+pub fn storage_class(name: &str, provisioner: &str) -> StorageClassBuilder {
+    StorageClassBuilder(StorageClass {
+        metadata: meta(name),
+        provisioner: provisioner.into(),
+        ..Default::default()
+    })
+}
+
+impl StorageClassBuilder {
+    pub fn reclaim(mut self, policy: &str) -> Self {
+        self.0.reclaim_policy = Some(policy.into());
+        self
+    }
+    pub fn wait_for_first_consumer(mut self) -> Self {
+        self.0.volume_binding_mode = Some("WaitForFirstConsumer".into());
+        self
+    }
+    pub fn allow_expansion(mut self, allow: bool) -> Self {
+        self.0.allow_volume_expansion = Some(allow);
+        self
+    }
+    pub fn parameter(mut self, k: &str, v: &str) -> Self {
+        self.0
+            .parameters
+            .get_or_insert_with(BTreeMap::new)
+            .insert(k.into(), v.into());
+        self
+    }
+    pub fn default_class(mut self) -> Self {
+        self.0
+            .metadata
+            .annotations
+            .get_or_insert_with(BTreeMap::new)
+            .insert(
+                "storageclass.kubernetes.io/is-default-class".into(),
+                "true".into(),
+            );
+        self
+    }
+    pub fn build(self) -> StorageClass {
+        self.0
+    }
+}
+
+pub struct PvBuilder(PersistentVolume);
+
+/// A 1Gi ReadWriteOnce volume of the built-in driver, Retain, no class.
+pub fn pv(name: &str) -> PvBuilder {
+    PvBuilder(PersistentVolume {
+        metadata: meta(name),
+        spec: Some(PersistentVolumeSpec {
+            capacity: Some(BTreeMap::from([("storage".to_string(), Quantity("1Gi".into()))])),
+            access_modes: Some(strings(&["ReadWriteOnce"])),
+            persistent_volume_reclaim_policy: Some("Retain".into()),
+            csi: Some(CSIPersistentVolumeSource {
+                driver: "loop.stowage.dev".into(),
+                volume_handle: name.into(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+        status: None,
+    })
+}
+
+impl PvBuilder {
+    fn spec(&mut self) -> &mut PersistentVolumeSpec {
+        self.0.spec.get_or_insert_with(Default::default)
+    }
+    pub fn capacity(mut self, q: &str) -> Self {
+        self.spec().capacity = Some(BTreeMap::from([("storage".to_string(), Quantity(q.into()))]));
+        self
+    }
+    pub fn access_modes(mut self, modes: &[&str]) -> Self {
+        self.spec().access_modes = Some(strings(modes));
+        self
+    }
+    pub fn class(mut self, class: &str) -> Self {
+        self.spec().storage_class_name = Some(class.into());
+        self
+    }
+    pub fn reclaim(mut self, policy: &str) -> Self {
+        self.spec().persistent_volume_reclaim_policy = Some(policy.into());
+        self
+    }
+    pub fn block(mut self) -> Self {
+        self.spec().volume_mode = Some("Block".into());
+        self
+    }
+    pub fn driver(mut self, driver: &str, handle: &str) -> Self {
+        self.spec().csi = Some(CSIPersistentVolumeSource {
+            driver: driver.into(),
+            volume_handle: handle.into(),
+            ..Default::default()
+        });
+        self
+    }
+    pub fn label(mut self, k: &str, v: &str) -> Self {
+        self.0
+            .metadata
+            .labels
+            .get_or_insert_with(BTreeMap::new)
+            .insert(k.into(), v.into());
+        self
+    }
+    pub fn annotation(mut self, k: &str, v: &str) -> Self {
+        self.0
+            .metadata
+            .annotations
+            .get_or_insert_with(BTreeMap::new)
+            .insert(k.into(), v.into());
+        self
+    }
+    /// Pre-binds to a claim; `uid` empty means "by name only", as a user would write it.
+    pub fn claim_ref(mut self, namespace: &str, name: &str, uid: &str) -> Self {
+        self.spec().claim_ref = Some(ObjectReference {
+            kind: Some("PersistentVolumeClaim".into()),
+            api_version: Some("v1".into()),
+            namespace: Some(namespace.into()),
+            name: Some(name.into()),
+            uid: (!uid.is_empty()).then(|| uid.into()),
+            ..Default::default()
+        });
+        self
+    }
+    pub fn attributes_class(mut self, class: &str) -> Self {
+        self.spec().volume_attributes_class_name = Some(class.into());
+        self
+    }
+    pub fn node_affinity_hostname(mut self, node: &str) -> Self {
+        use k8s_openapi::api::core::v1::{
+            NodeSelector, NodeSelectorRequirement, NodeSelectorTerm, VolumeNodeAffinity,
+        };
+        self.spec().node_affinity = Some(VolumeNodeAffinity {
+            required: Some(NodeSelector {
+                node_selector_terms: vec![NodeSelectorTerm {
+                    match_expressions: Some(vec![NodeSelectorRequirement {
+                        key: "kubernetes.io/hostname".into(),
+                        operator: "In".into(),
+                        values: Some(vec![node.into()]),
+                    }]),
+                    ..Default::default()
+                }],
+            }),
+        });
+        self
+    }
+    pub fn build(self) -> PersistentVolume {
+        self.0
+    }
+}
+
+pub struct PvcBuilder(PersistentVolumeClaim);
+
+/// A 1Gi ReadWriteOnce claim with no class set (the DefaultStorageClass admission may fill it).
+pub fn pvc(namespace: &str, name: &str) -> PvcBuilder {
+    PvcBuilder(PersistentVolumeClaim {
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            namespace: Some(namespace.into()),
+            ..Default::default()
+        },
+        spec: Some(PersistentVolumeClaimSpec {
+            access_modes: Some(strings(&["ReadWriteOnce"])),
+            resources: Some(VolumeResourceRequirements {
+                requests: Some(BTreeMap::from([("storage".to_string(), Quantity("1Gi".into()))])),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+        status: None,
+    })
+}
+
+impl PvcBuilder {
+    fn spec(&mut self) -> &mut PersistentVolumeClaimSpec {
+        self.0.spec.get_or_insert_with(Default::default)
+    }
+    pub fn request(mut self, q: &str) -> Self {
+        self.spec()
+            .resources
+            .get_or_insert_with(Default::default)
+            .requests = Some(BTreeMap::from([("storage".to_string(), Quantity(q.into()))]));
+        self
+    }
+    pub fn access_modes(mut self, modes: &[&str]) -> Self {
+        self.spec().access_modes = Some(strings(modes));
+        self
+    }
+    /// Sets the class; `""` asks explicitly for volumes without a class.
+    pub fn class(mut self, class: &str) -> Self {
+        self.spec().storage_class_name = Some(class.into());
+        self
+    }
+    pub fn volume_name(mut self, pv: &str) -> Self {
+        self.spec().volume_name = Some(pv.into());
+        self
+    }
+    pub fn block(mut self) -> Self {
+        self.spec().volume_mode = Some("Block".into());
+        self
+    }
+    pub fn selector(mut self, k: &str, v: &str) -> Self {
+        use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
+        self.spec().selector = Some(LabelSelector {
+            match_labels: Some(BTreeMap::from([(k.into(), v.into())])),
+            ..Default::default()
+        });
+        self
+    }
+    pub fn attributes_class(mut self, class: &str) -> Self {
+        self.spec().volume_attributes_class_name = Some(class.into());
+        self
+    }
+    pub fn annotation(mut self, k: &str, v: &str) -> Self {
+        self.0
+            .metadata
+            .annotations
+            .get_or_insert_with(BTreeMap::new)
+            .insert(k.into(), v.into());
+        self
+    }
+    pub fn build(self) -> PersistentVolumeClaim {
+        self.0
+    }
+}
+
+pub struct PodBuilder(Pod);
+
+/// A one-container pod (never run by a kubelet in tests; it only has to be valid).
+pub fn pod(namespace: &str, name: &str) -> PodBuilder {
+    PodBuilder(Pod {
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            namespace: Some(namespace.into()),
+            ..Default::default()
+        },
+        spec: Some(PodSpec {
+            containers: vec![Container {
+                name: "app".into(),
+                image: Some("busybox".into()),
+                ..Default::default()
+            }],
+            ..Default::default()
+        }),
+        status: None,
+    })
+}
+
+impl PodBuilder {
+    fn spec(&mut self) -> &mut PodSpec {
+        self.0.spec.get_or_insert_with(Default::default)
+    }
+    /// Mounts claim `claim` as volume `vol` at `/data/<vol>`.
+    pub fn claim(mut self, vol: &str, claim: &str) -> Self {
+        self.spec().volumes.get_or_insert_with(Vec::new).push(Volume {
+            name: vol.into(),
+            persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
+                claim_name: claim.into(),
+                read_only: None,
+            }),
+            ..Default::default()
+        });
+        let mount = VolumeMount {
+            name: vol.into(),
+            mount_path: format!("/data/{vol}"),
+            ..Default::default()
+        };
+        self.spec().containers[0]
+            .volume_mounts
+            .get_or_insert_with(Vec::new)
+            .push(mount);
+        self
+    }
+    pub fn node(mut self, node: &str) -> Self {
+        self.spec().node_name = Some(node.into());
+        self
+    }
+    pub fn build(self) -> Pod {
+        self.0
+    }
+}

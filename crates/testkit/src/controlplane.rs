@@ -1,0 +1,345 @@
+//! The real control plane: upstream etcd and kube-apiserver (built by `make controlplane` from the
+//! Kubernetes Go modules) on loopback ports, with a throw-away data dir, a CA and serving cert made
+//! on the fly, a service-account signing key, RBAC, the default admission plugins, and an admin
+//! token written into a kubeconfig.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use base64::Engine;
+use kube::Client;
+
+use crate::process::{free_port, spawn_tied, stop};
+
+/// Where the upstream binaries are: `$STOWAGE_CONTROLPLANE_BIN`, else `e2e/bin` of this checkout.
+pub fn bin_dir() -> PathBuf {
+    std::env::var_os("STOWAGE_CONTROLPLANE_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../e2e/bin"))
+}
+
+fn binary(name: &str) -> anyhow::Result<PathBuf> {
+    let p = bin_dir().join(name);
+    if !p.is_file() {
+        bail!("{} not found: run `make controlplane` first", p.display());
+    }
+    Ok(p)
+}
+
+/// The admin bearer token of every test control plane (loopback only, thrown away with it).
+const ADMIN_TOKEN: &str = "stowage-admin-token";
+
+pub struct ControlPlane {
+    dir: PathBuf,
+    /// Kept so the directory lives as long as we do; `None` for a caller-chosen directory.
+    _tmp: Option<tempfile::TempDir>,
+    port: u16,
+    etcd: Mutex<Option<Child>>,
+    apiserver: Mutex<Option<Child>>,
+    apiserver_cmd: Vec<String>,
+}
+
+impl ControlPlane {
+    /// Starts etcd and kube-apiserver in a fresh temporary directory and waits for `/readyz`.
+    pub fn start() -> anyhow::Result<Self> {
+        let tmp = tempfile::Builder::new().prefix("stowage-cp-").tempdir()?;
+        let dir = tmp.path().to_path_buf();
+        Self::start_in(dir, Some(tmp))
+    }
+
+    /// Starts in `dir` (created if missing; its contents are replaced).
+    pub fn start_in(dir: PathBuf, tmp: Option<tempfile::TempDir>) -> anyhow::Result<Self> {
+        std::fs::create_dir_all(&dir)?;
+        let etcd_bin = binary("etcd")?;
+        let apiserver_bin = binary("kube-apiserver")?;
+        let (client_port, peer_port, port) = (free_port(), free_port(), free_port());
+
+        let etcd_dir = dir.join("etcd");
+        let _ = std::fs::remove_dir_all(&etcd_dir);
+        let mut etcd_cmd = Command::new(&etcd_bin);
+        etcd_cmd
+            .args(["--name", "default", "--data-dir"])
+            .arg(&etcd_dir)
+            .arg(format!("--listen-client-urls=http://127.0.0.1:{client_port}"))
+            .arg(format!("--advertise-client-urls=http://127.0.0.1:{client_port}"))
+            .arg(format!("--listen-peer-urls=http://127.0.0.1:{peer_port}"))
+            .arg(format!(
+                "--initial-advertise-peer-urls=http://127.0.0.1:{peer_port}"
+            ))
+            .arg(format!("--initial-cluster=default=http://127.0.0.1:{peer_port}"))
+            // Test data is thrown away; fsync would only make every write wait on the disk.
+            .args(["--unsafe-no-fsync", "--log-level=warn"])
+            .stdout(Stdio::null())
+            .stderr(log_file(&dir, "etcd.log")?);
+        let etcd = spawn_tied(etcd_cmd).context("start etcd")?;
+
+        write_pki(&dir)?;
+        std::fs::write(
+            dir.join("tokens.csv"),
+            format!("{ADMIN_TOKEN},admin,admin-uid,system:masters\n"),
+        )?;
+        let d = |f: &str| dir.join(f).display().to_string();
+        let apiserver_cmd = vec![
+            apiserver_bin.display().to_string(),
+            format!("--etcd-servers=http://127.0.0.1:{client_port}"),
+            "--bind-address=127.0.0.1".into(),
+            "--advertise-address=127.0.0.1".into(),
+            format!("--secure-port={port}"),
+            format!("--cert-dir={}", d("certs")),
+            format!("--tls-cert-file={}", d("serving.crt")),
+            format!("--tls-private-key-file={}", d("serving.key")),
+            format!("--client-ca-file={}", d("ca.crt")),
+            "--service-account-issuer=https://kubernetes.default.svc.cluster.local".into(),
+            format!("--service-account-key-file={}", d("sa.pub")),
+            format!("--service-account-signing-key-file={}", d("sa.key")),
+            "--service-cluster-ip-range=10.0.0.0/24".into(),
+            "--authorization-mode=Node,RBAC".into(),
+            format!("--token-auth-file={}", d("tokens.csv")),
+            "--allow-privileged=true".into(),
+            "--profiling=false".into(),
+            "--v=0".into(),
+        ];
+        write_kubeconfig(&dir, port)?;
+        let cp = Self {
+            dir,
+            _tmp: tmp,
+            port,
+            etcd: Mutex::new(Some(etcd)),
+            apiserver: Mutex::new(None),
+            apiserver_cmd,
+        };
+        cp.start_apiserver()?;
+        Ok(cp)
+    }
+
+    fn start_apiserver(&self) -> anyhow::Result<()> {
+        let mut cmd = Command::new(&self.apiserver_cmd[0]);
+        cmd.args(&self.apiserver_cmd[1..])
+            .stdout(Stdio::null())
+            .stderr(log_file(&self.dir, "kube-apiserver.log")?);
+        let child = spawn_tied(cmd).context("start kube-apiserver")?;
+        *self.apiserver.lock().unwrap_or_else(|p| p.into_inner()) = Some(child);
+        self.wait_ready(Duration::from_secs(180))
+    }
+
+    /// Stops kube-apiserver and starts it again on the same port and etcd (for restart tests).
+    pub fn restart_apiserver(&self, down_for: Duration) -> anyhow::Result<()> {
+        if let Some(mut c) = self.apiserver.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            stop(&mut c, Duration::from_secs(10));
+        }
+        std::thread::sleep(down_for);
+        self.start_apiserver()
+    }
+
+    /// Polls `/readyz` with a plain TLS client until it answers `ok`.
+    fn wait_ready(&self, limit: Duration) -> anyhow::Result<()> {
+        let deadline = Instant::now() + limit;
+        let kubeconfig = self.kubeconfig();
+        // Callers may be inside a runtime already (async tests), so poll on a runtime of our own
+        // in a scoped thread.
+        std::thread::scope(|s| s.spawn(|| self.poll_ready(&kubeconfig, deadline, limit)).join())
+            .map_err(|_| anyhow::anyhow!("readiness poller panicked"))?
+    }
+
+    fn poll_ready(&self, kubeconfig: &Path, deadline: Instant, limit: Duration) -> anyhow::Result<()> {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        rt.block_on(async {
+            let client = client_for(kubeconfig).await?;
+            loop {
+                let req = http::Request::get("/readyz").body(Vec::new())?;
+                match client.request_text(req).await {
+                    Ok(body) if body.trim() == "ok" => return Ok(()),
+                    _ if Instant::now() > deadline => {
+                        bail!(
+                            "kube-apiserver not ready within {limit:?}; last log lines:\n{}",
+                            self.log_tail()
+                        )
+                    }
+                    _ => {}
+                }
+                if let Some(c) = self.apiserver.lock().unwrap_or_else(|p| p.into_inner()).as_mut() {
+                    if let Ok(Some(status)) = c.try_wait() {
+                        bail!(
+                            "kube-apiserver exited ({status}); last log lines:\n{}",
+                            self.log_tail()
+                        );
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+        })
+    }
+
+    fn log_tail(&self) -> String {
+        let log = std::fs::read_to_string(self.dir.join("kube-apiserver.log")).unwrap_or_default();
+        let lines: Vec<&str> = log.lines().collect();
+        lines[lines.len().saturating_sub(20)..].join("\n")
+    }
+
+    /// The admin kubeconfig (token auth, serving CA pinned).
+    pub fn kubeconfig(&self) -> PathBuf {
+        self.dir.join("kubeconfig")
+    }
+
+    pub fn url(&self) -> String {
+        format!("https://127.0.0.1:{}", self.port)
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// A client for the admin kubeconfig, without client-side rate limits.
+    pub async fn client(&self) -> Client {
+        client_for(&self.kubeconfig())
+            .await
+            .expect("client for the test control plane")
+    }
+
+    /// Stops both processes; the data directory goes with the value.
+    pub fn stop(&self) {
+        for slot in [&self.apiserver, &self.etcd] {
+            if let Some(mut c) = slot.lock().unwrap_or_else(|p| p.into_inner()).take() {
+                stop(&mut c, Duration::from_secs(10));
+            }
+        }
+    }
+}
+
+impl Drop for ControlPlane {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+async fn client_for(kubeconfig: &Path) -> anyhow::Result<Client> {
+    let kc = kube::config::Kubeconfig::read_from(kubeconfig)?;
+    let config = kube::Config::from_custom_kubeconfig(kc, &Default::default()).await?;
+    stowage_common::client::build(config, 0.0, 0)
+}
+
+fn log_file(dir: &Path, name: &str) -> anyhow::Result<std::fs::File> {
+    std::fs::File::create(dir.join(name)).with_context(|| format!("create {name}"))
+}
+
+/// A CA, a serving certificate for 127.0.0.1/localhost signed by it, and a service-account key.
+fn write_pki(dir: &Path) -> anyhow::Result<()> {
+    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair, SanType};
+    let ca_key = KeyPair::generate()?;
+    let mut ca_params = CertificateParams::new(Vec::<String>::new())?;
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca_params
+        .distinguished_name
+        .push(DnType::CommonName, "stowage-test-ca");
+    let ca_cert = ca_params.self_signed(&ca_key)?;
+    let issuer = Issuer::new(ca_params, ca_key);
+
+    let key = KeyPair::generate()?;
+    let mut params = CertificateParams::new(vec!["localhost".to_string()])?;
+    params
+        .subject_alt_names
+        .push(SanType::IpAddress(std::net::IpAddr::from([127, 0, 0, 1])));
+    params
+        .distinguished_name
+        .push(DnType::CommonName, "kube-apiserver");
+    let cert = params.signed_by(&key, &issuer)?;
+
+    std::fs::write(dir.join("ca.crt"), ca_cert.pem())?;
+    std::fs::write(dir.join("serving.crt"), cert.pem())?;
+    std::fs::write(dir.join("serving.key"), key.serialize_pem())?;
+    let sa = KeyPair::generate()?;
+    std::fs::write(dir.join("sa.key"), sa.serialize_pem())?;
+    std::fs::write(dir.join("sa.pub"), sa.public_key_pem())?;
+    Ok(())
+}
+
+fn write_kubeconfig(dir: &Path, port: u16) -> anyhow::Result<()> {
+    let ca = std::fs::read_to_string(dir.join("ca.crt"))?;
+    let ca_b64 = base64::engine::general_purpose::STANDARD.encode(ca.as_bytes());
+    let kubeconfig = format!(
+        "apiVersion: v1\nkind: Config\nclusters:\n- name: stowage-test\n  cluster:\n    server: https://127.0.0.1:{port}\n    certificate-authority-data: {ca_b64}\nusers:\n- name: admin\n  user:\n    token: {ADMIN_TOKEN}\ncontexts:\n- name: stowage-test\n  context:\n    cluster: stowage-test\n    user: admin\ncurrent-context: stowage-test\n"
+    );
+    std::fs::write(dir.join("kubeconfig"), kubeconfig)?;
+    Ok(())
+}
+
+/// The control plane shared by every test in this test binary: the one named by
+/// `$STOWAGE_TEST_KUBECONFIG` if set (no processes of ours), else one started on first use and
+/// torn down when the process exits.
+pub fn shared() -> &'static Shared {
+    static SHARED: OnceLock<Shared> = OnceLock::new();
+    SHARED.get_or_init(|| {
+        if let Some(kc) = std::env::var_os("STOWAGE_TEST_KUBECONFIG") {
+            return Shared {
+                kubeconfig: PathBuf::from(kc),
+                cp: None,
+            };
+        }
+        let cp =
+            ControlPlane::start().unwrap_or_else(|e| panic!("cannot start the test control plane: {e:#}"));
+        register_exit_cleanup(cp.dir.clone());
+        Shared {
+            kubeconfig: cp.kubeconfig(),
+            cp: Some(cp),
+        }
+    })
+}
+
+pub struct Shared {
+    kubeconfig: PathBuf,
+    cp: Option<ControlPlane>,
+}
+
+impl Shared {
+    pub fn kubeconfig(&self) -> &Path {
+        &self.kubeconfig
+    }
+
+    pub async fn client(&self) -> Client {
+        client_for(&self.kubeconfig)
+            .await
+            .expect("client for the shared control plane")
+    }
+
+    /// The processes, when this test binary started them.
+    pub fn control_plane(&self) -> Option<&ControlPlane> {
+        self.cp.as_ref()
+    }
+}
+
+static CLEANUP_DIR: OnceLock<PathBuf> = OnceLock::new();
+
+/// Statics are never dropped, so the shared data dir is removed by an exit hook (the children
+/// themselves die with the process through PDEATHSIG).
+fn register_exit_cleanup(dir: PathBuf) {
+    extern "C" fn cleanup() {
+        if let Some(d) = CLEANUP_DIR.get() {
+            let _ = std::fs::remove_dir_all(d);
+        }
+    }
+    if CLEANUP_DIR.set(dir).is_ok() {
+        // SAFETY: registers a plain extern "C" function.
+        unsafe {
+            libc::atexit(cleanup);
+        }
+    }
+}
+
+/// Parses `anyhow` into test panics with context.
+pub fn must<T>(r: anyhow::Result<T>, what: &str) -> T {
+    r.unwrap_or_else(|e| panic!("{what}: {e:#}"))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn missing_binaries_say_what_to_run() {
+        let e = super::binary("no-such-binary").unwrap_err().to_string();
+        assert!(e.contains("make controlplane"), "{e}");
+    }
+}

@@ -1,0 +1,70 @@
+//! The control plane the whole suite relies on is the real one: admission, validation and status
+//! subresources behave as upstream.
+
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::{Namespace, PersistentVolumeClaim, ServiceAccount};
+use kube::Api;
+use kube::api::PostParams;
+use stowage_testkit::{builders, shared, unique};
+
+#[tokio::test]
+async fn pvc_gets_the_protection_finalizer_from_real_admission() {
+    let client = shared().client().await;
+    let ns = unique("cp");
+    let (n, sa) = builders::namespace(&ns);
+    Api::<Namespace>::all(client.clone())
+        .create(&PostParams::default(), &n)
+        .await
+        .unwrap();
+    Api::<ServiceAccount>::namespaced(client.clone(), &ns)
+        .create(&PostParams::default(), &sa)
+        .await
+        .unwrap();
+
+    let pvcs: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), &ns);
+    let created = pvcs
+        .create(&PostParams::default(), &builders::pvc(&ns, "data").build())
+        .await
+        .unwrap();
+    let finalizers = created.metadata.finalizers.unwrap_or_default();
+    assert!(
+        finalizers.contains(&"kubernetes.io/pvc-protection".to_string()),
+        "finalizers: {finalizers:?}"
+    );
+    // Nothing runs the binder here: the claim stays Pending as created.
+    let phase = created
+        .status
+        .and_then(|s| s.phase)
+        .unwrap_or_else(|| "Pending".into());
+    assert_eq!(phase, "Pending");
+}
+
+#[tokio::test]
+async fn validation_is_real() {
+    let client = shared().client().await;
+    let pvcs: Api<PersistentVolumeClaim> = Api::namespaced(client, "default");
+    let mut bad = builders::pvc("default", &unique("bad")).build();
+    bad.spec.as_mut().unwrap().access_modes = Some(vec![]);
+    let err = pvcs.create(&PostParams::default(), &bad).await.unwrap_err();
+    match err {
+        kube::Error::Api(s) => assert_eq!(s.code, 422, "{s:?}"),
+        other => panic!("expected a validation error, got {other}"),
+    }
+}
+
+#[tokio::test]
+async fn readyz_answers_ok() {
+    let client = shared().client().await;
+    let body = stowage_testkit::eventually(Duration::from_secs(30), || {
+        let client = client.clone();
+        async move {
+            client
+                .request_text(http::Request::get("/readyz").body(Vec::new()).unwrap())
+                .await
+                .map_err(|e| e.to_string())
+        }
+    })
+    .await;
+    assert_eq!(body.trim(), "ok");
+}
