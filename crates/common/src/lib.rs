@@ -1,6 +1,9 @@
 //! Plumbing shared by `stowage-controller` and `stowage-agent`.
 
 pub mod client;
+pub mod cluster;
+pub mod events;
+pub mod informer;
 pub mod leader;
 pub mod logging;
 pub mod metrics;

@@ -1,0 +1,40 @@
+# stowage — `make help` lists the targets.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+CARGO ?= cargo
+
+.PHONY: help
+help: ## List targets
+	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
+
+.PHONY: deps
+deps: ## Install the OS tools tests and the demo need (root; no-op when present)
+	@./e2e/scripts/install-deps.sh
+
+.PHONY: controlplane
+controlplane: ## Build etcd, kube-apiserver, kube-controller-manager, kubectl (cached by go.mod/go.sum)
+	@./e2e/scripts/build-controlplane.sh
+
+.PHONY: build
+build: ## Build both binaries
+	$(CARGO) build --workspace --bins
+
+.PHONY: test
+test: deps controlplane ## Run unit, property and integration tests against the real control plane
+	$(CARGO) test --workspace --no-fail-fast
+
+.PHONY: lint
+lint: ## cargo fmt --check, clippy -D warnings, helm lint
+	$(CARGO) fmt --all -- --check
+	$(CARGO) clippy --workspace --all-targets -- -D warnings
+	@if [ -d charts/stowage ]; then ./e2e/scripts/helm.sh lint charts/stowage; fi
+
+.PHONY: demo
+demo: deps controlplane ## Start a control plane, the controller and two agents; walk sample claims to Bound
+	$(CARGO) build --workspace --bins
+	./e2e/scripts/demo.sh
+
+.PHONY: bench
+bench: deps controlplane ## Side-by-side benchmarks against upstream kube-controller-manager
+	$(CARGO) build --release --workspace --bins
+	./e2e/scripts/bench.sh

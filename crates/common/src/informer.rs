@@ -1,0 +1,118 @@
+//! Shared informers: one watch per resource type feeds a reflector `Store` (for lookups) and a
+//! broadcast of changes (to wake controllers). Every controller reads the same stores; no
+//! controller lists on its own.
+//!
+//! kube-runtime's shared streams deliver applied objects only; controllers here also need
+//! deletions (a deleted claim releases its volume), hence this small hub.
+
+use std::fmt::Debug;
+use std::hash::Hash;
+use std::sync::Arc;
+
+use futures::StreamExt;
+use kube::runtime::reflector::{self, Store};
+use kube::runtime::watcher::{self, Event};
+use kube::runtime::WatchStreamExt;
+use kube::{Api, Resource};
+use serde::de::DeserializeOwned;
+use tokio::sync::broadcast;
+use tokio::task::JoinSet;
+
+/// One change seen by the watch.
+#[derive(Debug, Clone)]
+pub enum Change<K> {
+    /// Created or updated (also every object of a relist).
+    Applied(Arc<K>),
+    /// Deleted (as last seen).
+    Deleted(Arc<K>),
+    /// A full relist finished: objects deleted while the watch was down were dropped from the
+    /// store without a `Deleted`, so subscribers should re-examine everything.
+    Resynced,
+}
+
+/// A store plus a change feed for one resource type.
+pub struct Informer<K: Resource<DynamicType = ()> + 'static> {
+    store: Store<K>,
+    tx: broadcast::Sender<Change<K>>,
+}
+
+impl<K: Resource<DynamicType = ()> + 'static> Clone for Informer<K> {
+    fn clone(&self) -> Self {
+        Self { store: self.store.clone(), tx: self.tx.clone() }
+    }
+}
+
+/// How many changes a slow subscriber may fall behind before it gets `Lagged` (and resyncs).
+const FEED_CAPACITY: usize = 16 * 1024;
+
+impl<K> Informer<K>
+where
+    K: Resource<DynamicType = ()> + Clone + Debug + DeserializeOwned + Send + Sync + 'static,
+    K::DynamicType: Eq + Hash + Clone,
+{
+    /// Starts the watch on `tasks`. `strip` trims each object before it is stored (e.g. managed
+    /// fields), to keep memory proportional to what controllers read.
+    pub fn spawn(api: Api<K>, config: watcher::Config, strip: fn(&mut K), tasks: &mut JoinSet<()>) -> Self {
+        let (store, mut writer) = reflector::store();
+        let (tx, _) = broadcast::channel(FEED_CAPACITY);
+        let feed = tx.clone();
+        let kind = K::kind(&()).to_string();
+        tasks.spawn(async move {
+            let mut stream = watcher::watcher(api, config).default_backoff().modify(strip).boxed();
+            while let Some(item) = stream.next().await {
+                let ev = match item {
+                    Ok(ev) => ev,
+                    Err(e) => {
+                        // The backoff retries; the store keeps serving the last state meanwhile.
+                        tracing::warn!(%kind, error = %e, "watch failed, retrying");
+                        continue;
+                    }
+                };
+                writer.apply_watcher_event(&ev);
+                // Send errors only mean nobody subscribes yet.
+                let _ = match ev {
+                    Event::Apply(o) | Event::InitApply(o) => feed.send(Change::Applied(Arc::new(o))),
+                    Event::Delete(o) => feed.send(Change::Deleted(Arc::new(o))),
+                    Event::InitDone => feed.send(Change::Resynced),
+                    Event::Init => Ok(0),
+                };
+            }
+        });
+        Self { store, tx }
+    }
+}
+
+impl<K: Resource<DynamicType = ()> + Clone + 'static> Informer<K>
+where
+    K::DynamicType: Eq + Hash + Clone,
+{
+    pub fn store(&self) -> &Store<K> {
+        &self.store
+    }
+
+    /// A feed of changes from now on.
+    pub fn subscribe(&self) -> broadcast::Receiver<Change<K>> {
+        self.tx.subscribe()
+    }
+
+    /// Waits until the first full list is in the store.
+    pub async fn ready(&self) {
+        // The writer lives as long as the watch task; an error only means the task ended.
+        let _ = self.store.wait_until_ready().await;
+    }
+}
+
+/// Drops `managedFields`: nothing in stowage reads them and they are often half of an object.
+pub fn strip_managed_fields<K: Resource>(obj: &mut K) {
+    obj.meta_mut().managed_fields = None;
+}
+
+/// The cheap way to compare versions of one object: resourceVersions of one object are
+/// increasing integers in etcd-backed apiservers; anything unparsable compares as "not newer".
+pub fn is_newer(candidate: Option<&str>, known: Option<&str>) -> bool {
+    match (candidate.and_then(|c| c.parse::<u64>().ok()), known.and_then(|k| k.parse::<u64>().ok())) {
+        (Some(c), Some(k)) => c > k,
+        (Some(_), None) => true,
+        _ => false,
+    }
+}

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Installs the OS tools stowage needs on a fresh Debian machine: losetup/mount (util-linux, mount),
+# mkfs.ext4/resize2fs (e2fsprogs), blkid. Go and Rust come with the machine image.
+set -euo pipefail
+missing=()
+for tool in losetup:util-linux mount:mount mkfs.ext4:e2fsprogs resize2fs:e2fsprogs blkid:util-linux findmnt:util-linux; do
+  command -v "${tool%%:*}" >/dev/null 2>&1 || missing+=("${tool##*:}")
+done
+for tool in go cargo; do
+  command -v "$tool" >/dev/null 2>&1 || { echo "deps: $tool is required and not on PATH" >&2; exit 1; }
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "deps: installing ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
