@@ -8,9 +8,11 @@ use anyhow::bail;
 use clap::Parser;
 use kube::Client;
 use stowage_common::client::ApiArgs;
+use stowage_common::cluster::Cluster;
 use stowage_common::leader::{self, Elector, Timings};
 use stowage_common::serve::{self, Health};
 use tokio::sync::watch;
+use tokio::task::JoinSet;
 
 /// Every controller this binary knows, in start order, and whether `*` turns it on.
 pub const CONTROLLERS: &[(&str, bool)] = &[
@@ -58,6 +60,37 @@ pub struct Args {
     /// Identity written into the Lease (default: hostname and a random suffix).
     #[arg(long)]
     pub leader_elect_identity: Option<String>,
+    /// Directory of the built-in driver's image files (shared with every agent).
+    #[arg(long, default_value = "/var/lib/stowage/images")]
+    pub image_dir: std::path::PathBuf,
+    /// Period of the binder's full resync (kube-controller-manager's --pvclaimbinder-sync-period).
+    #[arg(long, default_value = "15s", value_parser = humantime::parse_duration)]
+    pub pvclaimbinder_sync_period: Duration,
+    /// Objects whose binder writes may be in flight at once.
+    #[arg(long, default_value_t = 64)]
+    pub binder_max_in_flight: usize,
+}
+
+/// The selected controllers' metrics and settings, made once per process (metrics must be
+/// registered once, however often leadership comes and goes).
+#[derive(Clone)]
+struct Wiring {
+    binder: (stowage_binder::Metrics, stowage_binder::Config),
+}
+
+impl Wiring {
+    fn new(args: &Args, registry: &prometheus::Registry) -> Self {
+        Self {
+            binder: (
+                stowage_binder::Metrics::new(registry),
+                stowage_binder::Config {
+                    resync: args.pvclaimbinder_sync_period,
+                    image_dir: args.image_dir.clone(),
+                    max_in_flight: args.binder_max_in_flight,
+                },
+            ),
+        }
+    }
 }
 
 /// Expands `--controllers` into the list to run, rejecting unknown names.
@@ -101,6 +134,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let controllers = resolve_controllers(&args.controllers)?;
     let registry = stowage_common::metrics::registry("stowage-controller");
     let leader_gauge = stowage_common::metrics::leader_gauge(&registry);
+    let wiring = Wiring::new(&args, &registry);
     let health = Health::new(registry.clone());
     serve::spawn(args.metrics_bind_address, health.clone()).await?;
     let client = args.api.client().await?;
@@ -112,7 +146,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         leader_gauge.set(1);
         tokio::select! {
             _ = shutdown => {}
-            r = run_controllers(client, &controllers, &registry) => r?,
+            r = run_controllers(client, &controllers, &registry, &wiring) => r?,
         }
         return Ok(());
     }
@@ -145,7 +179,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         leader_gauge.set(1);
         tokio::select! {
             r = leading.wait_for(|l| !*l) => { let _ = r; }
-            r = run_controllers(client.clone(), &controllers, &registry) => {
+            r = run_controllers(client.clone(), &controllers, &registry, &wiring) => {
                 if let Err(e) = r {
                     tracing::error!(error = %format!("{e:#}"), "controllers failed");
                     health.alive.store(false, Ordering::Relaxed);
@@ -163,17 +197,39 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Runs the selected controllers until they fail or the future is dropped.
+/// Runs the selected controllers until one fails or the future is dropped (leadership lost):
+/// starts the shared informers, waits for their first lists, then spawns each controller.
 async fn run_controllers(
-    _client: Client,
+    client: Client,
     controllers: &[&'static str],
-    _registry: &prometheus::Registry,
+    registry: &prometheus::Registry,
+    wiring: &Wiring,
 ) -> anyhow::Result<()> {
-    tracing::info!(controllers = ?controllers, "leading: controllers started");
-    // Controller implementations are wired in here as they land; until then the leader holds the
-    // lease and idles.
-    futures::future::pending::<()>().await;
-    Ok(())
+    let mut informers = JoinSet::new();
+    let cluster = Cluster::start(client, registry.clone(), &mut informers);
+    cluster.ready().await;
+    tracing::info!(controllers = ?controllers, "leading: caches synced, controllers started");
+    let mut running: JoinSet<(&'static str, anyhow::Result<()>)> = JoinSet::new();
+    for &name in controllers {
+        let cluster = cluster.clone();
+        match name {
+            "binder" => {
+                let (m, c) = wiring.binder.clone();
+                running.spawn(async move { (name, stowage_binder::run(cluster, m, c).await) });
+            }
+            other => tracing::warn!(controller = other, "controller not available in this build"),
+        }
+    }
+    if running.is_empty() {
+        // Nothing selected (or only controllers not yet built): hold the lease and the caches.
+        futures::future::pending::<()>().await;
+    }
+    match running.join_next().await {
+        Some(Ok((name, Ok(())))) => anyhow::bail!("controller {name} stopped"),
+        Some(Ok((name, Err(e)))) => Err(e.context(format!("controller {name} failed"))),
+        Some(Err(e)) => anyhow::bail!("a controller task panicked: {e}"),
+        None => Ok(()),
+    }
 }
 
 #[cfg(test)]

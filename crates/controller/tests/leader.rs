@@ -28,16 +28,30 @@ fn replica(lease: &str, id: &str, timings: [&str; 3]) -> Running {
         format!("--leader-elect-renew-deadline={}", timings[1]),
         format!("--leader-elect-retry-period={}", timings[2]),
     ];
-    Running::start(std::path::Path::new(BIN), &args, &logs(), &format!("{lease}-{id}")).unwrap()
+    Running::start(
+        std::path::Path::new(BIN),
+        &args,
+        &logs(),
+        &format!("{lease}-{id}"),
+    )
+    .unwrap()
 }
 
 fn leader_value(r: &Running) -> Result<f64, String> {
-    r.metrics()?.value("stowage_leader").ok_or_else(|| "no stowage_leader".to_string())
+    r.metrics()?
+        .value("stowage_leader")
+        .ok_or_else(|| "no stowage_leader".to_string())
 }
 
 async fn holder(lease: &str) -> Option<String> {
     let leases: Api<Lease> = Api::namespaced(shared().client().await, "default");
-    leases.get_opt(lease).await.ok().flatten().and_then(|l| l.spec).and_then(|s| s.holder_identity)
+    leases
+        .get_opt(lease)
+        .await
+        .ok()
+        .flatten()
+        .and_then(|l| l.spec)
+        .and_then(|s| s.holder_identity)
 }
 
 /// Waits until exactly one of the replicas reports leadership and the Lease names it.
@@ -69,15 +83,22 @@ async fn exactly_one_leader_and_sigkill_fails_over_after_expiry() {
     tokio::time::sleep(Duration::from_secs(3)).await;
     assert_eq!(one_leader(&lease, &[("a", &a), ("b", &b)]).await, first);
 
-    let (killed, survivor, survivor_id) =
-        if first == "a" { (&mut a, &b, "b") } else { (&mut b, &a, "a") };
+    let (killed, survivor, survivor_id) = if first == "a" {
+        (&mut a, &b, "b")
+    } else {
+        (&mut b, &a, "a")
+    };
     killed.sigkill();
     // The survivor takes over once the killed holder's lease has gone unrenewed for a duration.
     let next = one_leader(&lease, &[(survivor_id, survivor)]).await;
     assert_eq!(next, survivor_id);
     let leases: Api<Lease> = Api::namespaced(shared().client().await, "default");
     let spec = leases.get(&lease).await.unwrap().spec.unwrap();
-    assert_eq!(spec.lease_transitions, Some(1), "one hand-over from the first holder");
+    assert_eq!(
+        spec.lease_transitions,
+        Some(1),
+        "one hand-over from the first holder"
+    );
 }
 
 #[tokio::test]
@@ -91,7 +112,11 @@ async fn sigterm_releases_the_lease_and_the_standby_takes_over_before_expiry() {
     rs[li].1.sigterm();
     let code = rs[li].1.wait_exit(Duration::from_secs(30));
     assert_eq!(code, Some(0), "clean exit on SIGTERM:\n{}", rs[li].1.log_text());
-    assert!(rs[li].1.log_text().contains("released leadership"), "{}", rs[li].1.log_text());
+    assert!(
+        rs[li].1.log_text().contains("released leadership"),
+        "{}",
+        rs[li].1.log_text()
+    );
     let next = one_leader(&lease, &[(rs[si].0, &rs[si].1)]).await;
     assert_eq!(next, rs[si].0);
 }
@@ -104,23 +129,42 @@ async fn metrics_parse_as_prometheus_text_and_health_answers() {
     let m = r.metrics().unwrap();
     assert_eq!(m.value("stowage_leader"), Some(1.0));
     assert_eq!(m.value("stowage_build_info"), Some(1.0));
-    assert!(m.value("process_resident_memory_bytes").unwrap_or(0.0) > 0.0, "process metrics");
+    assert!(
+        m.value("process_resident_memory_bytes").unwrap_or(0.0) > 0.0,
+        "process metrics"
+    );
     assert_eq!(r.get("/healthz").unwrap(), (200, "ok".into()));
     assert_eq!(r.get("/readyz").unwrap(), (200, "ok".into()));
 }
 
 fn run_to_exit(args: &[&str]) -> (Option<i32>, String) {
-    let out = std::process::Command::new(BIN).args(args).arg("--metrics-bind-address=127.0.0.1:0").output().unwrap();
-    (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned())
+    let out = std::process::Command::new(BIN)
+        .args(args)
+        .arg("--metrics-bind-address=127.0.0.1:0")
+        .output()
+        .unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
 }
 
 #[test]
 fn missing_kubeconfig_is_one_clear_line_and_exit_1() {
     let (code, err) = run_to_exit(&["--kubeconfig=/nonexistent/kubeconfig"]);
     assert_eq!(code, Some(1));
-    assert!(err.contains("cannot read kubeconfig /nonexistent/kubeconfig"), "{err}");
+    assert!(
+        err.contains("cannot read kubeconfig /nonexistent/kubeconfig"),
+        "{err}"
+    );
     assert!(!err.contains("panicked"), "{err}");
-    assert_eq!(err.lines().filter(|l| l.starts_with("stowage-controller:")).count(), 1, "{err}");
+    assert_eq!(
+        err.lines()
+            .filter(|l| l.starts_with("stowage-controller:"))
+            .count(),
+        1,
+        "{err}"
+    );
 }
 
 #[test]

@@ -1,0 +1,826 @@
+//! The binding state machine, as pure functions: given the controller's cache and a view of
+//! classes and nodes, `sync_claim` and `sync_volume` return the actions that move one object
+//! toward its desired state. No I/O, no clock. The executor (`crate::exec`) carries them out.
+//!
+//! The decisions follow upstream's persistentvolume-binder (syncClaim/syncVolume) step by step;
+//! where stowage deliberately differs it says so (see docs/binder.md).
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+use k8s_openapi::api::core::v1::{ObjectReference, PersistentVolume, PersistentVolumeClaim};
+use k8s_openapi::api::storage::v1::StorageClass;
+use kube::ResourceExt;
+use stowage_common::informer::is_newer;
+
+use crate::index::VolumeIndex;
+use crate::objects::*;
+use crate::selector;
+
+/// The controller's own view: the newest version it has seen or written of every PV and claim,
+/// the index over the PVs, and volumes promised to claims whose bind is in flight.
+#[derive(Debug, Default, Clone)]
+pub struct Cache {
+    pub pvs: HashMap<String, Arc<PersistentVolume>>,
+    pub claims: HashMap<String, Arc<PersistentVolumeClaim>>,
+    pub index: VolumeIndex,
+    /// PV name → claim key holding it for an in-flight bind.
+    pub reserved: HashMap<String, String>,
+}
+
+impl Cache {
+    /// Stores `pv` unless the cache already has a newer version (upstream's storeObjectUpdate:
+    /// an equal version passes, so resyncs are processed). Returns whether it was stored.
+    pub fn put_pv(&mut self, pv: Arc<PersistentVolume>) -> bool {
+        let name = pv.name_any();
+        if let Some(old) = self.pvs.get(&name) {
+            if old.metadata.uid == pv.metadata.uid
+                && is_newer(
+                    old.resource_version().as_deref(),
+                    pv.resource_version().as_deref(),
+                )
+            {
+                return false;
+            }
+        }
+        self.index.upsert(&pv);
+        self.pvs.insert(name, pv);
+        true
+    }
+
+    pub fn put_claim(&mut self, c: Arc<PersistentVolumeClaim>) -> bool {
+        let key = claim_key(&c);
+        if let Some(old) = self.claims.get(&key) {
+            if old.metadata.uid == c.metadata.uid
+                && is_newer(old.resource_version().as_deref(), c.resource_version().as_deref())
+            {
+                return false;
+            }
+        }
+        self.claims.insert(key, c);
+        true
+    }
+
+    pub fn remove_pv(&mut self, name: &str) -> Option<Arc<PersistentVolume>> {
+        self.index.remove(name);
+        self.pvs.remove(name)
+    }
+
+    pub fn remove_claim(&mut self, key: &str) -> Option<Arc<PersistentVolumeClaim>> {
+        self.claims.remove(key)
+    }
+
+    fn reserved_for_other(&self, pv: &str, claim: &str) -> bool {
+        self.reserved.get(pv).is_some_and(|c| c != claim)
+    }
+}
+
+/// What the state machine reads besides PVs and claims.
+pub struct Env<'a> {
+    pub class: &'a dyn Fn(&str) -> Option<Arc<StorageClass>>,
+    /// Name of the default StorageClass, if exactly one is marked default (newest wins, as upstream).
+    pub default_class: Option<String>,
+    /// Labels of a node, when it exists.
+    pub node_labels: &'a dyn Fn(&str) -> Option<BTreeMap<String, String>>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Target {
+    Claim(String),
+    Volume(String),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Event {
+    pub target: Target,
+    pub warning: bool,
+    pub reason: &'static str,
+    pub note: String,
+}
+
+/// One step toward the desired state. Writes are computed again by the executor from the newest
+/// objects (see the `bound_*` functions), so an action names objects rather than carrying them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Action {
+    /// The four writes of a bind, in upstream's order: PV claimRef, PV status, claim volumeName,
+    /// claim status; each skipped when already done.
+    Bind {
+        pv: String,
+        claim: String,
+    },
+    /// Claim phase Pending (status access modes and capacity cleared) or Lost.
+    ClaimPhase {
+        claim: String,
+        phase: &'static str,
+    },
+    /// Volume phase with a message (empty unless it explains a failure).
+    VolumePhase {
+        pv: String,
+        phase: &'static str,
+        message: String,
+    },
+    /// Mark Released after confirming with a live read that the claim is really gone.
+    Release {
+        pv: String,
+    },
+    /// Clear the claimRef the controller wrote (or only its UID if a user pre-bound it).
+    Unbind {
+        pv: String,
+    },
+    /// Write both storage-provisioner annotations on the claim.
+    SetProvisioner {
+        claim: String,
+        provisioner: String,
+    },
+    /// Fill a class-less claim's class with the default class (retroactive default).
+    SetDefaultClass {
+        claim: String,
+        class: String,
+    },
+    /// Built-in driver: create the PV `pvc-<claim uid>` (image pending).
+    ProvisionLoop {
+        claim: String,
+        class: String,
+    },
+    /// Built-in driver: create the image of a PV created with the pending annotation.
+    CreateLoopImage {
+        pv: String,
+    },
+    /// Built-in driver: remove the image, then the finalizer, then the PV object.
+    DeleteLoopVolume {
+        pv: String,
+    },
+    /// Add or drop the built-in deleter's finalizer.
+    SetDeleterFinalizer {
+        pv: String,
+        present: bool,
+    },
+    /// Sync a claim soon (a PV changed in a way the claim must react to).
+    WakeClaim(String),
+    Event(Event),
+}
+
+fn ev(target: Target, warning: bool, reason: &'static str, note: impl Into<String>) -> Action {
+    Action::Event(Event {
+        target,
+        warning,
+        reason,
+        note: note.into(),
+    })
+}
+
+fn is_wffc(class: &StorageClass) -> bool {
+    class.volume_binding_mode.as_deref() == Some("WaitForFirstConsumer")
+}
+
+/// Why a volume cannot serve a claim, in words a user can act on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Mismatch {
+    BeingDeleted,
+    TooSmall { have: u128, want: u128 },
+    Class { have: String, want: String },
+    AccessModes { have: Vec<String>, want: Vec<String> },
+    VolumeMode,
+    Selector,
+    NodeAffinity { node: String },
+    AttributesClass { have: String, want: String },
+    Reserved,
+    ImagePending,
+}
+
+impl std::fmt::Display for Mismatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::BeingDeleted => write!(f, "it is being deleted"),
+            Self::TooSmall { have, want } => write!(f, "too small: {} < {}", human(*have), human(*want)),
+            Self::Class { have, want } => write!(f, "storage class {have:?}, claim wants {want:?}"),
+            Self::AccessModes { have, want } => {
+                write!(
+                    f,
+                    "access modes [{}] do not cover [{}]",
+                    have.join(","),
+                    want.join(",")
+                )
+            }
+            Self::VolumeMode => write!(f, "volumeMode differs"),
+            Self::Selector => write!(f, "labels do not match the claim's selector"),
+            Self::NodeAffinity { node } => write!(f, "node affinity excludes node {node:?}"),
+            Self::AttributesClass { have, want } => {
+                write!(f, "volume attributes class {have:?}, claim wants {want:?}")
+            }
+            Self::Reserved => write!(f, "being bound to another claim"),
+            Self::ImagePending => write!(f, "its image is still being created"),
+        }
+    }
+}
+
+/// Bytes in the largest binary unit not above them, for messages ("1Gi", "1.50Gi", "512").
+pub fn human(b: u128) -> String {
+    for (unit, shift) in [("Ti", 40u32), ("Gi", 30), ("Mi", 20), ("Ki", 10)] {
+        let base = 1u128 << shift;
+        if b >= base {
+            return if b % base == 0 {
+                format!("{}{unit}", b / base)
+            } else {
+                format!("{:.2}{unit}", b as f64 / base as f64)
+            };
+        }
+    }
+    b.to_string()
+}
+
+/// The checks of one candidate, in upstream's order. `node` is set when a node has been chosen
+/// for the claim (selected-node), to evaluate the volume's node affinity.
+pub fn check(
+    pv: &PersistentVolume,
+    claim: &PersistentVolumeClaim,
+    env: &Env,
+    node: Option<&str>,
+    check_class_and_selector: bool,
+) -> Result<(), Mismatch> {
+    if being_deleted(pv) {
+        return Err(Mismatch::BeingDeleted);
+    }
+    let want = claim_request(claim).unwrap_or(u128::MAX);
+    let have = pv_capacity(pv).unwrap_or(0);
+    if have < want {
+        return Err(Mismatch::TooSmall { have, want });
+    }
+    if pv_block(pv) != claim_block(claim) {
+        return Err(Mismatch::VolumeMode);
+    }
+    let (pm, cm) = (pv_modes(pv), claim_modes(claim));
+    if !pm.is_superset(&cm) {
+        return Err(Mismatch::AccessModes {
+            have: pm.into_iter().collect(),
+            want: cm.into_iter().collect(),
+        });
+    }
+    if check_class_and_selector {
+        let want_class = claim_class(claim).unwrap_or("");
+        if pv_class(pv) != want_class {
+            return Err(Mismatch::Class {
+                have: pv_class(pv).into(),
+                want: want_class.into(),
+            });
+        }
+        if let Some(sel) = claim.spec.as_ref().and_then(|s| s.selector.as_ref()) {
+            if !selector::labels_match(sel, pv.labels()) {
+                return Err(Mismatch::Selector);
+            }
+        }
+    }
+    if pv_vac(pv) != claim_vac(claim) {
+        return Err(Mismatch::AttributesClass {
+            have: pv_vac(pv).into(),
+            want: claim_vac(claim).into(),
+        });
+    }
+    if let (Some(node), Some(req)) = (
+        node,
+        pv.spec
+            .as_ref()
+            .and_then(|s| s.node_affinity.as_ref())
+            .and_then(|a| a.required.as_ref()),
+    ) {
+        let labels = (env.node_labels)(node).unwrap_or_default();
+        if !selector::node_matches(req, node, &labels) {
+            return Err(Mismatch::NodeAffinity { node: node.into() });
+        }
+    }
+    if has_ann(pv, ANN_IMAGE_PENDING) {
+        return Err(Mismatch::ImagePending);
+    }
+    Ok(())
+}
+
+/// Outcome of looking for a volume.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Found<'a> {
+    Volume(&'a PersistentVolume),
+    /// Nothing (yet); the claim waits for a consumer before taking an unnamed volume.
+    WaitForConsumer,
+    None,
+}
+
+/// The smallest volume that satisfies the claim: first a volume pre-bound to it, then, unless
+/// binding is delayed without a chosen node, the free volumes of its class through the index.
+pub fn find_best<'a>(claim: &PersistentVolumeClaim, cache: &'a Cache, env: &Env, delay: bool) -> Found<'a> {
+    let key = claim_key(claim);
+    let node = ann(claim, ANN_SELECTED_NODE);
+    let mut prebound: Vec<&PersistentVolume> = cache
+        .index
+        .prebound_to(&key)
+        .filter_map(|n| cache.pvs.get(n).map(Arc::as_ref))
+        .filter(|pv| refers_to(pv, claim) && !cache.reserved_for_other(&pv.name_any(), &key))
+        .filter(|pv| check(pv, claim, env, node, false).is_ok())
+        .collect();
+    prebound.sort_by_key(|pv| (pv_capacity(pv), pv.name_any()));
+    if let Some(pv) = prebound.first() {
+        return Found::Volume(pv);
+    }
+    if delay && node.is_none() {
+        return Found::WaitForConsumer;
+    }
+    let (Some(want), class) = (claim_request(claim), claim_class(claim).unwrap_or("")) else {
+        return Found::None;
+    };
+    for group in cache.index.groups(class, &claim_modes(claim), want) {
+        for (_, name) in group {
+            if cache.reserved_for_other(name, &key) {
+                continue;
+            }
+            let Some(pv) = cache.pvs.get(name) else { continue };
+            if check(pv, claim, env, node, true).is_ok() {
+                return Found::Volume(pv);
+            }
+        }
+    }
+    Found::None
+}
+
+/// Names the rule that ruled out the nearest free volumes of the claim's class (by size).
+pub fn explain(claim: &PersistentVolumeClaim, cache: &Cache, env: &Env) -> String {
+    let class = claim_class(claim).unwrap_or("");
+    let want = claim_request(claim).unwrap_or(0);
+    let node = ann(claim, ANN_SELECTED_NODE);
+    let mut near: Vec<(u128, String, Mismatch)> = Vec::new();
+    let mut total = 0usize;
+    for (_, size, name) in cache.index.free_in_class(class) {
+        total += 1;
+        let Some(pv) = cache.pvs.get(name) else { continue };
+        let why = if cache.reserved_for_other(name, &claim_key(claim)) {
+            Mismatch::Reserved
+        } else {
+            match check(pv, claim, env, node, true) {
+                Ok(()) => continue,
+                Err(m) => m,
+            }
+        };
+        near.push((size.abs_diff(want), name.to_string(), why));
+        // Bounded work: the nearest few are what a user needs.
+        if near.len() > 64 {
+            near.sort_by(|a, b| (a.0, &a.1).cmp(&(b.0, &b.1)));
+            near.truncate(3);
+        }
+    }
+    near.sort_by(|a, b| (a.0, &a.1).cmp(&(b.0, &b.1)));
+    near.truncate(3);
+    if total == 0 {
+        return format!("no available volumes in storage class {class:?}");
+    }
+    let parts: Vec<String> = near.iter().map(|(_, n, why)| format!("{n}: {why}")).collect();
+    format!(
+        "{total} available volume(s) in storage class {class:?}, none fits; nearest: {}",
+        parts.join("; ")
+    )
+}
+
+/// The claimRef a bind writes.
+pub fn reference_to(claim: &PersistentVolumeClaim) -> ObjectReference {
+    ObjectReference {
+        kind: Some("PersistentVolumeClaim".into()),
+        api_version: Some("v1".into()),
+        namespace: claim.namespace(),
+        name: Some(claim.name_any()),
+        uid: claim.metadata.uid.clone(),
+        resource_version: claim.resource_version(),
+        field_path: None,
+    }
+}
+
+fn ref_is_exact(pv: &PersistentVolume, claim: &PersistentVolumeClaim) -> bool {
+    claim_ref(pv).is_some_and(|(ns, name, uid)| {
+        ns == claim.namespace().unwrap_or_default()
+            && name == claim.name_any()
+            && Some(uid) == claim.metadata.uid.as_deref()
+    })
+}
+
+/// Bind step 1: the PV with claimRef pointing exactly at the claim, or `None` if it already does.
+pub fn bound_pv_spec(pv: &PersistentVolume, claim: &PersistentVolumeClaim) -> Option<PersistentVolume> {
+    if ref_is_exact(pv, claim) {
+        return None;
+    }
+    let mut out = pv.clone();
+    // A user who pre-bound the PV to this claim by name keeps ownership of the binding.
+    if !refers_to(pv, claim) {
+        out.annotations_mut()
+            .insert(ANN_BOUND_BY_CONTROLLER.into(), "yes".into());
+    }
+    out.spec.get_or_insert_with(Default::default).claim_ref = Some(reference_to(claim));
+    Some(out)
+}
+
+/// Bind step 2: PV phase Bound.
+pub fn bound_pv_status(pv: &PersistentVolume) -> Option<PersistentVolume> {
+    (pv_phase(pv) != "Bound").then(|| with_pv_phase(pv, "Bound", ""))
+}
+
+pub fn with_pv_phase(pv: &PersistentVolume, phase: &str, message: &str) -> PersistentVolume {
+    let mut out = pv.clone();
+    let st = out.status.get_or_insert_with(Default::default);
+    st.phase = Some(phase.into());
+    st.message = (!message.is_empty()).then(|| message.into());
+    out
+}
+
+/// Bind step 3: the claim naming the volume, with bind-completed.
+pub fn bound_claim_spec(claim: &PersistentVolumeClaim, pv: &str) -> Option<PersistentVolumeClaim> {
+    let needs_name = claim_volume_name(claim) != pv;
+    if !needs_name && has_ann(claim, ANN_BIND_COMPLETED) {
+        return None;
+    }
+    let mut out = claim.clone();
+    if needs_name {
+        out.spec.get_or_insert_with(Default::default).volume_name = Some(pv.into());
+        out.annotations_mut()
+            .insert(ANN_BOUND_BY_CONTROLLER.into(), "yes".into());
+    }
+    out.annotations_mut()
+        .insert(ANN_BIND_COMPLETED.into(), "yes".into());
+    Some(out)
+}
+
+/// Bind step 4: claim phase Bound with the volume's access modes; capacity only on the change to
+/// Bound (a later difference may be a file system not yet grown, which expansion owns).
+pub fn bound_claim_status(
+    claim: &PersistentVolumeClaim,
+    pv: &PersistentVolume,
+) -> Option<PersistentVolumeClaim> {
+    let st = claim.status.clone().unwrap_or_default();
+    let modes = pv.spec.as_ref().and_then(|s| s.access_modes.clone());
+    let becoming_bound = st.phase.as_deref() != Some("Bound");
+    if !becoming_bound && st.access_modes == modes {
+        return None;
+    }
+    let mut out = claim.clone();
+    let s = out.status.get_or_insert_with(Default::default);
+    s.phase = Some("Bound".into());
+    s.access_modes = modes;
+    if becoming_bound {
+        let mut cap = pv
+            .spec
+            .as_ref()
+            .and_then(|s| s.capacity.clone())
+            .unwrap_or_default();
+        if let Some(pre) = ann(pv, ANN_PRE_RESIZE_CAPACITY) {
+            cap.insert(
+                "storage".into(),
+                k8s_openapi::apimachinery::pkg::api::resource::Quantity(pre.into()),
+            );
+        }
+        s.capacity = Some(cap);
+    }
+    Some(out)
+}
+
+/// Whether any of the four bind writes is still needed.
+pub fn bind_needed(pv: &PersistentVolume, claim: &PersistentVolumeClaim) -> bool {
+    bound_pv_spec(pv, claim).is_some()
+        || bound_pv_status(pv).is_some()
+        || bound_claim_spec(claim, &pv.name_any()).is_some()
+        || bound_claim_status(claim, pv).is_some()
+}
+
+/// Claim status for Pending/Lost: phase set, bound-only fields cleared for Pending (upstream).
+pub fn with_claim_phase(claim: &PersistentVolumeClaim, phase: &str) -> Option<PersistentVolumeClaim> {
+    let st = claim.status.clone().unwrap_or_default();
+    let clear = phase == "Pending";
+    let unchanged = st.phase.as_deref().unwrap_or("Pending") == phase
+        && (!clear || (st.access_modes.is_none() && st.capacity.is_none()));
+    if unchanged {
+        return None;
+    }
+    let mut out = claim.clone();
+    let s = out.status.get_or_insert_with(Default::default);
+    s.phase = Some(phase.into());
+    if clear {
+        s.access_modes = None;
+        s.capacity = None;
+    }
+    Some(out)
+}
+
+/// Undo the controller's binding of a PV: drop claimRef if the controller wrote it (and the
+/// bound-by-controller annotation), else keep the user's pre-binding and drop only the UID.
+pub fn unbound_pv(pv: &PersistentVolume) -> PersistentVolume {
+    let mut out = pv.clone();
+    let by_controller = has_ann(pv, ANN_BOUND_BY_CONTROLLER);
+    let spec = out.spec.get_or_insert_with(Default::default);
+    if by_controller {
+        spec.claim_ref = None;
+    } else if let Some(r) = spec.claim_ref.as_mut() {
+        r.uid = None;
+        r.resource_version = None;
+    }
+    if by_controller {
+        out.annotations_mut().remove(ANN_BOUND_BY_CONTROLLER);
+    }
+    out
+}
+
+fn claim_phase_action(claim: &PersistentVolumeClaim, phase: &'static str) -> Option<Action> {
+    with_claim_phase(claim, phase).map(|_| Action::ClaimPhase {
+        claim: claim_key(claim),
+        phase,
+    })
+}
+
+/// syncClaim: the actions that move one claim toward Bound (or report why it cannot).
+pub fn sync_claim(claim: &PersistentVolumeClaim, cache: &Cache, env: &Env) -> Vec<Action> {
+    let key = claim_key(claim);
+    let target = Target::Claim(key.clone());
+    let mut out = Vec::new();
+    let vol = claim_volume_name(claim);
+
+    if has_ann(claim, ANN_BIND_COMPLETED) {
+        // B: a claim that was bound.
+        let lost = |note: &str| {
+            let mut v: Vec<Action> = claim_phase_action(claim, "Lost").into_iter().collect();
+            if !v.is_empty() {
+                v.push(ev(target.clone(), true, "ClaimLost", note));
+            }
+            v
+        };
+        if vol.is_empty() {
+            return lost(
+                "Bound claim has lost reference to its PersistentVolume; data on the volume is lost!",
+            );
+        }
+        let Some(pv) = cache.pvs.get(vol) else {
+            return lost(&format!(
+                "Bound claim has lost its PersistentVolume {vol:?}; data on the volume is lost!"
+            ));
+        };
+        match claim_ref(pv) {
+            None => {}
+            Some((_, _, uid)) if Some(uid) == claim.metadata.uid.as_deref() => {}
+            Some(_) => {
+                let mut v: Vec<Action> = claim_phase_action(claim, "Lost").into_iter().collect();
+                if !v.is_empty() {
+                    v.push(ev(
+                        target,
+                        true,
+                        "ClaimMisbound",
+                        format!("Two claims are bound to volume {vol:?}; this one is bound incorrectly"),
+                    ));
+                }
+                return v;
+            }
+        }
+        if bind_needed(pv, claim) {
+            out.push(Action::Bind {
+                pv: vol.into(),
+                claim: key,
+            });
+        }
+        return out;
+    }
+
+    if !vol.is_empty() {
+        // A2: the user asked for a volume by name.
+        let Some(pv) = cache.pvs.get(vol) else {
+            out.extend(claim_phase_action(claim, "Pending"));
+            out.push(ev(
+                target,
+                false,
+                "FailedBinding",
+                format!("waiting for volume {vol:?} to be created"),
+            ));
+            return out;
+        };
+        if claim_ref(pv).is_none() || refers_to(pv, claim) {
+            if cache.reserved_for_other(vol, &key) {
+                out.extend(claim_phase_action(claim, "Pending"));
+                return out;
+            }
+            // Selector and node affinity are not checked for volumes asked for by name (upstream).
+            if claim_ref(pv).is_none() {
+                if let Err(why) = check(pv, claim, env, None, true) {
+                    out.extend(claim_phase_action(claim, "Pending"));
+                    out.push(ev(
+                        target,
+                        true,
+                        "VolumeMismatch",
+                        format!("Cannot bind to requested volume {vol:?}: {why}"),
+                    ));
+                    return out;
+                }
+            }
+            if bind_needed(pv, claim) {
+                out.push(Action::Bind {
+                    pv: vol.into(),
+                    claim: key,
+                });
+            }
+            return out;
+        }
+        out.extend(claim_phase_action(claim, "Pending"));
+        out.push(ev(
+            target,
+            true,
+            "FailedBinding",
+            format!("volume {vol:?} already bound to a different claim."),
+        ));
+        return out;
+    }
+
+    // A1: any volume will do.
+    let class_name = claim_class(claim);
+    let class = class_name.filter(|c| !c.is_empty()).and_then(|c| (env.class)(c));
+    let delay = class.as_deref().is_some_and(is_wffc);
+    match find_best(claim, cache, env, delay) {
+        Found::Volume(pv) => {
+            out.push(Action::Bind {
+                pv: pv.name_any(),
+                claim: key,
+            });
+            return out;
+        }
+        Found::WaitForConsumer => {
+            out.extend(claim_phase_action(claim, "Pending"));
+            out.push(ev(
+                target,
+                false,
+                "WaitForFirstConsumer",
+                "waiting for first consumer to be created before binding",
+            ));
+            return out;
+        }
+        Found::None => {}
+    }
+    if class_name.is_none() {
+        if let Some(default) = &env.default_class {
+            out.push(Action::SetDefaultClass {
+                claim: key,
+                class: default.clone(),
+            });
+            return out;
+        }
+    }
+    out.extend(claim_phase_action(claim, "Pending"));
+    match (class_name.filter(|c| !c.is_empty()), class) {
+        (Some(name), None) => out.push(ev(
+            target,
+            true,
+            "ProvisioningFailed",
+            format!("storageclass.storage.k8s.io {name:?} not found; create it or change the claim's class"),
+        )),
+        (Some(name), Some(class)) => {
+            let prov = class.provisioner.as_str();
+            if ann(claim, ANN_STORAGE_PROVISIONER) != Some(prov)
+                || ann(claim, ANN_BETA_STORAGE_PROVISIONER) != Some(prov)
+            {
+                out.push(Action::SetProvisioner {
+                    claim: key.clone(),
+                    provisioner: prov.into(),
+                });
+            }
+            if prov == LOOP_DRIVER {
+                out.push(Action::ProvisionLoop {
+                    claim: key,
+                    class: name.into(),
+                });
+            } else {
+                out.push(ev(
+                    target,
+                    false,
+                    "ExternalProvisioning",
+                    format!("Waiting for a volume to be created either by the external provisioner '{prov}' or manually by the system administrator. If volume creation is delayed, please verify that the provisioner is running and correctly registered."),
+                ));
+            }
+        }
+        _ => out.push(ev(
+            target,
+            false,
+            "FailedBinding",
+            format!(
+                "no persistent volumes available for this claim and no storage class is set ({})",
+                explain(claim, cache, env)
+            ),
+        )),
+    }
+    out
+}
+
+/// syncVolume: the actions that keep one PV's phase and reclaim in line with its claim.
+pub fn sync_volume(pv: &PersistentVolume, cache: &Cache, _env: &Env) -> Vec<Action> {
+    let name = pv.name_any();
+    let mut out = Vec::new();
+    let ours = csi_driver(pv) == Some(LOOP_DRIVER);
+    if ours {
+        let want = reclaim_policy(pv) == "Delete";
+        let has = pv.finalizers().iter().any(|f| f == FINALIZER_LOOP_DELETER);
+        if want != has && !(want && being_deleted(pv)) {
+            out.push(Action::SetDeleterFinalizer {
+                pv: name.clone(),
+                present: want,
+            });
+        }
+        if has_ann(pv, ANN_IMAGE_PENDING) {
+            out.push(Action::CreateLoopImage { pv: name });
+            return out;
+        }
+    }
+    let phase = pv_phase(pv);
+    let set_phase = |p: &'static str| {
+        (phase != p).then(|| Action::VolumePhase {
+            pv: name.clone(),
+            phase: p,
+            message: String::new(),
+        })
+    };
+    let Some((ns, cname, uid)) = claim_ref(pv) else {
+        out.extend(set_phase("Available"));
+        return out;
+    };
+    if uid.is_empty() {
+        out.extend(set_phase("Available"));
+        return out;
+    }
+    let key = format!("{ns}/{cname}");
+    let claim = cache
+        .claims
+        .get(&key)
+        .filter(|c| c.metadata.uid.as_deref() == Some(uid));
+    let Some(claim) = claim else {
+        if phase != "Released" && phase != "Failed" {
+            out.push(Action::Release { pv: name });
+            return out;
+        }
+        out.extend(reclaim(pv));
+        return out;
+    };
+    let vol = claim_volume_name(claim);
+    if vol.is_empty() {
+        if pv_block(pv) != claim_block(claim) {
+            let note = format!("Cannot bind PersistentVolume {name:?} to claim {key:?}: volumeMode differs");
+            out.push(ev(
+                Target::Volume(name.clone()),
+                true,
+                "VolumeMismatch",
+                note.clone(),
+            ));
+            out.push(ev(Target::Claim(key), true, "VolumeMismatch", note));
+        } else {
+            out.push(Action::WakeClaim(key));
+        }
+        return out;
+    }
+    if vol == name {
+        out.extend(set_phase("Bound"));
+        return out;
+    }
+    // The claim is bound to another volume.
+    if has_ann(pv, ANN_PROVISIONED_BY) && reclaim_policy(pv) == "Delete" {
+        if phase != "Released" && phase != "Failed" {
+            out.push(Action::VolumePhase {
+                pv: name,
+                phase: "Released",
+                message: String::new(),
+            });
+            return out;
+        }
+        out.extend(reclaim(pv));
+        return out;
+    }
+    out.push(Action::Unbind { pv: name });
+    out
+}
+
+/// reclaimVolume for a Released (or Failed) volume.
+fn reclaim(pv: &PersistentVolume) -> Vec<Action> {
+    let name = pv.name_any();
+    match reclaim_policy(pv) {
+        "Retain" => vec![],
+        "Delete" if csi_driver(pv) == Some(LOOP_DRIVER) => vec![Action::DeleteLoopVolume { pv: name }],
+        // Other drivers' volumes are deleted by their external provisioner.
+        "Delete" => vec![],
+        "Recycle" => failed(
+            pv,
+            "VolumeFailedRecycle",
+            "recycling is not supported (the Recycle policy is deprecated upstream); delete and re-create the volume, or set the policy to Retain or Delete",
+        ),
+        other => failed(
+            pv,
+            "VolumeUnknownReclaimPolicy",
+            &format!("volume has unrecognized PersistentVolumeReclaimPolicy {other:?}"),
+        ),
+    }
+}
+
+fn failed(pv: &PersistentVolume, reason: &'static str, msg: &str) -> Vec<Action> {
+    if pv_phase(pv) == "Failed" {
+        return vec![];
+    }
+    let name = pv.name_any();
+    vec![
+        Action::VolumePhase {
+            pv: name.clone(),
+            phase: "Failed",
+            message: msg.into(),
+        },
+        ev(Target::Volume(name), true, reason, msg),
+    ]
+}

@@ -1,0 +1,984 @@
+//! The thin async layer. One task owns the cache and the queue and makes every decision serially
+//! (so matching can never hand one volume to two claims); the writes of different objects run
+//! concurrently, each object's writes in order, and their results come back to that task, which
+//! keeps the newest objects it has seen or written.
+
+use std::collections::{HashMap, HashSet};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::{ObjectReference, PersistentVolume, PersistentVolumeClaim};
+use k8s_openapi::api::storage::v1::StorageClass;
+use kube::api::{DeleteParams, PostParams};
+use kube::runtime::reflector::ObjectRef;
+use kube::{Api, Client, ResourceExt};
+use stowage_common::cluster::Cluster;
+use stowage_common::events::Events;
+use stowage_common::informer::Change;
+use tokio::sync::{Semaphore, broadcast, mpsc};
+use tokio::time::Instant;
+
+use crate::core::{self, Action, Cache, Env, Event, Target};
+use crate::loopdev;
+use crate::metrics::Metrics;
+use crate::objects::*;
+use crate::queue::WorkQueue;
+
+/// Binder settings.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Full resync period (upstream's --pvclaimbinder-sync-period).
+    pub resync: Duration,
+    /// Where the built-in driver keeps its images.
+    pub image_dir: PathBuf,
+    /// Objects whose writes may be in flight at once.
+    pub max_in_flight: usize,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            resync: Duration::from_secs(15),
+            image_dir: PathBuf::from("/var/lib/stowage/images"),
+            max_in_flight: 64,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Key {
+    Claim(String),
+    Volume(String),
+}
+
+impl Key {
+    fn kind(&self) -> &'static str {
+        match self {
+            Key::Claim(_) => "claim",
+            Key::Volume(_) => "volume",
+        }
+    }
+}
+
+/// What a batch of writes reports back.
+struct Done {
+    key: Key,
+    reserved: Option<String>,
+    pvs: Vec<PersistentVolume>,
+    claims: Vec<PersistentVolumeClaim>,
+    /// Objects the batch deleted.
+    deleted_pvs: Vec<String>,
+    wake: Vec<Key>,
+    error: Option<(&'static str, String)>,
+}
+
+#[derive(Debug, thiserror::Error)]
+enum WriteError {
+    #[error("conflict: the object changed since it was read")]
+    Conflict,
+    #[error("{0}")]
+    Api(#[from] kube::Error),
+    #[error("{0}")]
+    Image(#[from] loopdev::ImageError),
+    #[error("claim {0} still exists; not releasing its volume")]
+    ClaimStillThere(String),
+}
+
+impl WriteError {
+    /// A stable category, used as metric label.
+    fn category(&self) -> &'static str {
+        match self {
+            WriteError::Conflict => "Conflict",
+            WriteError::Api(_) => "ApiError",
+            WriteError::Image(_) => "ImageError",
+            WriteError::ClaimStillThere(_) => "StaleCache",
+        }
+    }
+}
+
+fn api_err(e: kube::Error) -> WriteError {
+    match &e {
+        kube::Error::Api(s) if s.code == 409 => WriteError::Conflict,
+        _ => WriteError::Api(e),
+    }
+}
+
+fn not_found(e: &kube::Error) -> bool {
+    matches!(e, kube::Error::Api(s) if s.code == 404)
+}
+
+/// Everything a write task needs; cheap to clone.
+#[derive(Clone)]
+struct Writer {
+    client: Client,
+    pvs: Api<PersistentVolume>,
+    events: Events,
+    metrics: Metrics,
+    image_dir: PathBuf,
+}
+
+/// The single decision task's state.
+struct Brain {
+    cache: Cache,
+    queue: WorkQueue<Key>,
+    in_flight: HashSet<Key>,
+    /// Keys that changed while their writes were in flight: synced again when those finish.
+    dirty: HashSet<Key>,
+    /// Last event per object, so a condition that persists is reported once, not every resync.
+    last_event: HashMap<Target, (&'static str, String)>,
+    cluster: Arc<Cluster>,
+    writer: Writer,
+    permits: Arc<Semaphore>,
+    done_tx: mpsc::UnboundedSender<Done>,
+}
+
+pub async fn run(cluster: Arc<Cluster>, metrics: Metrics, config: Config) -> anyhow::Result<()> {
+    metrics.attach(cluster.pvs.store().clone(), cluster.pvcs.store().clone());
+    // Subscribe before reading the stores so nothing falls between the two.
+    let mut pv_feed = cluster.pvs.subscribe();
+    let mut pvc_feed = cluster.pvcs.subscribe();
+    let mut class_feed = cluster.classes.subscribe();
+    let (done_tx, mut done_rx) = mpsc::unbounded_channel();
+    let client = cluster.client.clone();
+    let mut brain = Brain {
+        cache: Cache::default(),
+        queue: WorkQueue::default(),
+        in_flight: HashSet::new(),
+        dirty: HashSet::new(),
+        last_event: HashMap::new(),
+        writer: Writer {
+            pvs: Api::all(client.clone()),
+            events: Events::new(client.clone(), "stowage-binder"),
+            client,
+            metrics,
+            image_dir: config.image_dir.clone(),
+        },
+        cluster,
+        permits: Arc::new(Semaphore::new(config.max_in_flight.max(1))),
+        done_tx,
+    };
+    brain.resync();
+    let mut resync = tokio::time::interval_at(Instant::now() + config.resync, config.resync);
+    loop {
+        brain.writer.metrics.queue_depth.set(brain.queue.len() as i64);
+        let next_due = brain.queue.next_due();
+        tokio::select! {
+            biased;
+            Some(done) = done_rx.recv() => brain.finish(done),
+            r = pv_feed.recv() => match r {
+                Ok(Change::Applied(pv)) => brain.pv_seen(pv),
+                Ok(Change::Deleted(pv)) => brain.pv_gone(&pv),
+                Ok(Change::Resynced) | Err(broadcast::error::RecvError::Lagged(_)) => brain.resync(),
+                Err(broadcast::error::RecvError::Closed) => anyhow::bail!("volume watch ended"),
+            },
+            r = pvc_feed.recv() => match r {
+                Ok(Change::Applied(c)) => brain.claim_seen(c),
+                Ok(Change::Deleted(c)) => brain.claim_gone(&c),
+                Ok(Change::Resynced) | Err(broadcast::error::RecvError::Lagged(_)) => brain.resync(),
+                Err(broadcast::error::RecvError::Closed) => anyhow::bail!("claim watch ended"),
+            },
+            r = class_feed.recv() => match r {
+                // A new or changed class can unblock claims waiting for it.
+                Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => brain.wake_pending_claims(),
+                Err(broadcast::error::RecvError::Closed) => anyhow::bail!("storage class watch ended"),
+            },
+            _ = resync.tick() => brain.resync(),
+            _ = std::future::ready(()), if brain.queue.has_ready() => brain.work(Instant::now()),
+            _ = tokio::time::sleep_until(next_due.unwrap_or_else(Instant::now)), if next_due.is_some() => {
+                brain.work(Instant::now())
+            }
+        }
+    }
+}
+
+impl Brain {
+    fn env_parts(&self) -> (Option<String>, kube::runtime::reflector::Store<StorageClass>) {
+        let classes = self.cluster.classes.store().clone();
+        // Several defaults: the newest wins, as upstream's GetDefaultClass.
+        let default = classes
+            .state()
+            .into_iter()
+            .filter(|c| {
+                [ANN_DEFAULT_CLASS, ANN_BETA_DEFAULT_CLASS]
+                    .iter()
+                    .any(|a| ann(c.as_ref(), a) == Some("true"))
+            })
+            .max_by(|a, b| {
+                (a.metadata.creation_timestamp.as_ref().map(|t| t.0), a.name_any())
+                    .cmp(&(b.metadata.creation_timestamp.as_ref().map(|t| t.0), b.name_any()))
+            })
+            .map(|c| c.name_any());
+        (default, classes)
+    }
+
+    /// Reloads the cache from the stores (keeping newer objects we wrote) and queues everything.
+    fn resync(&mut self) {
+        let pvs = self.cluster.pvs.store().state();
+        let claims = self.cluster.pvcs.store().state();
+        let live_pvs: HashSet<String> = pvs.iter().map(|p| p.name_any()).collect();
+        let live_claims: HashSet<String> = claims.iter().map(|c| claim_key(c)).collect();
+        // Objects deleted while a watch was down vanish from the store without an event.
+        let gone_pvs: Vec<String> = self
+            .cache
+            .pvs
+            .keys()
+            .filter(|k| !live_pvs.contains(*k))
+            .cloned()
+            .collect();
+        let gone_claims: Vec<String> = self
+            .cache
+            .claims
+            .keys()
+            .filter(|k| !live_claims.contains(*k))
+            .cloned()
+            .collect();
+        for name in gone_pvs {
+            if let Some(pv) = self.cache.remove_pv(&name) {
+                self.pv_gone(&pv);
+            }
+        }
+        for key in gone_claims {
+            if let Some(c) = self.cache.remove_claim(&key) {
+                self.claim_gone(&c);
+            }
+        }
+        for pv in pvs {
+            self.queue.add(Key::Volume(pv.name_any()));
+            self.cache.put_pv(pv);
+        }
+        for c in claims {
+            self.queue.add(Key::Claim(claim_key(&c)));
+            self.cache.put_claim(c);
+        }
+    }
+
+    fn pv_seen(&mut self, pv: Arc<PersistentVolume>) {
+        let name = pv.name_any();
+        let was_free = self.cache.pvs.get(&name).is_some_and(|old| is_free(old));
+        if self.cache.put_pv(pv.clone()) {
+            self.queue.add(Key::Volume(name));
+            // A volume that just became available may satisfy a waiting claim: wake the claims
+            // of its class now instead of at the next resync (upstream waits, kubernetes#71761).
+            if is_free(&pv) && !was_free {
+                self.wake_claims_of_class(pv_class(&pv).to_string());
+            }
+        }
+    }
+
+    fn pv_gone(&mut self, pv: &PersistentVolume) {
+        let name = pv.name_any();
+        self.cache.remove_pv(&name);
+        self.last_event.remove(&Target::Volume(name));
+        if let Some((ns, n, _)) = claim_ref(pv) {
+            self.queue.add(Key::Claim(format!("{ns}/{n}")));
+        }
+    }
+
+    fn claim_seen(&mut self, c: Arc<PersistentVolumeClaim>) {
+        let key = claim_key(&c);
+        if self.cache.put_claim(c) {
+            self.queue.add(Key::Claim(key));
+        }
+    }
+
+    fn claim_gone(&mut self, c: &PersistentVolumeClaim) {
+        let key = claim_key(c);
+        self.cache.remove_claim(&key);
+        self.last_event.remove(&Target::Claim(key.clone()));
+        let vol = claim_volume_name(c);
+        if !vol.is_empty() {
+            self.queue.add(Key::Volume(vol.to_string()));
+        }
+        // A claim that went away may have been waiting on a provisioned volume.
+        let prebound: Vec<String> = self.cache.index.prebound_to(&key).map(String::from).collect();
+        for pv in prebound {
+            self.queue.add(Key::Volume(pv));
+        }
+    }
+
+    fn wake_claims_of_class(&mut self, class: String) {
+        let keys: Vec<String> = self
+            .cache
+            .claims
+            .iter()
+            .filter(|(_, c)| {
+                !has_ann(c.as_ref(), ANN_BIND_COMPLETED) && claim_class(c).unwrap_or("") == class
+            })
+            .map(|(k, _)| k.clone())
+            .collect();
+        for k in keys {
+            self.queue.add(Key::Claim(k));
+        }
+    }
+
+    fn wake_pending_claims(&mut self) {
+        let keys: Vec<String> = self
+            .cache
+            .claims
+            .iter()
+            .filter(|(_, c)| !has_ann(c.as_ref(), ANN_BIND_COMPLETED))
+            .map(|(k, _)| k.clone())
+            .collect();
+        for k in keys {
+            self.queue.add(Key::Claim(k));
+        }
+    }
+
+    /// Takes ready keys (a bounded batch, so results and watch events are not starved).
+    fn work(&mut self, now: Instant) {
+        for _ in 0..256 {
+            let Some(key) = self.queue.pop(now) else { return };
+            self.sync(key);
+        }
+    }
+
+    fn sync(&mut self, key: Key) {
+        if self.in_flight.contains(&key) {
+            self.dirty.insert(key);
+            return;
+        }
+        // A volume being bound is synced after that bind's writes land.
+        if let Key::Volume(name) = &key {
+            if self.cache.reserved.contains_key(name) {
+                self.dirty.insert(key);
+                return;
+            }
+        }
+        let (default_class, classes) = self.env_parts();
+        let nodes = self.cluster.nodes.store().clone();
+        let class_fn = |name: &str| classes.get(&ObjectRef::new(name));
+        let node_fn = |name: &str| nodes.get(&ObjectRef::new(name)).map(|n| n.labels().clone());
+        let env = Env {
+            class: &class_fn,
+            default_class,
+            node_labels: &node_fn,
+        };
+        let timer = self
+            .writer
+            .metrics
+            .decide_seconds
+            .with_label_values(&[key.kind()])
+            .start_timer();
+        let actions = match &key {
+            Key::Claim(k) => match self.cache.claims.get(k) {
+                Some(c) => core::sync_claim(c, &self.cache, &env),
+                None => return,
+            },
+            Key::Volume(n) => match self.cache.pvs.get(n) {
+                Some(pv) => core::sync_volume(pv, &self.cache, &env),
+                None => return,
+            },
+        };
+        timer.observe_duration();
+        self.writer
+            .metrics
+            .reconciles
+            .with_label_values(&[key.kind()])
+            .inc();
+        self.execute(key, actions);
+    }
+
+    /// Handles the in-memory actions here and hands the API writes to a task of their own.
+    fn execute(&mut self, key: Key, actions: Vec<Action>) {
+        let mut writes = Vec::new();
+        for a in actions {
+            match a {
+                Action::WakeClaim(k) => self.queue.add(Key::Claim(k)),
+                Action::Event(e) => self.event(e),
+                other => writes.push(other),
+            }
+        }
+        if writes.is_empty() {
+            self.queue.forget(&key);
+            return;
+        }
+        // Claim to reserve, objects as the cache has them now.
+        let mut reserved = None;
+        for w in &writes {
+            if let Action::Bind { pv, claim } = w {
+                self.cache.reserved.insert(pv.clone(), claim.clone());
+                reserved = Some(pv.clone());
+            }
+        }
+        let mut snapshot = Snapshot::of(&self.cache, &writes);
+        for w in &writes {
+            if let Action::ProvisionLoop { class, .. } = w {
+                if let Some(sc) = self.cluster.classes.store().get(&ObjectRef::new(class)) {
+                    snapshot.classes.insert(class.clone(), sc);
+                }
+            }
+        }
+        self.in_flight.insert(key.clone());
+        self.writer.metrics.in_flight.set(self.in_flight.len() as i64);
+        let writer = self.writer.clone();
+        let permits = self.permits.clone();
+        let tx = self.done_tx.clone();
+        tokio::spawn(async move {
+            let _permit = permits.acquire_owned().await;
+            let timer = writer
+                .metrics
+                .write_seconds
+                .with_label_values(&[key.kind()])
+                .start_timer();
+            let mut done = Done {
+                key,
+                reserved,
+                pvs: vec![],
+                claims: vec![],
+                deleted_pvs: vec![],
+                wake: vec![],
+                error: None,
+            };
+            for w in writes {
+                if let Err(e) = writer.apply(&w, &snapshot, &mut done).await {
+                    done.error = Some((e.category(), e.to_string()));
+                    break;
+                }
+            }
+            timer.observe_duration();
+            // The receiver only goes away when the controller stops.
+            let _ = tx.send(done);
+        });
+    }
+
+    fn event(&mut self, e: Event) {
+        let key = (e.reason, e.note.clone());
+        if self.last_event.get(&e.target) == Some(&key) {
+            return;
+        }
+        let Some(reference) = self.reference(&e.target) else {
+            return;
+        };
+        self.last_event.insert(e.target.clone(), key);
+        let events = self.writer.events.clone();
+        tokio::spawn(async move {
+            if e.warning {
+                events.warning(&reference, e.reason, "Binding", e.note).await;
+            } else {
+                events.normal(&reference, e.reason, "Binding", e.note).await;
+            }
+        });
+    }
+
+    fn reference(&self, t: &Target) -> Option<ObjectReference> {
+        Some(match t {
+            Target::Claim(k) => {
+                let c = self.cache.claims.get(k)?;
+                ObjectReference {
+                    kind: Some("PersistentVolumeClaim".into()),
+                    api_version: Some("v1".into()),
+                    namespace: c.namespace(),
+                    name: Some(c.name_any()),
+                    uid: c.metadata.uid.clone(),
+                    ..Default::default()
+                }
+            }
+            Target::Volume(n) => {
+                let pv = self.cache.pvs.get(n)?;
+                ObjectReference {
+                    kind: Some("PersistentVolume".into()),
+                    api_version: Some("v1".into()),
+                    name: Some(pv.name_any()),
+                    uid: pv.metadata.uid.clone(),
+                    ..Default::default()
+                }
+            }
+        })
+    }
+
+    /// Takes a batch's results: newest objects into the cache, reservation released, and the
+    /// key requeued — at once if it changed meanwhile, with backoff if the batch failed.
+    fn finish(&mut self, done: Done) {
+        let now = Instant::now();
+        self.in_flight.remove(&done.key);
+        self.writer.metrics.in_flight.set(self.in_flight.len() as i64);
+        if let Some(pv) = &done.reserved {
+            self.cache.reserved.remove(pv);
+            if self.dirty.remove(&Key::Volume(pv.clone())) {
+                self.queue.add(Key::Volume(pv.clone()));
+            }
+        }
+        for name in &done.deleted_pvs {
+            if let Some(pv) = self.cache.remove_pv(name) {
+                self.pv_gone(&pv);
+            }
+        }
+        for pv in done.pvs {
+            self.pv_seen(Arc::new(pv));
+        }
+        for c in done.claims {
+            self.claim_seen(Arc::new(c));
+        }
+        for k in done.wake {
+            self.queue.add(k);
+        }
+        match done.error {
+            Some((category, msg)) => {
+                self.writer
+                    .metrics
+                    .errors
+                    .with_label_values(&[done.key.kind(), category])
+                    .inc();
+                let delay = self.queue.retry(done.key.clone(), now);
+                tracing::debug!(key = ?done.key, %msg, ?delay, "sync failed, retrying");
+                if category != "Conflict" {
+                    tracing::warn!(key = ?done.key, error = %msg, "binder write failed");
+                }
+                self.dirty.remove(&done.key);
+            }
+            None => {
+                self.queue.forget(&done.key);
+                if self.dirty.remove(&done.key) {
+                    self.queue.add(done.key);
+                }
+            }
+        }
+    }
+}
+
+/// A volume offered to any claim of its class.
+fn is_free(pv: &PersistentVolume) -> bool {
+    claim_ref(pv).is_none() && pv_phase(pv) == "Available" && !being_deleted(pv)
+}
+
+/// The objects the writes of one sync start from (as the cache had them).
+struct Snapshot {
+    pvs: HashMap<String, Arc<PersistentVolume>>,
+    claims: HashMap<String, Arc<PersistentVolumeClaim>>,
+    classes: HashMap<String, Arc<StorageClass>>,
+}
+
+impl Snapshot {
+    fn of(cache: &Cache, writes: &[Action]) -> Self {
+        let mut s = Snapshot {
+            pvs: HashMap::new(),
+            claims: HashMap::new(),
+            classes: HashMap::new(),
+        };
+        let mut pv = |n: &str| {
+            if let Some(p) = cache.pvs.get(n) {
+                s.pvs.insert(n.to_string(), p.clone());
+            }
+        };
+        let mut claim_names = Vec::new();
+        for w in writes {
+            match w {
+                Action::Bind { pv: p, claim } => {
+                    pv(p);
+                    claim_names.push(claim.clone());
+                }
+                Action::VolumePhase { pv: p, .. }
+                | Action::Release { pv: p }
+                | Action::Unbind { pv: p }
+                | Action::CreateLoopImage { pv: p }
+                | Action::DeleteLoopVolume { pv: p }
+                | Action::SetDeleterFinalizer { pv: p, .. } => pv(p),
+                Action::ClaimPhase { claim, .. }
+                | Action::SetProvisioner { claim, .. }
+                | Action::SetDefaultClass { claim, .. }
+                | Action::ProvisionLoop { claim, .. } => claim_names.push(claim.clone()),
+                Action::WakeClaim(_) | Action::Event(_) => {}
+            }
+        }
+        for c in claim_names {
+            if let Some(obj) = cache.claims.get(&c) {
+                // A provisioned volume that already exists makes provisioning a no-op.
+                if let Some(name) = loopdev::provisioned_name(obj) {
+                    if let Some(p) = cache.pvs.get(&name) {
+                        s.pvs.insert(name, p.clone());
+                    }
+                }
+                s.claims.insert(c, obj.clone());
+            }
+        }
+        s
+    }
+}
+
+impl Writer {
+    fn claims(&self, ns: &str) -> Api<PersistentVolumeClaim> {
+        Api::namespaced(self.client.clone(), ns)
+    }
+
+    fn count(&self, op: &str) {
+        self.metrics.writes.with_label_values(&[op]).inc();
+    }
+
+    /// The newest copy of a PV within this batch (an earlier write may have returned it).
+    fn pv(snap: &Snapshot, done: &Done, name: &str) -> Option<PersistentVolume> {
+        done.pvs
+            .iter()
+            .rev()
+            .find(|p| p.name_any() == name)
+            .cloned()
+            .or_else(|| snap.pvs.get(name).map(|p| (**p).clone()))
+    }
+
+    fn claim(snap: &Snapshot, done: &Done, key: &str) -> Option<PersistentVolumeClaim> {
+        done.claims
+            .iter()
+            .rev()
+            .find(|c| claim_key(c) == key)
+            .cloned()
+            .or_else(|| snap.claims.get(key).map(|c| (**c).clone()))
+    }
+
+    async fn replace_pv(&self, pv: &PersistentVolume, op: &str) -> Result<PersistentVolume, WriteError> {
+        self.count(op);
+        self.pvs
+            .replace(&pv.name_any(), &PostParams::default(), pv)
+            .await
+            .map_err(api_err)
+    }
+
+    async fn replace_pv_status(
+        &self,
+        pv: &PersistentVolume,
+        op: &str,
+    ) -> Result<PersistentVolume, WriteError> {
+        self.count(op);
+        self.pvs
+            .replace_status(&pv.name_any(), &PostParams::default(), pv)
+            .await
+            .map_err(api_err)
+    }
+
+    async fn replace_claim(
+        &self,
+        c: &PersistentVolumeClaim,
+        op: &str,
+    ) -> Result<PersistentVolumeClaim, WriteError> {
+        self.count(op);
+        self.claims(&c.namespace().unwrap_or_default())
+            .replace(&c.name_any(), &PostParams::default(), c)
+            .await
+            .map_err(api_err)
+    }
+
+    async fn replace_claim_status(
+        &self,
+        c: &PersistentVolumeClaim,
+        op: &str,
+    ) -> Result<PersistentVolumeClaim, WriteError> {
+        self.count(op);
+        self.claims(&c.namespace().unwrap_or_default())
+            .replace_status(&c.name_any(), &PostParams::default(), c)
+            .await
+            .map_err(api_err)
+    }
+
+    async fn event_on(&self, target: ObjectReference, warning: bool, reason: &str, note: String) {
+        if warning {
+            self.events.warning(&target, reason, "Provisioning", note).await;
+        } else {
+            self.events.normal(&target, reason, "Provisioning", note).await;
+        }
+    }
+
+    /// Whether the claim a volume points at still exists with the UID it names (a live read:
+    /// the cache may lag a claim just created by someone else, and what follows is destructive).
+    async fn claim_still_there(&self, pv: &PersistentVolume) -> Result<bool, WriteError> {
+        let Some((ns, name, uid)) = claim_ref(pv) else {
+            return Ok(false);
+        };
+        match self.claims(ns).get_opt(name).await? {
+            Some(c) => Ok(c.metadata.uid.as_deref() == Some(uid) && {
+                let vol = claim_volume_name(&c);
+                vol.is_empty() || vol == pv.name_any()
+            }),
+            None => Ok(false),
+        }
+    }
+
+    async fn apply(&self, action: &Action, snap: &Snapshot, done: &mut Done) -> Result<(), WriteError> {
+        match action {
+            Action::Bind { pv, claim } => {
+                let (Some(mut v), Some(mut c)) = (Self::pv(snap, done, pv), Self::claim(snap, done, claim))
+                else {
+                    return Ok(());
+                };
+                if let Some(next) = core::bound_pv_spec(&v, &c) {
+                    v = self.replace_pv(&next, "bind_volume").await?;
+                    done.pvs.push(v.clone());
+                }
+                if let Some(next) = core::bound_pv_status(&v) {
+                    v = self.replace_pv_status(&next, "bind_volume_status").await?;
+                    done.pvs.push(v.clone());
+                }
+                if let Some(next) = core::bound_claim_spec(&c, pv) {
+                    c = self.replace_claim(&next, "bind_claim").await?;
+                    done.claims.push(c.clone());
+                }
+                if let Some(next) = core::bound_claim_status(&c, &v) {
+                    let became_bound = claim_phase(&c) != "Bound";
+                    c = self.replace_claim_status(&next, "bind_claim_status").await?;
+                    if became_bound {
+                        if let Some(created) = c.metadata.creation_timestamp.as_ref() {
+                            let age = k8s_openapi::jiff::Timestamp::now().duration_since(created.0);
+                            self.metrics.bind_latency.observe(age.as_secs_f64().max(0.0));
+                        }
+                    }
+                    done.claims.push(c);
+                }
+            }
+            Action::ClaimPhase { claim, phase } => {
+                let Some(c) = Self::claim(snap, done, claim) else {
+                    return Ok(());
+                };
+                if let Some(next) = core::with_claim_phase(&c, phase) {
+                    done.claims
+                        .push(self.replace_claim_status(&next, "claim_phase").await?);
+                }
+            }
+            Action::VolumePhase { pv, phase, message } => {
+                let Some(v) = Self::pv(snap, done, pv) else {
+                    return Ok(());
+                };
+                done.pvs.push(
+                    self.replace_pv_status(&core::with_pv_phase(&v, phase, message), "volume_phase")
+                        .await?,
+                );
+            }
+            Action::Release { pv } => {
+                let Some(v) = Self::pv(snap, done, pv) else {
+                    return Ok(());
+                };
+                if self.claim_still_there(&v).await? {
+                    // Our cache had not seen the claim yet; sync both again.
+                    if let Some((ns, n, _)) = claim_ref(&v) {
+                        done.wake.push(Key::Claim(format!("{ns}/{n}")));
+                    }
+                    return Err(WriteError::ClaimStillThere(format!("{:?}", claim_ref(&v))));
+                }
+                let next = core::with_pv_phase(&v, "Released", "");
+                done.pvs
+                    .push(self.replace_pv_status(&next, "volume_phase").await?);
+                done.wake.push(Key::Volume(pv.clone()));
+            }
+            Action::Unbind { pv } => {
+                let Some(v) = Self::pv(snap, done, pv) else {
+                    return Ok(());
+                };
+                let v = self.replace_pv(&core::unbound_pv(&v), "unbind_volume").await?;
+                done.pvs.push(v.clone());
+                if pv_phase(&v) != "Available" {
+                    let next = core::with_pv_phase(&v, "Available", "");
+                    done.pvs
+                        .push(self.replace_pv_status(&next, "volume_phase").await?);
+                }
+            }
+            Action::SetProvisioner { claim, provisioner } => {
+                let Some(mut c) = Self::claim(snap, done, claim) else {
+                    return Ok(());
+                };
+                c.annotations_mut()
+                    .insert(ANN_STORAGE_PROVISIONER.into(), provisioner.clone());
+                c.annotations_mut()
+                    .insert(ANN_BETA_STORAGE_PROVISIONER.into(), provisioner.clone());
+                done.claims.push(self.replace_claim(&c, "set_provisioner").await?);
+            }
+            Action::SetDefaultClass { claim, class } => {
+                let Some(mut c) = Self::claim(snap, done, claim) else {
+                    return Ok(());
+                };
+                c.spec.get_or_insert_with(Default::default).storage_class_name = Some(class.clone());
+                done.claims
+                    .push(self.replace_claim(&c, "set_default_class").await?);
+            }
+            Action::ProvisionLoop { claim, class } => self.provision(snap, done, claim, class).await?,
+            Action::CreateLoopImage { pv } => self.create_image(snap, done, pv).await?,
+            Action::DeleteLoopVolume { pv } => self.delete_volume(snap, done, pv).await?,
+            Action::SetDeleterFinalizer { pv, present } => {
+                let Some(mut v) = Self::pv(snap, done, pv) else {
+                    return Ok(());
+                };
+                let fins = v.finalizers_mut();
+                fins.retain(|f| f != FINALIZER_LOOP_DELETER);
+                if *present {
+                    fins.push(FINALIZER_LOOP_DELETER.into());
+                }
+                done.pvs.push(self.replace_pv(&v, "deleter_finalizer").await?);
+            }
+            Action::WakeClaim(_) | Action::Event(_) => {}
+        }
+        Ok(())
+    }
+
+    async fn provision(
+        &self,
+        snap: &Snapshot,
+        done: &mut Done,
+        claim: &str,
+        class: &str,
+    ) -> Result<(), WriteError> {
+        let Some(c) = Self::claim(snap, done, claim) else {
+            return Ok(());
+        };
+        let Some(name) = loopdev::provisioned_name(&c) else {
+            return Ok(());
+        };
+        if snap.pvs.contains_key(&name) {
+            return Ok(()); // created already; its own sync creates the image
+        }
+        let Some(sc) = snap.classes.get(class) else {
+            return Ok(());
+        };
+        let Some(pv) = loopdev::provisioned_pv(&c, sc) else {
+            let note = "claim has no storage request; cannot provision".to_string();
+            self.event_on(claim_reference(&c), true, "ProvisioningFailed", note)
+                .await;
+            return Ok(());
+        };
+        self.count("provision_volume");
+        match self.pvs.create(&PostParams::default(), &pv).await {
+            Ok(created) => done.pvs.push(created),
+            // Idempotent by name: an earlier attempt created it.
+            Err(kube::Error::Api(s)) if s.code == 409 => {
+                if let Some(existing) = self.pvs.get_opt(&name).await? {
+                    done.pvs.push(existing);
+                }
+            }
+            Err(e) => {
+                self.metrics.provisioning.with_label_values(&["failed"]).inc();
+                let note = format!("failed to create volume {name}: {e}");
+                self.event_on(claim_reference(&c), true, "ProvisioningFailed", note)
+                    .await;
+                return Err(WriteError::Api(e));
+            }
+        }
+        Ok(())
+    }
+
+    async fn create_image(&self, snap: &Snapshot, done: &mut Done, pv: &str) -> Result<(), WriteError> {
+        let Some(mut v) = Self::pv(snap, done, pv) else {
+            return Ok(());
+        };
+        let claim_target = claim_ref(&v).map(|(ns, n, uid)| ObjectReference {
+            kind: Some("PersistentVolumeClaim".into()),
+            api_version: Some("v1".into()),
+            namespace: Some(ns.into()),
+            name: Some(n.into()),
+            uid: (!uid.is_empty()).then(|| uid.into()),
+            ..Default::default()
+        });
+        let handle = volume_handle(&v).unwrap_or_default().to_string();
+        let size = pv_capacity(&v).and_then(|b| u64::try_from(b).ok()).unwrap_or(0);
+        let dir = self.image_dir.clone();
+        let h = handle.clone();
+        let made = tokio::task::spawn_blocking(move || loopdev::ensure_image(&dir, &h, size))
+            .await
+            .unwrap_or_else(|e| {
+                Err(loopdev::ImageError::Io {
+                    path: PathBuf::new(),
+                    source: std::io::Error::other(e),
+                })
+            });
+        if let Err(e) = made {
+            self.metrics.provisioning.with_label_values(&["failed"]).inc();
+            if let Some(t) = claim_target {
+                self.event_on(
+                    t,
+                    true,
+                    "ProvisioningFailed",
+                    format!("cannot create the image of volume {pv}: {e}"),
+                )
+                .await;
+            }
+            return Err(e.into());
+        }
+        v.annotations_mut().remove(ANN_IMAGE_PENDING);
+        done.pvs.push(self.replace_pv(&v, "provision_image").await?);
+        self.metrics.provisioning.with_label_values(&["succeeded"]).inc();
+        if let Some(t) = claim_target {
+            let note = format!(
+                "Successfully provisioned volume {pv} ({} image {handle}.img)",
+                core::human(u128::from(size))
+            );
+            self.event_on(t.clone(), false, "ProvisioningSucceeded", note)
+                .await;
+            if let (Some(ns), Some(n)) = (t.namespace, t.name) {
+                done.wake.push(Key::Claim(format!("{ns}/{n}")));
+            }
+        }
+        Ok(())
+    }
+
+    async fn delete_volume(&self, snap: &Snapshot, done: &mut Done, pv: &str) -> Result<(), WriteError> {
+        let Some(mut v) = Self::pv(snap, done, pv) else {
+            return Ok(());
+        };
+        if self.claim_still_there(&v).await? {
+            return Err(WriteError::ClaimStillThere(format!("{:?}", claim_ref(&v))));
+        }
+        let handle = volume_handle(&v).unwrap_or_default().to_string();
+        let dir = self.image_dir.clone();
+        let removed = tokio::task::spawn_blocking(move || loopdev::remove_image(&dir, &handle))
+            .await
+            .unwrap_or_else(|e| {
+                Err(loopdev::ImageError::Io {
+                    path: PathBuf::new(),
+                    source: std::io::Error::other(e),
+                })
+            });
+        let reference = volume_reference(&v);
+        match removed {
+            Ok(true) => {}
+            Ok(false) => {
+                let note = format!("image of volume {pv} was already gone; deleting the volume object");
+                self.events
+                    .normal(&reference, "VolumeImageMissing", "Deleting", note)
+                    .await;
+            }
+            Err(e) => {
+                self.metrics.deletions.with_label_values(&["failed"]).inc();
+                let msg = format!("cannot delete the image of volume {pv}: {e}");
+                self.events
+                    .warning(&reference, "VolumeFailedDelete", "Deleting", msg.clone())
+                    .await;
+                if pv_phase(&v) != "Failed" {
+                    done.pvs.push(
+                        self.replace_pv_status(&core::with_pv_phase(&v, "Failed", &msg), "volume_phase")
+                            .await?,
+                    );
+                }
+                return Err(e.into());
+            }
+        }
+        if v.finalizers().iter().any(|f| f == FINALIZER_LOOP_DELETER) {
+            v.finalizers_mut().retain(|f| f != FINALIZER_LOOP_DELETER);
+            v = self.replace_pv(&v, "deleter_finalizer").await?;
+            done.pvs.push(v.clone());
+        }
+        self.count("delete_volume");
+        match self.pvs.delete(pv, &DeleteParams::default()).await {
+            Ok(_) => {}
+            Err(e) if not_found(&e) => {}
+            Err(e) => return Err(api_err(e)),
+        }
+        self.metrics.deletions.with_label_values(&["succeeded"]).inc();
+        // The object may linger behind other finalizers (pv-protection); the watch reports it.
+        Ok(())
+    }
+}
+
+fn claim_reference(c: &PersistentVolumeClaim) -> ObjectReference {
+    ObjectReference {
+        kind: Some("PersistentVolumeClaim".into()),
+        api_version: Some("v1".into()),
+        namespace: c.namespace(),
+        name: Some(c.name_any()),
+        uid: c.metadata.uid.clone(),
+        ..Default::default()
+    }
+}
+
+fn volume_reference(v: &PersistentVolume) -> ObjectReference {
+    ObjectReference {
+        kind: Some("PersistentVolume".into()),
+        api_version: Some("v1".into()),
+        name: Some(v.name_any()),
+        uid: v.metadata.uid.clone(),
+        ..Default::default()
+    }
+}

@@ -1,0 +1,17 @@
+//! The PV/PVC binder: upstream's persistentvolume-binder behaviour with a pure decision core
+//! (`core`), an ordered volume index (`index`), and an executor that writes concurrently with a
+//! per-volume reservation (`exec`). The built-in driver `loop.stowage.dev` is provisioned and
+//! deleted here (`loopdev`).
+
+pub mod core;
+pub mod exec;
+pub mod index;
+pub mod loopdev;
+pub mod metrics;
+pub mod objects;
+pub mod quantity;
+pub mod queue;
+pub mod selector;
+
+pub use exec::{Config, run};
+pub use metrics::Metrics;

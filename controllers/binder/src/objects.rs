@@ -1,0 +1,176 @@
+//! Reading PVs, claims and classes the way upstream reads them (beta annotations win, nil volume
+//! mode means Filesystem, …), in one place.
+
+use std::collections::BTreeSet;
+
+use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
+use kube::ResourceExt;
+
+use crate::quantity;
+
+pub const ANN_BIND_COMPLETED: &str = "pv.kubernetes.io/bind-completed";
+pub const ANN_BOUND_BY_CONTROLLER: &str = "pv.kubernetes.io/bound-by-controller";
+pub const ANN_PROVISIONED_BY: &str = "pv.kubernetes.io/provisioned-by";
+pub const ANN_STORAGE_PROVISIONER: &str = "volume.kubernetes.io/storage-provisioner";
+pub const ANN_BETA_STORAGE_PROVISIONER: &str = "volume.beta.kubernetes.io/storage-provisioner";
+pub const ANN_SELECTED_NODE: &str = "volume.kubernetes.io/selected-node";
+pub const ANN_BETA_CLASS: &str = "volume.beta.kubernetes.io/storage-class";
+pub const ANN_PRE_RESIZE_CAPACITY: &str = "volume.alpha.kubernetes.io/pre-resize-capacity";
+pub const ANN_DEFAULT_CLASS: &str = "storageclass.kubernetes.io/is-default-class";
+pub const ANN_BETA_DEFAULT_CLASS: &str = "storageclass.beta.kubernetes.io/is-default-class";
+/// The built-in driver's PV is created before its image exists; the matcher leaves it alone
+/// until the image is there, so no claim binds to a volume without storage.
+pub const ANN_IMAGE_PENDING: &str = "loop.stowage.dev/image-pending";
+/// Held on Delete-policy volumes of the built-in driver until their image is removed.
+pub const FINALIZER_LOOP_DELETER: &str = "loop.stowage.dev/deleter";
+
+/// The built-in driver.
+pub const LOOP_DRIVER: &str = "loop.stowage.dev";
+
+pub fn claim_key(c: &PersistentVolumeClaim) -> String {
+    format!("{}/{}", c.namespace().unwrap_or_default(), c.name_any())
+}
+
+pub fn has_ann<K: ResourceExt>(o: &K, key: &str) -> bool {
+    o.annotations().contains_key(key)
+}
+
+pub fn ann<'a, K: ResourceExt>(o: &'a K, key: &str) -> Option<&'a str> {
+    o.annotations().get(key).map(String::as_str)
+}
+
+/// A claim's class: the beta annotation wins over the field; `None` = no class asked for at all.
+pub fn claim_class(c: &PersistentVolumeClaim) -> Option<&str> {
+    ann(c, ANN_BETA_CLASS).or_else(|| c.spec.as_ref()?.storage_class_name.as_deref())
+}
+
+/// A volume's class, `""` when it has none.
+pub fn pv_class(pv: &PersistentVolume) -> &str {
+    ann(pv, ANN_BETA_CLASS)
+        .or_else(|| pv.spec.as_ref()?.storage_class_name.as_deref())
+        .unwrap_or("")
+}
+
+pub fn pv_phase(pv: &PersistentVolume) -> &str {
+    pv.status
+        .as_ref()
+        .and_then(|s| s.phase.as_deref())
+        .unwrap_or("Pending")
+}
+
+pub fn claim_phase(c: &PersistentVolumeClaim) -> &str {
+    c.status
+        .as_ref()
+        .and_then(|s| s.phase.as_deref())
+        .unwrap_or("Pending")
+}
+
+pub fn claim_volume_name(c: &PersistentVolumeClaim) -> &str {
+    c.spec
+        .as_ref()
+        .and_then(|s| s.volume_name.as_deref())
+        .unwrap_or("")
+}
+
+pub fn pv_modes(pv: &PersistentVolume) -> BTreeSet<String> {
+    pv.spec
+        .as_ref()
+        .and_then(|s| s.access_modes.clone())
+        .unwrap_or_default()
+        .into_iter()
+        .collect()
+}
+
+pub fn claim_modes(c: &PersistentVolumeClaim) -> BTreeSet<String> {
+    c.spec
+        .as_ref()
+        .and_then(|s| s.access_modes.clone())
+        .unwrap_or_default()
+        .into_iter()
+        .collect()
+}
+
+pub fn pv_block(pv: &PersistentVolume) -> bool {
+    pv.spec.as_ref().and_then(|s| s.volume_mode.as_deref()) == Some("Block")
+}
+
+pub fn claim_block(c: &PersistentVolumeClaim) -> bool {
+    c.spec.as_ref().and_then(|s| s.volume_mode.as_deref()) == Some("Block")
+}
+
+pub fn pv_capacity(pv: &PersistentVolume) -> Option<u128> {
+    pv.spec
+        .as_ref()?
+        .capacity
+        .as_ref()?
+        .get("storage")
+        .and_then(|q| quantity::bytes(&q.0))
+}
+
+/// The requested size; a claim without a request asks for 0 bytes.
+pub fn claim_request(c: &PersistentVolumeClaim) -> Option<u128> {
+    match c
+        .spec
+        .as_ref()
+        .and_then(|s| s.resources.as_ref())
+        .and_then(|r| r.requests.as_ref())
+    {
+        Some(r) => r.get("storage").map_or(Some(0), |q| quantity::bytes(&q.0)),
+        None => Some(0),
+    }
+}
+
+pub fn pv_vac(pv: &PersistentVolume) -> &str {
+    pv.spec
+        .as_ref()
+        .and_then(|s| s.volume_attributes_class_name.as_deref())
+        .unwrap_or("")
+}
+
+pub fn claim_vac(c: &PersistentVolumeClaim) -> &str {
+    c.spec
+        .as_ref()
+        .and_then(|s| s.volume_attributes_class_name.as_deref())
+        .unwrap_or("")
+}
+
+pub fn reclaim_policy(pv: &PersistentVolume) -> &str {
+    pv.spec
+        .as_ref()
+        .and_then(|s| s.persistent_volume_reclaim_policy.as_deref())
+        .unwrap_or("Retain")
+}
+
+pub fn csi_driver(pv: &PersistentVolume) -> Option<&str> {
+    pv.spec.as_ref()?.csi.as_ref().map(|c| c.driver.as_str())
+}
+
+pub fn volume_handle(pv: &PersistentVolume) -> Option<&str> {
+    pv.spec.as_ref()?.csi.as_ref().map(|c| c.volume_handle.as_str())
+}
+
+/// (namespace, name, uid) of the claim a PV points at.
+pub fn claim_ref(pv: &PersistentVolume) -> Option<(&str, &str, &str)> {
+    let r = pv.spec.as_ref()?.claim_ref.as_ref()?;
+    Some((
+        r.namespace.as_deref().unwrap_or(""),
+        r.name.as_deref().unwrap_or(""),
+        r.uid.as_deref().unwrap_or(""),
+    ))
+}
+
+/// Whether `pv.spec.claimRef` names `claim` (and, when the ref carries a UID, that UID).
+pub fn refers_to(pv: &PersistentVolume, claim: &PersistentVolumeClaim) -> bool {
+    match claim_ref(pv) {
+        Some((ns, name, uid)) => {
+            ns == claim.namespace().unwrap_or_default()
+                && name == claim.name_any()
+                && (uid.is_empty() || Some(uid) == claim.metadata.uid.as_deref())
+        }
+        None => false,
+    }
+}
+
+pub fn being_deleted<K: ResourceExt>(o: &K) -> bool {
+    o.meta().deletion_timestamp.is_some()
+}
