@@ -33,15 +33,14 @@ impl Cache {
     /// an equal version passes, so resyncs are processed). Returns whether it was stored.
     pub fn put_pv(&mut self, pv: Arc<PersistentVolume>) -> bool {
         let name = pv.name_any();
-        if let Some(old) = self.pvs.get(&name) {
-            if old.metadata.uid == pv.metadata.uid
-                && is_newer(
-                    old.resource_version().as_deref(),
-                    pv.resource_version().as_deref(),
-                )
-            {
-                return false;
-            }
+        if let Some(old) = self.pvs.get(&name)
+            && old.metadata.uid == pv.metadata.uid
+            && is_newer(
+                old.resource_version().as_deref(),
+                pv.resource_version().as_deref(),
+            )
+        {
+            return false;
         }
         self.index.upsert(&pv);
         self.pvs.insert(name, pv);
@@ -50,12 +49,11 @@ impl Cache {
 
     pub fn put_claim(&mut self, c: Arc<PersistentVolumeClaim>) -> bool {
         let key = claim_key(&c);
-        if let Some(old) = self.claims.get(&key) {
-            if old.metadata.uid == c.metadata.uid
-                && is_newer(old.resource_version().as_deref(), c.resource_version().as_deref())
-            {
-                return false;
-            }
+        if let Some(old) = self.claims.get(&key)
+            && old.metadata.uid == c.metadata.uid
+            && is_newer(old.resource_version().as_deref(), c.resource_version().as_deref())
+        {
+            return false;
         }
         self.claims.insert(key, c);
         true
@@ -219,7 +217,7 @@ pub fn human(b: u128) -> String {
     for (unit, shift) in [("Ti", 40u32), ("Gi", 30), ("Mi", 20), ("Ki", 10)] {
         let base = 1u128 << shift;
         if b >= base {
-            return if b % base == 0 {
+            return if b.is_multiple_of(base) {
                 format!("{}{unit}", b / base)
             } else {
                 format!("{:.2}{unit}", b as f64 / base as f64)
@@ -229,6 +227,17 @@ pub fn human(b: u128) -> String {
     b.to_string()
 }
 
+/// Which rules a candidate is held to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scope {
+    /// A volume pre-bound to the claim: size, modes, volume mode (and attributes class, node).
+    Prebound,
+    /// A volume the claim asked for by name (upstream's checkVolumeSatisfyClaim): adds the class.
+    Named,
+    /// Any free volume: adds the claim's label selector.
+    Any,
+}
+
 /// The checks of one candidate, in upstream's order. `node` is set when a node has been chosen
 /// for the claim (selected-node), to evaluate the volume's node affinity.
 pub fn check(
@@ -236,7 +245,7 @@ pub fn check(
     claim: &PersistentVolumeClaim,
     env: &Env,
     node: Option<&str>,
-    check_class_and_selector: bool,
+    scope: Scope,
 ) -> Result<(), Mismatch> {
     if being_deleted(pv) {
         return Err(Mismatch::BeingDeleted);
@@ -256,7 +265,7 @@ pub fn check(
             want: cm.into_iter().collect(),
         });
     }
-    if check_class_and_selector {
+    if scope != Scope::Prebound {
         let want_class = claim_class(claim).unwrap_or("");
         if pv_class(pv) != want_class {
             return Err(Mismatch::Class {
@@ -264,11 +273,12 @@ pub fn check(
                 want: want_class.into(),
             });
         }
-        if let Some(sel) = claim.spec.as_ref().and_then(|s| s.selector.as_ref()) {
-            if !selector::labels_match(sel, pv.labels()) {
-                return Err(Mismatch::Selector);
-            }
-        }
+    }
+    if scope == Scope::Any
+        && let Some(sel) = claim.spec.as_ref().and_then(|s| s.selector.as_ref())
+        && !selector::labels_match(sel, pv.labels())
+    {
+        return Err(Mismatch::Selector);
     }
     if pv_vac(pv) != claim_vac(claim) {
         return Err(Mismatch::AttributesClass {
@@ -313,7 +323,7 @@ pub fn find_best<'a>(claim: &PersistentVolumeClaim, cache: &'a Cache, env: &Env,
         .prebound_to(&key)
         .filter_map(|n| cache.pvs.get(n).map(Arc::as_ref))
         .filter(|pv| refers_to(pv, claim) && !cache.reserved_for_other(&pv.name_any(), &key))
-        .filter(|pv| check(pv, claim, env, node, false).is_ok())
+        .filter(|pv| check(pv, claim, env, node, Scope::Prebound).is_ok())
         .collect();
     prebound.sort_by_key(|pv| (pv_capacity(pv), pv.name_any()));
     if let Some(pv) = prebound.first() {
@@ -331,7 +341,7 @@ pub fn find_best<'a>(claim: &PersistentVolumeClaim, cache: &'a Cache, env: &Env,
                 continue;
             }
             let Some(pv) = cache.pvs.get(name) else { continue };
-            if check(pv, claim, env, node, true).is_ok() {
+            if check(pv, claim, env, node, Scope::Any).is_ok() {
                 return Found::Volume(pv);
             }
         }
@@ -352,7 +362,7 @@ pub fn explain(claim: &PersistentVolumeClaim, cache: &Cache, env: &Env) -> Strin
         let why = if cache.reserved_for_other(name, &claim_key(claim)) {
             Mismatch::Reserved
         } else {
-            match check(pv, claim, env, node, true) {
+            match check(pv, claim, env, node, Scope::Any) {
                 Ok(()) => continue,
                 Err(m) => m,
             }
@@ -596,17 +606,17 @@ pub fn sync_claim(claim: &PersistentVolumeClaim, cache: &Cache, env: &Env) -> Ve
                 return out;
             }
             // Selector and node affinity are not checked for volumes asked for by name (upstream).
-            if claim_ref(pv).is_none() {
-                if let Err(why) = check(pv, claim, env, None, true) {
-                    out.extend(claim_phase_action(claim, "Pending"));
-                    out.push(ev(
-                        target,
-                        true,
-                        "VolumeMismatch",
-                        format!("Cannot bind to requested volume {vol:?}: {why}"),
-                    ));
-                    return out;
-                }
+            if claim_ref(pv).is_none()
+                && let Err(why) = check(pv, claim, env, None, Scope::Named)
+            {
+                out.extend(claim_phase_action(claim, "Pending"));
+                out.push(ev(
+                    target,
+                    true,
+                    "VolumeMismatch",
+                    format!("Cannot bind to requested volume {vol:?}: {why}"),
+                ));
+                return out;
             }
             if bind_needed(pv, claim) {
                 out.push(Action::Bind {
@@ -650,14 +660,14 @@ pub fn sync_claim(claim: &PersistentVolumeClaim, cache: &Cache, env: &Env) -> Ve
         }
         Found::None => {}
     }
-    if class_name.is_none() {
-        if let Some(default) = &env.default_class {
-            out.push(Action::SetDefaultClass {
-                claim: key,
-                class: default.clone(),
-            });
-            return out;
-        }
+    if class_name.is_none()
+        && let Some(default) = &env.default_class
+    {
+        out.push(Action::SetDefaultClass {
+            claim: key,
+            class: default.clone(),
+        });
+        return out;
     }
     out.extend(claim_phase_action(claim, "Pending"));
     match (class_name.filter(|c| !c.is_empty()), class) {

@@ -339,11 +339,11 @@ impl Brain {
             return;
         }
         // A volume being bound is synced after that bind's writes land.
-        if let Key::Volume(name) = &key {
-            if self.cache.reserved.contains_key(name) {
-                self.dirty.insert(key);
-                return;
-            }
+        if let Key::Volume(name) = &key
+            && self.cache.reserved.contains_key(name)
+        {
+            self.dirty.insert(key);
+            return;
         }
         let (default_class, classes) = self.env_parts();
         let nodes = self.cluster.nodes.store().clone();
@@ -403,10 +403,10 @@ impl Brain {
         }
         let mut snapshot = Snapshot::of(&self.cache, &writes);
         for w in &writes {
-            if let Action::ProvisionLoop { class, .. } = w {
-                if let Some(sc) = self.cluster.classes.store().get(&ObjectRef::new(class)) {
-                    snapshot.classes.insert(class.clone(), sc);
-                }
+            if let Action::ProvisionLoop { class, .. } = w
+                && let Some(sc) = self.cluster.classes.store().get(&ObjectRef::new(class))
+            {
+                snapshot.classes.insert(class.clone(), sc);
             }
         }
         self.in_flight.insert(key.clone());
@@ -584,10 +584,10 @@ impl Snapshot {
         for c in claim_names {
             if let Some(obj) = cache.claims.get(&c) {
                 // A provisioned volume that already exists makes provisioning a no-op.
-                if let Some(name) = loopdev::provisioned_name(obj) {
-                    if let Some(p) = cache.pvs.get(&name) {
-                        s.pvs.insert(name, p.clone());
-                    }
+                if let Some(name) = loopdev::provisioned_name(obj)
+                    && let Some(p) = cache.pvs.get(&name)
+                {
+                    s.pvs.insert(name, p.clone());
                 }
                 s.claims.insert(c, obj.clone());
             }
@@ -713,11 +713,9 @@ impl Writer {
                 if let Some(next) = core::bound_claim_status(&c, &v) {
                     let became_bound = claim_phase(&c) != "Bound";
                     c = self.replace_claim_status(&next, "bind_claim_status").await?;
-                    if became_bound {
-                        if let Some(created) = c.metadata.creation_timestamp.as_ref() {
-                            let age = k8s_openapi::jiff::Timestamp::now().duration_since(created.0);
-                            self.metrics.bind_latency.observe(age.as_secs_f64().max(0.0));
-                        }
+                    if became_bound && let Some(created) = c.metadata.creation_timestamp.as_ref() {
+                        let age = k8s_openapi::jiff::Timestamp::now().duration_since(created.0);
+                        self.metrics.bind_latency.observe(age.as_secs_f64().max(0.0));
                     }
                     done.claims.push(c);
                 }

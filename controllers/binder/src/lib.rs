@@ -13,5 +13,8 @@ pub mod quantity;
 pub mod queue;
 pub mod selector;
 
+#[cfg(test)]
+mod model_tests;
+
 pub use exec::{Config, run};
 pub use metrics::Metrics;

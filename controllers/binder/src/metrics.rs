@@ -13,6 +13,9 @@ use stowage_common::metrics::register;
 
 use crate::objects::{claim_class, claim_phase, pv_class, pv_phase};
 
+/// The stores of the current leadership term, read at scrape time.
+type SharedStores = Arc<RwLock<Option<(Store<PersistentVolume>, Store<PersistentVolumeClaim>)>>>;
+
 #[derive(Clone)]
 pub struct Metrics {
     /// Syncs by kind (claim, volume).
@@ -34,7 +37,7 @@ pub struct Metrics {
     /// Built-in provisioning and deletion outcomes.
     pub provisioning: IntCounterVec,
     pub deletions: IntCounterVec,
-    stores: Arc<RwLock<Option<(Store<PersistentVolume>, Store<PersistentVolumeClaim>)>>>,
+    stores: SharedStores,
 }
 
 impl Metrics {
@@ -136,7 +139,7 @@ impl Metrics {
 }
 
 struct Inventory {
-    stores: Arc<RwLock<Option<(Store<PersistentVolume>, Store<PersistentVolumeClaim>)>>>,
+    stores: SharedStores,
     descs: Vec<Desc>,
 }
 

@@ -17,7 +17,9 @@ impl Events {
             controller: controller.into(),
             instance: std::env::var("POD_NAME").ok(),
         };
-        Self { recorder: Recorder::new(client, reporter) }
+        Self {
+            recorder: Recorder::new(client, reporter),
+        }
     }
 
     pub async fn normal(&self, on: &ObjectReference, reason: &str, action: &str, note: String) {
@@ -28,8 +30,21 @@ impl Events {
         self.publish(on, EventType::Warning, reason, action, note).await;
     }
 
-    async fn publish(&self, on: &ObjectReference, type_: EventType, reason: &str, action: &str, note: String) {
-        let ev = Event { type_, reason: reason.into(), note: Some(note), action: action.into(), secondary: None };
+    async fn publish(
+        &self,
+        on: &ObjectReference,
+        type_: EventType,
+        reason: &str,
+        action: &str,
+        note: String,
+    ) {
+        let ev = Event {
+            type_,
+            reason: reason.into(),
+            note: Some(note),
+            action: action.into(),
+            secondary: None,
+        };
         if let Err(e) = self.recorder.publish(&ev, on).await {
             tracing::warn!(reason, error = %e, "cannot record event");
         }

@@ -10,9 +10,9 @@ use std::hash::Hash;
 use std::sync::Arc;
 
 use futures::StreamExt;
+use kube::runtime::WatchStreamExt;
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::watcher::{self, Event};
-use kube::runtime::WatchStreamExt;
 use kube::{Api, Resource};
 use serde::de::DeserializeOwned;
 use tokio::sync::broadcast;
@@ -38,7 +38,10 @@ pub struct Informer<K: Resource<DynamicType = ()> + 'static> {
 
 impl<K: Resource<DynamicType = ()> + 'static> Clone for Informer<K> {
     fn clone(&self) -> Self {
-        Self { store: self.store.clone(), tx: self.tx.clone() }
+        Self {
+            store: self.store.clone(),
+            tx: self.tx.clone(),
+        }
     }
 }
 
@@ -58,7 +61,10 @@ where
         let feed = tx.clone();
         let kind = K::kind(&()).to_string();
         tasks.spawn(async move {
-            let mut stream = watcher::watcher(api, config).default_backoff().modify(strip).boxed();
+            let mut stream = watcher::watcher(api, config)
+                .default_backoff()
+                .modify(strip)
+                .boxed();
             while let Some(item) = stream.next().await {
                 let ev = match item {
                     Ok(ev) => ev,
@@ -110,7 +116,10 @@ pub fn strip_managed_fields<K: Resource>(obj: &mut K) {
 /// The cheap way to compare versions of one object: resourceVersions of one object are
 /// increasing integers in etcd-backed apiservers; anything unparsable compares as "not newer".
 pub fn is_newer(candidate: Option<&str>, known: Option<&str>) -> bool {
-    match (candidate.and_then(|c| c.parse::<u64>().ok()), known.and_then(|k| k.parse::<u64>().ok())) {
+    match (
+        candidate.and_then(|c| c.parse::<u64>().ok()),
+        known.and_then(|k| k.parse::<u64>().ok()),
+    ) {
         (Some(c), Some(k)) => c > k,
         (Some(_), None) => true,
         _ => false,

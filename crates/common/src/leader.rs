@@ -189,13 +189,13 @@ impl Elector {
             now,
             Timestamp::now(),
         );
-        if let Some(cur) = &current {
-            if self.observed.as_ref().is_none_or(|o| o.record != *cur) {
-                self.observed = Some(Observed {
-                    record: cur.clone(),
-                    at: now,
-                });
-            }
+        if let Some(cur) = &current
+            && self.observed.as_ref().is_none_or(|o| o.record != *cur)
+        {
+            self.observed = Some(Observed {
+                record: cur.clone(),
+                at: now,
+            });
         }
         self.lease = lease;
         let Decision::Write(record) = decision else {

@@ -104,10 +104,10 @@ where
                     let delay = bucket.lock().unwrap_or_else(|p| p.into_inner()).reserve(now);
                     self.wait = Some(Box::pin(tokio::time::sleep_until(now + delay)));
                 }
-                if let Some(wait) = self.wait.as_mut() {
-                    if wait.as_mut().poll(cx).is_pending() {
-                        return Poll::Pending;
-                    }
+                if let Some(wait) = self.wait.as_mut()
+                    && wait.as_mut().poll(cx).is_pending()
+                {
+                    return Poll::Pending;
                 }
                 self.wait = None;
             }

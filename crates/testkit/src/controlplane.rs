@@ -162,13 +162,13 @@ impl ControlPlane {
                     }
                     _ => {}
                 }
-                if let Some(c) = self.apiserver.lock().unwrap_or_else(|p| p.into_inner()).as_mut() {
-                    if let Ok(Some(status)) = c.try_wait() {
-                        bail!(
-                            "kube-apiserver exited ({status}); last log lines:\n{}",
-                            self.log_tail()
-                        );
-                    }
+                if let Some(c) = self.apiserver.lock().unwrap_or_else(|p| p.into_inner()).as_mut()
+                    && let Ok(Some(status)) = c.try_wait()
+                {
+                    bail!(
+                        "kube-apiserver exited ({status}); last log lines:\n{}",
+                        self.log_tail()
+                    );
                 }
                 tokio::time::sleep(Duration::from_millis(250)).await;
             }

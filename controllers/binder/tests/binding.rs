@@ -1,0 +1,545 @@
+//! The binder against the real apiserver: every family of upstream behaviour, end to end.
+
+mod common;
+
+use std::collections::BTreeMap;
+
+use common::{Harness, WAIT};
+use k8s_openapi::api::storage::v1::StorageClass;
+use kube::ResourceExt;
+use stowage_testkit::builders::{pv, pvc, storage_class};
+use stowage_testkit::eventually;
+
+fn anns(o: &impl ResourceExt) -> BTreeMap<String, String> {
+    o.annotations().clone()
+}
+
+#[tokio::test]
+async fn static_binding_picks_the_smallest_sufficient_volume() {
+    let h = Harness::start().await;
+    h.namespace("app").await;
+    for (name, size) in [("pv-1g", "1Gi"), ("pv-5g", "5Gi"), ("pv-10g", "10Gi")] {
+        h.create_pv(pv(name).capacity(size).class("manual").build()).await;
+    }
+    h.create_pvc(pvc("app", "data").request("3Gi").class("manual").build())
+        .await;
+    let claim = h.claim_phase("app", "data", "Bound").await;
+    assert_eq!(claim.spec.as_ref().unwrap().volume_name.as_deref(), Some("pv-5g"));
+    assert_eq!(
+        anns(&claim)
+            .get("pv.kubernetes.io/bind-completed")
+            .map(String::as_str),
+        Some("yes")
+    );
+    assert_eq!(
+        anns(&claim)
+            .get("pv.kubernetes.io/bound-by-controller")
+            .map(String::as_str),
+        Some("yes")
+    );
+    let st = claim.status.unwrap();
+    assert_eq!(st.capacity.unwrap()["storage"].0, "5Gi");
+    assert_eq!(st.access_modes.unwrap(), vec!["ReadWriteOnce".to_string()]);
+    let v = h.volume_phase("pv-5g", "Bound").await;
+    let r = v.spec.as_ref().unwrap().claim_ref.as_ref().unwrap();
+    assert_eq!(r.uid, claim.metadata.uid);
+    assert_eq!(
+        anns(&v)
+            .get("pv.kubernetes.io/bound-by-controller")
+            .map(String::as_str),
+        Some("yes")
+    );
+    h.volume_phase("pv-1g", "Available").await;
+    h.volume_phase("pv-10g", "Available").await;
+}
+
+#[tokio::test]
+async fn user_prebound_volume_and_claim_are_honoured() {
+    let h = Harness::start().await;
+    h.namespace("app").await;
+    // A smaller free volume exists, but the user pre-bound a bigger one to the claim by name.
+    h.create_pv(pv("small").capacity("1Gi").build()).await;
+    h.create_pv(pv("mine").capacity("2Gi").claim_ref("app", "a", "").build())
+        .await;
+    h.create_pvc(pvc("app", "a").request("1Gi").class("").build())
+        .await;
+    let a = h.claim_phase("app", "a", "Bound").await;
+    assert_eq!(a.spec.unwrap().volume_name.as_deref(), Some("mine"));
+    let v = h.volume_phase("mine", "Bound").await;
+    assert!(
+        !anns(&v).contains_key("pv.kubernetes.io/bound-by-controller"),
+        "a user pre-binding stays the user's"
+    );
+
+    // A claim asking for a volume by name binds to it even though selectors would not be checked.
+    h.create_pvc(
+        pvc("app", "b")
+            .request("1Gi")
+            .class("")
+            .volume_name("small")
+            .build(),
+    )
+    .await;
+    let b = h.claim_phase("app", "b", "Bound").await;
+    assert_eq!(b.spec.unwrap().volume_name.as_deref(), Some("small"));
+}
+
+#[tokio::test]
+async fn requested_volume_that_does_not_fit_is_a_volume_mismatch() {
+    let h = Harness::start().await;
+    h.namespace("app").await;
+    h.create_pv(pv("tiny").capacity("1Gi").build()).await;
+    h.create_pvc(
+        pvc("app", "big")
+            .request("5Gi")
+            .class("")
+            .volume_name("tiny")
+            .build(),
+    )
+    .await;
+    let note = h.event("big", "VolumeMismatch").await;
+    assert!(note.contains("too small"), "{note}");
+    h.claim_phase("app", "big", "Pending").await;
+    h.volume_phase("tiny", "Available").await;
+}
+
+#[tokio::test]
+async fn released_volumes_follow_their_reclaim_policy() {
+    let h = Harness::start().await;
+    h.namespace("app").await;
+    // Retain: the volume stays Released with its data.
+    let img = h.images.path().join("keep.img");
+    std::fs::write(&img, b"precious").unwrap();
+    h.create_pv(
+        pv("keep")
+            .class("retain")
+            .driver("loop.stowage.dev", "keep")
+            .build(),
+    )
+    .await;
+    h.create_pvc(pvc("app", "r").class("retain").build()).await;
+    h.claim_phase("app", "r", "Bound").await;
+    h.delete_claim("app", "r").await;
+    h.volume_phase("keep", "Released").await;
+    assert_eq!(
+        std::fs::read(&img).unwrap(),
+        b"precious",
+        "Retain never loses data"
+    );
+
+    // Delete, built-in driver: image removed, then the volume object.
+    let img = h.images.path().join("gone.img");
+    std::fs::write(&img, b"scratch").unwrap();
+    h.create_pv(
+        pv("gone")
+            .class("del")
+            .reclaim("Delete")
+            .driver("loop.stowage.dev", "gone")
+            .build(),
+    )
+    .await;
+    h.create_pvc(pvc("app", "d").class("del").build()).await;
+    h.claim_phase("app", "d", "Bound").await;
+    let v = h.volume_phase("gone", "Bound").await;
+    assert!(
+        v.finalizers().iter().any(|f| f == "loop.stowage.dev/deleter"),
+        "{:?}",
+        v.finalizers()
+    );
+    h.delete_claim("app", "d").await;
+    // pv-protection is not under test here: once the binder has removed the image and its own
+    // finalizer, the object waits only on the admission-added protection finalizer.
+    eventually(WAIT, || async {
+        let v = h.pvs().get_opt("gone").await.map_err(|e| e.to_string())?;
+        match v {
+            Some(v)
+                if v.metadata.deletion_timestamp.is_some()
+                    && !v.finalizers().iter().any(|f| f == "loop.stowage.dev/deleter") =>
+            {
+                Ok(())
+            }
+            None => Ok(()),
+            Some(v) => Err(format!(
+                "volume still {:?} with finalizers {:?}",
+                v.status.and_then(|s| s.phase),
+                v.metadata.finalizers
+            )),
+        }
+    })
+    .await;
+    assert!(!img.exists(), "the image of a Delete volume is removed");
+
+    // Recycle is not supported: Failed, with an event saying so.
+    h.create_pv(pv("recycle").class("rec").reclaim("Recycle").build())
+        .await;
+    h.create_pvc(pvc("app", "c").class("rec").build()).await;
+    h.claim_phase("app", "c", "Bound").await;
+    h.delete_claim("app", "c").await;
+    let v = h.volume_phase("recycle", "Failed").await;
+    assert!(
+        v.status
+            .unwrap()
+            .message
+            .unwrap_or_default()
+            .contains("not supported")
+    );
+    h.event("recycle", "VolumeFailedRecycle").await;
+}
+
+#[tokio::test]
+async fn a_delete_volume_whose_image_is_already_gone_still_finishes() {
+    let h = Harness::start().await;
+    h.namespace("app").await;
+    h.create_pv(
+        pv("noimg")
+            .class("del")
+            .reclaim("Delete")
+            .driver("loop.stowage.dev", "noimg")
+            .build(),
+    )
+    .await;
+    h.create_pvc(pvc("app", "d").class("del").build()).await;
+    h.claim_phase("app", "d", "Bound").await;
+    h.delete_claim("app", "d").await;
+    h.event("noimg", "VolumeImageMissing").await;
+}
+
+#[tokio::test]
+async fn a_bound_claim_whose_volume_vanished_is_lost() {
+    let h = Harness::start().await;
+    h.namespace("app").await;
+    h.create_pv(pv("v").build()).await;
+    h.create_pvc(pvc("app", "c").class("").build()).await;
+    h.claim_phase("app", "c", "Bound").await;
+    h.delete_volume("v").await;
+    h.claim_phase("app", "c", "Lost").await;
+    let note = h.event("c", "ClaimLost").await;
+    assert!(note.contains("lost"), "{note}");
+}
+
+#[tokio::test]
+async fn a_recreated_claim_with_the_same_name_does_not_inherit_the_old_binding() {
+    let h = Harness::start().await;
+    h.namespace("app").await;
+    h.create_pv(pv("v1").build()).await;
+    h.create_pvc(pvc("app", "same").class("").build()).await;
+    let old = h.claim_phase("app", "same", "Bound").await;
+    h.delete_claim("app", "same").await;
+    h.volume_phase("v1", "Released").await;
+    h.create_pv(pv("v2").build()).await;
+    h.create_pvc(pvc("app", "same").class("").build()).await;
+    let new = h.claim_phase("app", "same", "Bound").await;
+    assert_ne!(new.metadata.uid, old.metadata.uid);
+    assert_eq!(
+        new.spec.unwrap().volume_name.as_deref(),
+        Some("v2"),
+        "the Released volume keeps the old UID"
+    );
+    h.volume_phase("v1", "Released").await;
+}
+
+#[tokio::test]
+async fn built_in_provisioning_creates_image_and_prebound_volume() {
+    let h = Harness::start().await;
+    h.namespace("app").await;
+    h.create::<StorageClass>(
+        storage_class("loop", "loop.stowage.dev")
+            .parameter("fsType", "ext4")
+            .build(),
+    )
+    .await;
+    let c = h
+        .create_pvc(pvc("app", "dyn").request("64Mi").class("loop").build())
+        .await;
+    let bound = h.claim_phase("app", "dyn", "Bound").await;
+    let name = format!("pvc-{}", c.metadata.uid.clone().unwrap());
+    assert_eq!(
+        bound.spec.as_ref().unwrap().volume_name.as_deref(),
+        Some(name.as_str())
+    );
+    assert_eq!(
+        anns(&bound)
+            .get("volume.kubernetes.io/storage-provisioner")
+            .map(String::as_str),
+        Some("loop.stowage.dev")
+    );
+    assert_eq!(
+        anns(&bound)
+            .get("volume.beta.kubernetes.io/storage-provisioner")
+            .map(String::as_str),
+        Some("loop.stowage.dev")
+    );
+    let v = h.volume_phase(&name, "Bound").await;
+    assert_eq!(
+        anns(&v)
+            .get("pv.kubernetes.io/provisioned-by")
+            .map(String::as_str),
+        Some("loop.stowage.dev")
+    );
+    assert!(!anns(&v).contains_key("loop.stowage.dev/image-pending"));
+    assert!(v.finalizers().iter().any(|f| f == "loop.stowage.dev/deleter"));
+    let spec = v.spec.unwrap();
+    assert_eq!(spec.persistent_volume_reclaim_policy.as_deref(), Some("Delete"));
+    assert_eq!(spec.csi.as_ref().unwrap().fs_type.as_deref(), Some("ext4"));
+    let img = h.images.path().join(format!("{name}.img"));
+    assert_eq!(std::fs::metadata(&img).unwrap().len(), 64 << 20);
+    h.event("dyn", "ProvisioningSucceeded").await;
+
+    // Deleting the claim deletes the provisioned volume and its image.
+    h.delete_claim("app", "dyn").await;
+    eventually(WAIT, || async {
+        if img.exists() {
+            Err("image still there".to_string())
+        } else {
+            Ok(())
+        }
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn other_provisioners_get_the_claim_handed_over() {
+    let h = Harness::start().await;
+    h.namespace("app").await;
+    h.create::<StorageClass>(storage_class("ext", "example.com/external").build())
+        .await;
+    h.create_pvc(pvc("app", "x").class("ext").build()).await;
+    let note = h.event("x", "ExternalProvisioning").await;
+    assert!(note.contains("example.com/external"), "{note}");
+    let c = h.pvcs("app").get("x").await.unwrap();
+    assert_eq!(
+        anns(&c)
+            .get("volume.kubernetes.io/storage-provisioner")
+            .map(String::as_str),
+        Some("example.com/external")
+    );
+    assert_eq!(
+        anns(&c)
+            .get("volume.beta.kubernetes.io/storage-provisioner")
+            .map(String::as_str),
+        Some("example.com/external")
+    );
+    assert!(
+        h.pvs().list(&Default::default()).await.unwrap().items.is_empty(),
+        "nothing provisioned by us"
+    );
+
+    // The external provisioner's PV, pre-bound with the claim's UID, completes the bind.
+    let mut ext = pv("ext-vol")
+        .class("ext")
+        .driver("external.example.com", "h1")
+        .claim_ref("app", "x", &c.metadata.uid.clone().unwrap())
+        .build();
+    ext.metadata.annotations = Some(BTreeMap::from([(
+        "pv.kubernetes.io/provisioned-by".into(),
+        "example.com/external".into(),
+    )]));
+    h.create_pv(ext).await;
+    h.claim_phase("app", "x", "Bound").await;
+}
+
+#[tokio::test]
+async fn a_missing_class_is_reported_and_the_claim_waits() {
+    let h = Harness::start().await;
+    h.namespace("app").await;
+    h.create_pvc(pvc("app", "m").class("nope").build()).await;
+    let note = h.event("m", "ProvisioningFailed").await;
+    assert!(note.contains("\"nope\" not found"), "{note}");
+    h.claim_phase("app", "m", "Pending").await;
+    // Creating the class unblocks it without waiting for a resync.
+    h.create::<StorageClass>(storage_class("nope", "loop.stowage.dev").build())
+        .await;
+    h.claim_phase("app", "m", "Bound").await;
+}
+
+#[tokio::test]
+async fn wait_for_first_consumer_binds_only_after_a_node_is_selected() {
+    let h = Harness::start().await;
+    h.namespace("app").await;
+    h.create::<StorageClass>(
+        storage_class("late", "loop.stowage.dev")
+            .wait_for_first_consumer()
+            .build(),
+    )
+    .await;
+    h.create_pv(pv("far").class("late").node_affinity_hostname("node-b").build())
+        .await;
+    h.create_pv(
+        pv("near")
+            .class("late")
+            .capacity("2Gi")
+            .node_affinity_hostname("node-a")
+            .build(),
+    )
+    .await;
+    h.create::<k8s_openapi::api::core::v1::Node>(
+        stowage_testkit::builders::node("node-a")
+            .label("kubernetes.io/hostname", "node-a")
+            .build(),
+    )
+    .await;
+    h.create_pvc(pvc("app", "w").class("late").build()).await;
+    h.event("w", "WaitForFirstConsumer").await;
+    h.claim_phase("app", "w", "Pending").await;
+    let patch =
+        serde_json::json!({"metadata": {"annotations": {"volume.kubernetes.io/selected-node": "node-a"}}});
+    h.pvcs("app")
+        .patch(
+            "w",
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(&patch),
+        )
+        .await
+        .unwrap();
+    let c = h.claim_phase("app", "w", "Bound").await;
+    // The smaller volume is on the wrong node: node affinity against the selected node decides.
+    assert_eq!(c.spec.unwrap().volume_name.as_deref(), Some("near"));
+}
+
+#[tokio::test]
+async fn selectors_modes_and_attribute_classes_are_matched() {
+    let h = Harness::start().await;
+    h.namespace("app").await;
+    h.create_pv(pv("plain").build()).await;
+    h.create_pv(pv("gold").label("tier", "gold").capacity("2Gi").build())
+        .await;
+    h.create_pv(pv("blk").block().capacity("3Gi").build()).await;
+    h.create_pv(
+        pv("rwx")
+            .access_modes(&["ReadWriteMany", "ReadWriteOnce"])
+            .capacity("4Gi")
+            .build(),
+    )
+    .await;
+    h.create_pv(pv("vac").attributes_class("fast").capacity("5Gi").build())
+        .await;
+    h.create_pvc(pvc("app", "sel").class("").selector("tier", "gold").build())
+        .await;
+    h.create_pvc(pvc("app", "block").class("").block().build()).await;
+    h.create_pvc(
+        pvc("app", "many")
+            .class("")
+            .access_modes(&["ReadWriteMany"])
+            .build(),
+    )
+    .await;
+    h.create_pvc(pvc("app", "attrs").class("").attributes_class("fast").build())
+        .await;
+    h.create_pvc(
+        pvc("app", "other-attrs")
+            .class("")
+            .attributes_class("slow")
+            .build(),
+    )
+    .await;
+    let vol = |c: k8s_openapi::api::core::v1::PersistentVolumeClaim| c.spec.unwrap().volume_name.unwrap();
+    assert_eq!(vol(h.claim_phase("app", "sel", "Bound").await), "gold");
+    assert_eq!(vol(h.claim_phase("app", "block", "Bound").await), "blk");
+    assert_eq!(vol(h.claim_phase("app", "many", "Bound").await), "rwx");
+    assert_eq!(vol(h.claim_phase("app", "attrs", "Bound").await), "vac");
+    let note = h.event("other-attrs", "FailedBinding").await;
+    assert!(
+        note.contains("volume attributes class"),
+        "the event says why: {note}"
+    );
+    h.volume_phase("plain", "Available").await;
+}
+
+#[tokio::test]
+async fn a_class_less_claim_gets_the_default_class_retroactively() {
+    let h = Harness::start().await;
+    h.namespace("app").await;
+    // Created before any default class exists, so admission leaves the class unset.
+    h.create_pvc(pvc("app", "late").build()).await;
+    h.claim_phase("app", "late", "Pending").await;
+    h.create::<StorageClass>(storage_class("std", "loop.stowage.dev").default_class().build())
+        .await;
+    let c = h.claim_phase("app", "late", "Bound").await;
+    assert_eq!(c.spec.unwrap().storage_class_name.as_deref(), Some("std"));
+}
+
+#[tokio::test]
+async fn fifty_claims_race_for_ten_volumes() {
+    let h = Harness::start().await;
+    h.namespace("race").await;
+    let mut creates = Vec::new();
+    for i in 0..10 {
+        creates.push(tokio::spawn({
+            let api = h.pvs();
+            async move {
+                api.create(&Default::default(), &pv(&format!("v{i}")).class("r").build())
+                    .await
+                    .map(|_| ())
+            }
+        }));
+    }
+    for i in 0..50 {
+        creates.push(tokio::spawn({
+            let api = h.pvcs("race");
+            async move {
+                api.create(
+                    &Default::default(),
+                    &pvc("race", &format!("c{i}")).class("r").build(),
+                )
+                .await
+                .map(|_| ())
+            }
+        }));
+    }
+    for c in creates {
+        c.await.unwrap().unwrap();
+    }
+    let bound = eventually(WAIT, || async {
+        let list = h
+            .pvcs("race")
+            .list(&Default::default())
+            .await
+            .map_err(|e| e.to_string())?;
+        let bound: Vec<_> = list
+            .items
+            .into_iter()
+            .filter(|c| c.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Bound"))
+            .collect();
+        if bound.len() == 10 {
+            Ok(bound)
+        } else {
+            Err(format!("{} bound", bound.len()))
+        }
+    })
+    .await;
+    // Settle a little longer: nothing more may bind, and every binding is one-to-one.
+    tokio::time::sleep(std::time::Duration::from_secs(3)).await;
+    let claims = h.pvcs("race").list(&Default::default()).await.unwrap().items;
+    let pending = claims
+        .iter()
+        .filter(|c| c.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Pending"))
+        .count();
+    assert_eq!(pending, 40);
+    let mut vols: Vec<String> = bound
+        .iter()
+        .map(|c| c.spec.as_ref().unwrap().volume_name.clone().unwrap())
+        .collect();
+    vols.sort();
+    vols.dedup();
+    assert_eq!(vols.len(), 10, "no volume holds two claims");
+    for v in h.pvs().list(&Default::default()).await.unwrap().items {
+        let r = v.spec.unwrap().claim_ref.unwrap();
+        let c = claims
+            .iter()
+            .find(|c| c.metadata.uid == r.uid)
+            .expect("claimRef names a real claim");
+        assert_eq!(
+            c.spec.as_ref().unwrap().volume_name.as_deref(),
+            v.metadata.name.as_deref()
+        );
+    }
+    let m = stowage_testkit::scrape::parse(&h.metrics_text()).unwrap();
+    assert!(m.sum("stowage_binder_reconcile_total") > 0.0);
+    assert_eq!(
+        m.samples["stowage_persistentvolumeclaims"]
+            .iter()
+            .find(|(l, _)| l["phase"] == "Bound")
+            .map(|x| x.1),
+        Some(10.0)
+    );
+}
