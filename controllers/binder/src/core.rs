@@ -155,6 +155,12 @@ pub enum Action {
     },
     /// Sync a claim soon (a PV changed in a way the claim must react to).
     WakeClaim(String),
+    /// Say on the claim why it is still Pending (condition `stowage.dev/Pending`).
+    ClaimCondition {
+        claim: String,
+        reason: &'static str,
+        message: String,
+    },
     Event(Event),
 }
 
@@ -461,13 +467,16 @@ pub fn bound_claim_status(
     let st = claim.status.clone().unwrap_or_default();
     let modes = pv.spec.as_ref().and_then(|s| s.access_modes.clone());
     let becoming_bound = st.phase.as_deref() != Some("Bound");
-    if !becoming_bound && st.access_modes == modes {
+    if !becoming_bound && st.access_modes == modes && pending_condition(claim).is_none() {
         return None;
     }
     let mut out = claim.clone();
     let s = out.status.get_or_insert_with(Default::default);
     s.phase = Some("Bound".into());
     s.access_modes = modes;
+    if let Some(conds) = s.conditions.as_mut() {
+        conds.retain(|c| c.type_ != CONDITION_PENDING);
+    }
     if becoming_bound {
         let mut cap = pv
             .spec
@@ -537,8 +546,88 @@ fn claim_phase_action(claim: &PersistentVolumeClaim, phase: &'static str) -> Opt
     })
 }
 
-/// syncClaim: the actions that move one claim toward Bound (or report why it cannot).
+/// The claim condition that says why a claim is still Pending (events expire; a condition stays
+/// and carries the time it became true). Removed by the bind.
+pub const CONDITION_PENDING: &str = "stowage.dev/Pending";
+
+/// syncClaim: the actions that move one claim toward Bound (or report why it cannot), plus the
+/// Pending condition that keeps the reason visible on the claim itself.
 pub fn sync_claim(claim: &PersistentVolumeClaim, cache: &Cache, env: &Env) -> Vec<Action> {
+    let mut out = sync_claim_phase(claim, cache, env);
+    if has_ann(claim, ANN_BIND_COMPLETED) || out.iter().any(|a| matches!(a, Action::Bind { .. })) {
+        return out;
+    }
+    let key = claim_key(claim);
+    let why = out.iter().find_map(|a| match a {
+        Action::Event(e) if e.target == Target::Claim(key.clone()) => Some((e.reason, e.note.clone())),
+        Action::ProvisionLoop { .. } => Some((
+            "Provisioning",
+            format!("waiting for {LOOP_DRIVER} to provision a volume"),
+        )),
+        _ => None,
+    });
+    if let Some((reason, message)) = why
+        && pending_condition(claim) != Some((reason, message.as_str()))
+    {
+        out.push(Action::ClaimCondition {
+            claim: key,
+            reason,
+            message,
+        });
+    }
+    out
+}
+
+/// The claim's Pending condition as (reason, message), if it has one.
+pub fn pending_condition(claim: &PersistentVolumeClaim) -> Option<(&str, &str)> {
+    let c = claim
+        .status
+        .as_ref()?
+        .conditions
+        .as_ref()?
+        .iter()
+        .find(|c| c.type_ == CONDITION_PENDING)?;
+    Some((
+        c.reason.as_deref().unwrap_or(""),
+        c.message.as_deref().unwrap_or(""),
+    ))
+}
+
+/// The claim with its Pending condition set; the transition time is kept while the condition
+/// stays (only its reason or message changed), else `now`.
+pub fn with_pending_condition(
+    claim: &PersistentVolumeClaim,
+    reason: &str,
+    message: &str,
+    now: k8s_openapi::jiff::Timestamp,
+) -> PersistentVolumeClaim {
+    use k8s_openapi::api::core::v1::PersistentVolumeClaimCondition;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+    let mut out = claim.clone();
+    let conds = out
+        .status
+        .get_or_insert_with(Default::default)
+        .conditions
+        .get_or_insert_with(Vec::new);
+    let since = conds
+        .iter()
+        .find(|c| c.type_ == CONDITION_PENDING)
+        .and_then(|c| c.last_transition_time.clone())
+        .unwrap_or(Time(now));
+    conds.retain(|c| c.type_ != CONDITION_PENDING);
+    conds.push(PersistentVolumeClaimCondition {
+        type_: CONDITION_PENDING.into(),
+        status: "True".into(),
+        reason: Some(reason.into()),
+        message: Some(message.chars().take(1000).collect()),
+        last_transition_time: Some(since),
+        last_probe_time: None,
+        ..Default::default()
+    });
+    out
+}
+
+fn sync_claim_phase(claim: &PersistentVolumeClaim, cache: &Cache, env: &Env) -> Vec<Action> {
     let key = claim_key(claim);
     let target = Target::Claim(key.clone());
     let mut out = Vec::new();

@@ -575,6 +575,7 @@ impl Snapshot {
                 | Action::DeleteLoopVolume { pv: p }
                 | Action::SetDeleterFinalizer { pv: p, .. } => pv(p),
                 Action::ClaimPhase { claim, .. }
+                | Action::ClaimCondition { claim, .. }
                 | Action::SetProvisioner { claim, .. }
                 | Action::SetDefaultClass { claim, .. }
                 | Action::ProvisionLoop { claim, .. } => claim_names.push(claim.clone()),
@@ -797,6 +798,19 @@ impl Writer {
                     fins.push(FINALIZER_LOOP_DELETER.into());
                 }
                 done.pvs.push(self.replace_pv(&v, "deleter_finalizer").await?);
+            }
+            Action::ClaimCondition {
+                claim,
+                reason,
+                message,
+            } => {
+                let Some(c) = Self::claim(snap, done, claim) else {
+                    return Ok(());
+                };
+                let next =
+                    core::with_pending_condition(&c, reason, message, k8s_openapi::jiff::Timestamp::now());
+                done.claims
+                    .push(self.replace_claim_status(&next, "claim_condition").await?);
             }
             Action::WakeClaim(_) | Action::Event(_) => {}
         }

@@ -87,6 +87,21 @@ impl World {
                     self.put_pv(n);
                 }
             }
+            Action::ClaimCondition {
+                claim,
+                reason,
+                message,
+            } => {
+                if let Some(c) = self.claims.get(claim) {
+                    let n = core::with_pending_condition(
+                        c,
+                        reason,
+                        message,
+                        k8s_openapi::jiff::Timestamp::UNIX_EPOCH,
+                    );
+                    self.put_claim(n);
+                }
+            }
             Action::Release { pv } => {
                 if let Some(v) = self.pvs.get(pv) {
                     let n = core::with_pv_phase(v, "Released", "");
@@ -113,7 +128,11 @@ fn no_node(_: &str) -> Option<BTreeMap<String, String>> {
 }
 
 fn env() -> Env<'static> {
-    Env { class: &no_class, default_class: None, node_labels: &no_node }
+    Env {
+        class: &no_class,
+        default_class: None,
+        node_labels: &no_node,
+    }
 }
 
 const SIZES: [&str; 4] = ["1Gi", "2Gi", "5Gi", "10Gi"];

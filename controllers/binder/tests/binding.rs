@@ -64,6 +64,15 @@ async fn user_prebound_volume_and_claim_are_honoured() {
     h.create_pvc(pvc("app", "a").request("1Gi").class("").build())
         .await;
     let a = h.claim_phase("app", "a", "Bound").await;
+    let conds = a
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.clone())
+        .unwrap_or_default();
+    assert!(
+        conds.iter().all(|c| c.type_ != "stowage.dev/Pending"),
+        "a bound claim has no Pending condition: {conds:?}"
+    );
     assert_eq!(a.spec.unwrap().volume_name.as_deref(), Some("mine"));
     let v = h.volume_phase("mine", "Bound").await;
     assert!(
@@ -345,7 +354,14 @@ async fn a_missing_class_is_reported_and_the_claim_waits() {
     h.create_pvc(pvc("app", "m").class("nope").build()).await;
     let note = h.event("m", "ProvisioningFailed").await;
     assert!(note.contains("\"nope\" not found"), "{note}");
-    h.claim_phase("app", "m", "Pending").await;
+    let c = h.claim_phase("app", "m", "Pending").await;
+    let conds = c.status.unwrap().conditions.unwrap_or_default();
+    assert!(
+        conds
+            .iter()
+            .any(|c| c.type_ == "stowage.dev/Pending" && c.reason.as_deref() == Some("ProvisioningFailed")),
+        "{conds:?}"
+    );
     // Creating the class unblocks it without waiting for a resync.
     h.create::<StorageClass>(storage_class("nope", "loop.stowage.dev").build())
         .await;
