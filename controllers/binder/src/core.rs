@@ -622,7 +622,6 @@ pub fn with_pending_condition(
         message: Some(message.chars().take(1000).collect()),
         last_transition_time: Some(since),
         last_probe_time: None,
-        ..Default::default()
     });
     out
 }
