@@ -1,0 +1,515 @@
+//! The pure part: who uses a claim, and what to do with a claim's or a volume's protection
+//! finalizer. No I/O, no clock; the async layer feeds snapshots in and carries the answer out.
+
+use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
+
+/// Put on every claim by the apiserver's StorageObjectInUseProtection admission.
+pub const PVC_FINALIZER: &str = "kubernetes.io/pvc-protection";
+/// Put on every volume by the same admission plugin.
+pub const PV_FINALIZER: &str = "kubernetes.io/pv-protection";
+
+/// A pod that still uses a claim, as named in events and logs.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct PodRef {
+    pub name: String,
+    pub uid: String,
+}
+
+impl PodRef {
+    pub fn of(pod: &Pod) -> Self {
+        Self {
+            name: pod.metadata.name.clone().unwrap_or_default(),
+            uid: pod.metadata.uid.clone().unwrap_or_default(),
+        }
+    }
+}
+
+/// What one sync of one object should do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Action {
+    /// The object is as it should be (or its finalizer is someone else's business now).
+    Nothing,
+    /// A live object lacks the finalizer (created before the admission plugin was on).
+    AddFinalizer,
+    /// Being deleted and nothing protects it any more.
+    RemoveFinalizer,
+    /// A claim being deleted that these pods still use (sorted, no duplicates).
+    WaitForPods(Vec<PodRef>),
+    /// A volume being deleted that is still Bound.
+    WaitForUnbind,
+}
+
+fn has(finalizers: Option<&Vec<String>>, f: &str) -> bool {
+    finalizers.is_some_and(|v| v.iter().any(|x| x == f))
+}
+
+/// The decision for a claim given the pods that use it (already filtered by `pod_uses_claim`).
+pub fn decide_pvc(pvc: &PersistentVolumeClaim, users: &[PodRef]) -> Action {
+    let meta = &pvc.metadata;
+    let protected = has(meta.finalizers.as_ref(), PVC_FINALIZER);
+    match (meta.deletion_timestamp.is_some(), protected) {
+        (true, true) if users.is_empty() => Action::RemoveFinalizer,
+        (true, true) => {
+            let mut u = users.to_vec();
+            u.sort();
+            u.dedup();
+            Action::WaitForPods(u)
+        }
+        // Deleting and no longer ours; a finalizer cannot be added to an object being deleted.
+        (true, false) => Action::Nothing,
+        (false, false) => Action::AddFinalizer,
+        (false, true) => Action::Nothing,
+    }
+}
+
+/// The decision for a volume: it stays while Bound.
+pub fn decide_pv(pv: &PersistentVolume) -> Action {
+    let meta = &pv.metadata;
+    let protected = has(meta.finalizers.as_ref(), PV_FINALIZER);
+    let bound = pv.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Bound");
+    match (meta.deletion_timestamp.is_some(), protected) {
+        (true, true) if bound => Action::WaitForUnbind,
+        (true, true) => Action::RemoveFinalizer,
+        (true, false) => Action::Nothing,
+        (false, false) => Action::AddFinalizer,
+        (false, true) => Action::Nothing,
+    }
+}
+
+/// Whether a change of this object can lead to an action (cheap filter before queueing).
+pub fn pvc_needs_sync(pvc: &PersistentVolumeClaim) -> bool {
+    decide_pvc(pvc, &[]) != Action::Nothing
+}
+
+/// A pod that can no longer touch its volumes: finished (Succeeded/Failed), or deleted with a zero
+/// grace period (the kubelet is done with it, or it was force-deleted and only waits for its own
+/// finalizers; counting it would let a pod finalizer that waits for the claim deadlock both).
+pub fn pod_is_terminated(pod: &Pod) -> bool {
+    let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
+    if matches!(phase, Some("Succeeded" | "Failed")) {
+        return true;
+    }
+    pod.metadata.deletion_timestamp.is_some() && pod.metadata.deletion_grace_period_seconds == Some(0)
+}
+
+/// The names of the claims a pod refers to, in its own namespace: plain claim volumes and the
+/// `<pod>-<volume>` claims of generic ephemeral volumes. Used to index pods by claim.
+pub fn claim_names(pod: &Pod) -> Vec<String> {
+    let pod_name = pod.metadata.name.as_deref().unwrap_or_default();
+    let mut out: Vec<String> = pod
+        .spec
+        .iter()
+        .flat_map(|s| s.volumes.iter().flatten())
+        .filter_map(|v| {
+            if let Some(c) = &v.persistent_volume_claim {
+                Some(c.claim_name.clone())
+            } else if v.ephemeral.is_some() {
+                Some(format!("{pod_name}-{}", v.name))
+            } else {
+                None
+            }
+        })
+        .collect();
+    out.sort();
+    out.dedup();
+    out
+}
+
+/// Whether `pod` is a live user of `pvc`. Unlike upstream, an unscheduled pod counts too: it may
+/// be bound to a node any moment, and keeping the claim a little longer is the safe mistake.
+/// An ephemeral volume's claim counts only if the pod owns it (a same-named claim made by
+/// someone else is never used by that pod).
+pub fn pod_uses_claim(pod: &Pod, pvc: &PersistentVolumeClaim) -> bool {
+    if pod.metadata.namespace != pvc.metadata.namespace || pod_is_terminated(pod) {
+        return false;
+    }
+    let (Some(pod_name), Some(claim)) = (pod.metadata.name.as_deref(), pvc.metadata.name.as_deref()) else {
+        return false;
+    };
+    let owned_by_pod = || {
+        pvc.metadata.owner_references.iter().flatten().any(|o| {
+            o.controller == Some(true) && o.kind == "Pod" && Some(&o.uid) == pod.metadata.uid.as_ref()
+        })
+    };
+    pod.spec.iter().flat_map(|s| s.volumes.iter().flatten()).any(|v| {
+        if let Some(c) = &v.persistent_volume_claim {
+            c.claim_name == claim
+        } else if v.ephemeral.is_some() {
+            claim.strip_prefix(pod_name).and_then(|r| r.strip_prefix('-')) == Some(v.name.as_str())
+                && owned_by_pod()
+        } else {
+            false
+        }
+    })
+}
+
+/// The live users of `pvc` among `pods`, sorted.
+pub fn users<'a>(pvc: &PersistentVolumeClaim, pods: impl IntoIterator<Item = &'a Pod>) -> Vec<PodRef> {
+    let mut u: Vec<PodRef> = pods
+        .into_iter()
+        .filter(|p| pod_uses_claim(p, pvc))
+        .map(PodRef::of)
+        .collect();
+    u.sort();
+    u.dedup();
+    u
+}
+
+/// The note of the event on a claim whose deletion waits: names the pods, bounded so the note
+/// stays under the Event API's 1 KiB limit.
+pub fn waiting_note(users: &[PodRef]) -> String {
+    const SHOWN: usize = 10;
+    let names: Vec<&str> = users.iter().take(SHOWN).map(|u| u.name.as_str()).collect();
+    let mut note = format!(
+        "deletion waits until no pod uses the claim; used by {}",
+        names.join(", ")
+    );
+    if users.len() > SHOWN {
+        note.push_str(&format!(" and {} more", users.len() - SHOWN));
+    }
+    if note.len() > 1000 {
+        let mut cut = 990;
+        while !note.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        note.truncate(cut);
+        note.push_str(" …");
+    }
+    note
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::api::core::v1::{
+        EphemeralVolumeSource, PersistentVolumeClaimVolumeSource, PersistentVolumeStatus, PodSpec, PodStatus,
+        Volume,
+    };
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::{OwnerReference, Time};
+    use kube::api::ObjectMeta;
+    use proptest::prelude::*;
+
+    fn ts() -> Time {
+        Time(Default::default())
+    }
+
+    fn claim(name: &str, deleting: bool, finalizer: bool) -> PersistentVolumeClaim {
+        PersistentVolumeClaim {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                namespace: Some("ns".into()),
+                deletion_timestamp: deleting.then(ts),
+                finalizers: finalizer.then(|| vec!["other".into(), PVC_FINALIZER.into()]),
+                ..Default::default()
+            },
+            ..Default::default()
+        }
+    }
+
+    fn volume(name: &str, phase: Option<&str>, deleting: bool, finalizer: bool) -> PersistentVolume {
+        PersistentVolume {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                deletion_timestamp: deleting.then(ts),
+                finalizers: finalizer.then(|| vec![PV_FINALIZER.into()]),
+                ..Default::default()
+            },
+            status: Some(PersistentVolumeStatus {
+                phase: phase.map(Into::into),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    #[derive(Debug, Clone)]
+    enum Vol {
+        Claim(String),
+        Ephemeral(String),
+        Other(String),
+    }
+
+    fn pod(name: &str, uid: &str, phase: Option<&str>, vols: &[Vol]) -> Pod {
+        let volumes = vols
+            .iter()
+            .map(|v| match v {
+                Vol::Claim(c) => Volume {
+                    name: format!("v-{c}"),
+                    persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
+                        claim_name: c.clone(),
+                        read_only: None,
+                    }),
+                    ..Default::default()
+                },
+                Vol::Ephemeral(n) => Volume {
+                    name: n.clone(),
+                    ephemeral: Some(EphemeralVolumeSource::default()),
+                    ..Default::default()
+                },
+                Vol::Other(n) => Volume {
+                    name: n.clone(),
+                    ..Default::default()
+                },
+            })
+            .collect();
+        Pod {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                namespace: Some("ns".into()),
+                uid: Some(uid.into()),
+                ..Default::default()
+            },
+            spec: Some(PodSpec {
+                volumes: Some(volumes),
+                ..Default::default()
+            }),
+            status: Some(PodStatus {
+                phase: phase.map(Into::into),
+                ..Default::default()
+            }),
+        }
+    }
+
+    fn owned(mut c: PersistentVolumeClaim, uid: &str) -> PersistentVolumeClaim {
+        c.metadata.owner_references = Some(vec![OwnerReference {
+            api_version: "v1".into(),
+            kind: "Pod".into(),
+            name: "p".into(),
+            uid: uid.into(),
+            controller: Some(true),
+            ..Default::default()
+        }]);
+        c
+    }
+
+    #[test]
+    fn running_pod_keeps_deleted_claim() {
+        let c = claim("data", true, true);
+        let p = pod("p", "u1", Some("Running"), &[Vol::Claim("data".into())]);
+        let u = users(&c, [&p]);
+        assert_eq!(
+            decide_pvc(&c, &u),
+            Action::WaitForPods(vec![PodRef {
+                name: "p".into(),
+                uid: "u1".into()
+            }])
+        );
+    }
+
+    #[test]
+    fn finished_or_force_deleted_pods_do_not_count() {
+        let c = claim("data", true, true);
+        for phase in ["Succeeded", "Failed"] {
+            let p = pod("p", "u1", Some(phase), &[Vol::Claim("data".into())]);
+            assert_eq!(
+                decide_pvc(&c, &users(&c, [&p])),
+                Action::RemoveFinalizer,
+                "{phase}"
+            );
+        }
+        let mut p = pod("p", "u1", Some("Running"), &[Vol::Claim("data".into())]);
+        p.metadata.deletion_timestamp = Some(ts());
+        p.metadata.deletion_grace_period_seconds = Some(30);
+        assert!(
+            pod_uses_claim(&p, &c),
+            "a pod still in its grace period uses the claim"
+        );
+        p.metadata.deletion_grace_period_seconds = Some(0);
+        assert!(!pod_uses_claim(&p, &c));
+    }
+
+    #[test]
+    fn unscheduled_pending_pod_counts() {
+        let c = claim("data", true, true);
+        let p = pod("p", "u1", None, &[Vol::Claim("data".into())]);
+        assert!(pod_uses_claim(&p, &c));
+    }
+
+    #[test]
+    fn ephemeral_claim_counts_only_when_owned_by_the_pod() {
+        let p = pod("web", "u1", Some("Running"), &[Vol::Ephemeral("scratch".into())]);
+        assert_eq!(claim_names(&p), vec!["web-scratch".to_string()]);
+        let c = claim("web-scratch", true, true);
+        assert!(!pod_uses_claim(&p, &c), "not owned");
+        assert!(!pod_uses_claim(&p, &owned(c.clone(), "other-uid")));
+        assert!(pod_uses_claim(&p, &owned(c, "u1")));
+        // The name split must be exact: pod "web" volume "scratch" is not claim "web-scratch2".
+        assert!(!pod_uses_claim(
+            &p,
+            &owned(claim("web-scratch2", true, true), "u1")
+        ));
+    }
+
+    #[test]
+    fn other_namespace_does_not_count() {
+        let c = claim("data", true, true);
+        let mut p = pod("p", "u1", Some("Running"), &[Vol::Claim("data".into())]);
+        p.metadata.namespace = Some("elsewhere".into());
+        assert!(!pod_uses_claim(&p, &c));
+    }
+
+    #[test]
+    fn claim_finalizer_is_added_only_to_live_claims() {
+        assert_eq!(decide_pvc(&claim("a", false, false), &[]), Action::AddFinalizer);
+        assert_eq!(decide_pvc(&claim("a", true, false), &[]), Action::Nothing);
+        assert_eq!(decide_pvc(&claim("a", false, true), &[]), Action::Nothing);
+    }
+
+    #[test]
+    fn volume_decisions() {
+        assert_eq!(
+            decide_pv(&volume("v", Some("Bound"), true, true)),
+            Action::WaitForUnbind
+        );
+        for phase in [
+            None,
+            Some("Available"),
+            Some("Released"),
+            Some("Failed"),
+            Some("Pending"),
+        ] {
+            assert_eq!(
+                decide_pv(&volume("v", phase, true, true)),
+                Action::RemoveFinalizer,
+                "{phase:?}"
+            );
+        }
+        assert_eq!(
+            decide_pv(&volume("v", Some("Bound"), false, false)),
+            Action::AddFinalizer
+        );
+        assert_eq!(
+            decide_pv(&volume("v", Some("Bound"), true, false)),
+            Action::Nothing
+        );
+    }
+
+    #[test]
+    fn note_is_bounded_and_names_pods() {
+        let u: Vec<PodRef> = (0..200)
+            .map(|i| PodRef {
+                name: format!("pod-{i:03}-{}", "x".repeat(60)),
+                uid: i.to_string(),
+            })
+            .collect();
+        let n = waiting_note(&u);
+        assert!(n.len() <= 1000, "{}", n.len());
+        assert!(n.contains("pod-000"));
+        let n = waiting_note(&u[..2]);
+        assert!(n.contains(&u[0].name) && n.contains(&u[1].name), "{n}");
+    }
+
+    fn arb_vol() -> impl Strategy<Value = Vol> {
+        prop_oneof![
+            (0u8..4).prop_map(|i| Vol::Claim(format!("c{i}"))),
+            (0u8..3).prop_map(|i| Vol::Ephemeral(format!("e{i}"))),
+            Just(Vol::Other("cfg".into())),
+        ]
+    }
+
+    fn arb_pod() -> impl Strategy<Value = Pod> {
+        (
+            0u8..4,
+            prop_oneof![
+                Just(None),
+                Just(Some("Pending")),
+                Just(Some("Running")),
+                Just(Some("Succeeded")),
+                Just(Some("Failed"))
+            ],
+            proptest::collection::vec(arb_vol(), 0..4),
+            proptest::option::of(0i64..2),
+        )
+            .prop_map(|(i, phase, vols, grace)| {
+                let mut p = pod(&format!("p{i}"), &format!("u{i}"), phase, &vols);
+                if let Some(g) = grace {
+                    p.metadata.deletion_timestamp = Some(ts());
+                    p.metadata.deletion_grace_period_seconds = Some(g);
+                }
+                p
+            })
+    }
+
+    fn arb_claim() -> impl Strategy<Value = PersistentVolumeClaim> {
+        (
+            prop_oneof![
+                (0u8..4).prop_map(|i| format!("c{i}")),
+                (0u8..4, 0u8..3).prop_map(|(p, e)| format!("p{p}-e{e}"))
+            ],
+            any::<bool>(),
+            any::<bool>(),
+            proptest::option::of(0u8..4),
+        )
+            .prop_map(|(name, deleting, fin, owner)| {
+                let c = claim(&name, deleting, fin);
+                match owner {
+                    Some(o) => owned(c, &format!("u{o}")),
+                    None => c,
+                }
+            })
+    }
+
+    proptest! {
+        /// The claim's finalizer goes only when it is being deleted and no live pod that refers
+        /// to it (by name, or as its own ephemeral claim) exists.
+        #[test]
+        fn never_removes_a_claim_a_live_pod_uses(c in arb_claim(), pods in proptest::collection::vec(arb_pod(), 0..6)) {
+            let u = users(&c, &pods);
+            let action = decide_pvc(&c, &u);
+            let name = c.metadata.name.clone().unwrap();
+            let live_user = pods.iter().any(|p| {
+                !pod_is_terminated(p) && p.spec.as_ref().unwrap().volumes.iter().flatten().any(|v| {
+                    v.persistent_volume_claim.as_ref().is_some_and(|s| s.claim_name == name)
+                        || (v.ephemeral.is_some()
+                            && format!("{}-{}", p.metadata.name.as_ref().unwrap(), v.name) == name
+                            && c.metadata.owner_references.iter().flatten().any(|o| Some(&o.uid) == p.metadata.uid.as_ref()))
+                })
+            });
+            if action == Action::RemoveFinalizer {
+                prop_assert!(!live_user);
+                prop_assert!(c.metadata.deletion_timestamp.is_some());
+            }
+            if live_user && c.metadata.deletion_timestamp.is_some() && has(c.metadata.finalizers.as_ref(), PVC_FINALIZER) {
+                prop_assert_eq!(action, Action::WaitForPods(u));
+            }
+        }
+
+        /// Every user found by `users` is indexed under the claim's name (so the index lookup
+        /// can never miss a user the full scan would find).
+        #[test]
+        fn users_are_indexed_under_the_claim(c in arb_claim(), pods in proptest::collection::vec(arb_pod(), 0..6)) {
+            let name = c.metadata.name.clone().unwrap();
+            for p in pods.iter().filter(|p| pod_uses_claim(p, &c)) {
+                prop_assert!(claim_names(p).contains(&name));
+            }
+        }
+
+        /// Carrying out the action reaches a fixed point: a second decision on the result is
+        /// `Nothing` or the same wait.
+        #[test]
+        fn actions_converge(c in arb_claim(), pods in proptest::collection::vec(arb_pod(), 0..6)) {
+            let u = users(&c, &pods);
+            let mut after = c.clone();
+            match decide_pvc(&c, &u) {
+                Action::AddFinalizer => after.metadata.finalizers.get_or_insert_with(Vec::new).push(PVC_FINALIZER.into()),
+                Action::RemoveFinalizer => after.metadata.finalizers.get_or_insert_with(Vec::new).retain(|f| f != PVC_FINALIZER),
+                Action::WaitForPods(w) => { prop_assert!(!w.is_empty()); prop_assert_eq!(decide_pvc(&after, &u), Action::WaitForPods(w)); return Ok(()); }
+                Action::Nothing => {}
+                Action::WaitForUnbind => prop_assert!(false, "not a claim action"),
+            }
+            let again = decide_pvc(&after, &u);
+            prop_assert_eq!(again, Action::Nothing);
+        }
+
+        /// A Bound volume never loses its finalizer; a deleting volume never gains one.
+        #[test]
+        fn volume_safety(phase in prop_oneof![Just(None), Just(Some("Bound")), Just(Some("Released")), Just(Some("Available"))],
+                         deleting in any::<bool>(), fin in any::<bool>()) {
+            let v = volume("v", phase, deleting, fin);
+            let a = decide_pv(&v);
+            if phase == Some("Bound") { prop_assert_ne!(&a, &Action::RemoveFinalizer); }
+            if deleting { prop_assert_ne!(&a, &Action::AddFinalizer); }
+            if a == Action::RemoveFinalizer { prop_assert!(deleting && fin); }
+        }
+    }
+}

@@ -1,0 +1,111 @@
+//! Metrics of both protection controllers, prefix `stowage_protection_`. See docs/protection.md.
+
+use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry};
+use stowage_common::metrics::register;
+
+/// Label values of `kind`.
+pub const PVC: &str = "PersistentVolumeClaim";
+pub const PV: &str = "PersistentVolume";
+/// Label values of `controller`.
+pub const PVC_CONTROLLER: &str = "pvc-protection";
+pub const PV_CONTROLLER: &str = "pv-protection";
+
+/// Cheap to clone (every field is a handle). Create once per registry: a second `new` on the same
+/// registry panics on the duplicate names.
+#[derive(Clone)]
+pub struct Metrics {
+    pub finalizers_added: IntCounterVec,
+    pub finalizers_removed: IntCounterVec,
+    /// Claims being deleted that pods still use.
+    pub claims_waiting: IntGauge,
+    /// Volumes being deleted that are still Bound.
+    pub volumes_waiting: IntGauge,
+    pub reconciles: IntCounterVec,
+    pub errors: IntCounterVec,
+    pub duration: HistogramVec,
+    pub queue_depth: IntGaugeVec,
+    /// Namespace pod lists made to confirm a claim is unused.
+    pub live_lists: IntCounterVec,
+    /// `ClaimInUse` events recorded.
+    pub in_use_events: IntCounterVec,
+}
+
+impl Metrics {
+    pub fn new(registry: &Registry) -> Self {
+        let counter = |name: &str, help: &str, labels: &[&str]| {
+            register(
+                registry,
+                IntCounterVec::new(Opts::new(name, help), labels).expect("static metric definition"),
+            )
+        };
+        let gauge = |name: &str, help: &str| {
+            register(
+                registry,
+                IntGauge::new(name, help).expect("static metric definition"),
+            )
+        };
+        Self {
+            finalizers_added: counter(
+                "stowage_protection_finalizers_added_total",
+                "Protection finalizers added to objects that lacked them, by kind.",
+                &["kind"],
+            ),
+            finalizers_removed: counter(
+                "stowage_protection_finalizers_removed_total",
+                "Protection finalizers removed from deleted objects nothing uses any more, by kind.",
+                &["kind"],
+            ),
+            claims_waiting: gauge(
+                "stowage_protection_claims_waiting_on_pods",
+                "Claims being deleted whose deletion waits for pods that still use them.",
+            ),
+            volumes_waiting: gauge(
+                "stowage_protection_volumes_waiting_on_unbind",
+                "Volumes being deleted whose deletion waits because they are still Bound.",
+            ),
+            reconciles: counter(
+                "stowage_protection_reconcile_total",
+                "Syncs of one object, by controller.",
+                &["controller"],
+            ),
+            errors: counter(
+                "stowage_protection_reconcile_errors_total",
+                "Syncs that failed and were retried with backoff, by controller and reason (conflict, api).",
+                &["controller", "reason"],
+            ),
+            duration: register(
+                registry,
+                HistogramVec::new(
+                    HistogramOpts::new(
+                        "stowage_protection_reconcile_duration_seconds",
+                        "Time of one sync including its API calls, by controller.",
+                    )
+                    .buckets(prometheus::exponential_buckets(0.0005, 2.0, 16).expect("static buckets")),
+                    &["controller"],
+                )
+                .expect("static metric definition"),
+            ),
+            queue_depth: register(
+                registry,
+                IntGaugeVec::new(
+                    Opts::new(
+                        "stowage_protection_queue_depth",
+                        "Objects waiting in the work queue (ready or backing off).",
+                    ),
+                    &["controller"],
+                )
+                .expect("static metric definition"),
+            ),
+            live_lists: counter(
+                "stowage_protection_live_pod_lists_total",
+                "Live pod lists of a namespace made to confirm a claim is unused before removing its finalizer.",
+                &["outcome"],
+            ),
+            in_use_events: counter(
+                "stowage_protection_claim_in_use_events_total",
+                "ClaimInUse events recorded (one per change of the set of pods a deleted claim waits for).",
+                &["type"],
+            ),
+        }
+    }
+}

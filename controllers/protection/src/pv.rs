@@ -1,0 +1,177 @@
+//! pv-protection: the async layer. A volume being deleted keeps its finalizer while Bound; the
+//! resourceVersion guard on the patch means a store that still shows an old Released phase
+//! cannot take the finalizer off a volume that was bound again meanwhile.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+
+use k8s_openapi::api::core::v1::PersistentVolume;
+use kube::Api;
+use kube::runtime::reflector::ObjectRef;
+use stowage_common::cluster::Cluster;
+use stowage_common::informer::Change;
+use tokio::time::Instant;
+
+use crate::core::{Action, PV_FINALIZER, decide_pv};
+use crate::metrics::{self, Metrics};
+use crate::pvc::{Feed, feed, try_feed};
+use crate::queue::WorkQueue;
+use crate::write::{self, WriteError};
+
+struct PvProtection {
+    cluster: Arc<Cluster>,
+    metrics: Metrics,
+    queue: WorkQueue<String>,
+    /// Volumes being deleted that are still Bound.
+    waiting: HashSet<String>,
+}
+
+fn needs_sync(pv: &PersistentVolume) -> bool {
+    decide_pv(pv) != Action::Nothing
+}
+
+/// Runs pv-protection until the feed closes or the future is dropped.
+pub async fn run_pv_protection(cluster: Arc<Cluster>, metrics: Metrics) -> anyhow::Result<()> {
+    let mut volumes = cluster.pvs.subscribe();
+    cluster.pvs.ready().await;
+    let mut c = PvProtection {
+        cluster,
+        metrics,
+        queue: WorkQueue::default(),
+        waiting: HashSet::new(),
+    };
+    c.resync();
+    tracing::info!("pv-protection started");
+    loop {
+        while let Some(f) = try_feed(volumes.try_recv())? {
+            c.on_volume(f);
+        }
+        c.metrics
+            .queue_depth
+            .with_label_values(&[metrics::PV_CONTROLLER])
+            .set(c.queue.len() as i64);
+        if let Some(name) = c.queue.pop(Instant::now()) {
+            c.sync(name).await;
+            continue;
+        }
+        let due = c.queue.next_due();
+        tokio::select! {
+            r = volumes.recv() => c.on_volume(feed(r)?),
+            _ = tokio::time::sleep_until(due.unwrap_or_else(Instant::now)), if due.is_some() => {}
+        }
+    }
+}
+
+impl PvProtection {
+    fn on_volume(&mut self, f: Feed<PersistentVolume>) {
+        match f {
+            Feed::Change(Change::Applied(pv)) => {
+                let name = pv.metadata.name.clone().unwrap_or_default();
+                if needs_sync(&pv) {
+                    self.queue.add(name);
+                } else {
+                    self.set_waiting(&name, false);
+                }
+            }
+            Feed::Change(Change::Deleted(pv)) => {
+                let name = pv.metadata.name.clone().unwrap_or_default();
+                self.queue.forget(&name);
+                self.set_waiting(&name, false);
+            }
+            Feed::Change(Change::Resynced) | Feed::Lagged => self.resync(),
+        }
+    }
+
+    fn resync(&mut self) {
+        let all = self.cluster.pvs.store().state();
+        let present: HashSet<String> = all.iter().filter_map(|v| v.metadata.name.clone()).collect();
+        self.waiting.retain(|n| present.contains(n));
+        self.metrics.volumes_waiting.set(self.waiting.len() as i64);
+        for pv in all.iter().filter(|v| needs_sync(v)) {
+            self.queue.add(pv.metadata.name.clone().unwrap_or_default());
+        }
+    }
+
+    fn set_waiting(&mut self, name: &str, on: bool) {
+        let changed = if on {
+            self.waiting.insert(name.to_string())
+        } else {
+            self.waiting.remove(name)
+        };
+        if changed {
+            self.metrics.volumes_waiting.set(self.waiting.len() as i64);
+            if on {
+                tracing::info!(volume = name, "volume deletion waits until it is no longer Bound");
+            }
+        }
+    }
+
+    async fn sync(&mut self, name: String) {
+        let started = std::time::Instant::now();
+        self.metrics
+            .reconciles
+            .with_label_values(&[metrics::PV_CONTROLLER])
+            .inc();
+        let result = self.sync_inner(&name).await;
+        self.metrics
+            .duration
+            .with_label_values(&[metrics::PV_CONTROLLER])
+            .observe(started.elapsed().as_secs_f64());
+        match result {
+            Ok(()) => self.queue.forget(&name),
+            Err(e) => {
+                self.metrics
+                    .errors
+                    .with_label_values(&[metrics::PV_CONTROLLER, e.reason()])
+                    .inc();
+                let delay = self.queue.retry(name.clone(), Instant::now());
+                tracing::debug!(volume = %name, error = %e, ?delay, "sync failed, retrying");
+            }
+        }
+    }
+
+    async fn sync_inner(&mut self, name: &str) -> Result<(), WriteError> {
+        let Some(pv) = self.cluster.pvs.store().get(&ObjectRef::new(name)) else {
+            self.set_waiting(name, false);
+            return Ok(());
+        };
+        let api: Api<PersistentVolume> = Api::all(self.cluster.client.clone());
+        match decide_pv(&pv) {
+            Action::WaitForUnbind => {
+                self.set_waiting(name, true);
+                Ok(())
+            }
+            Action::AddFinalizer => {
+                let Some(patch) = write::add_finalizer(&pv.metadata, PV_FINALIZER) else {
+                    return Ok(());
+                };
+                if write::send(&api, name, patch).await?.is_some() {
+                    self.metrics
+                        .finalizers_added
+                        .with_label_values(&[metrics::PV])
+                        .inc();
+                    tracing::info!(volume = name, "added protection finalizer");
+                }
+                Ok(())
+            }
+            Action::RemoveFinalizer => {
+                let Some(patch) = write::remove_finalizer(&pv.metadata, PV_FINALIZER) else {
+                    return Ok(());
+                };
+                if write::send(&api, name, patch).await?.is_some() {
+                    self.metrics
+                        .finalizers_removed
+                        .with_label_values(&[metrics::PV])
+                        .inc();
+                    tracing::info!(volume = name, "removed protection finalizer: volume is not Bound");
+                }
+                self.set_waiting(name, false);
+                Ok(())
+            }
+            Action::Nothing | Action::WaitForPods(_) => {
+                self.set_waiting(name, false);
+                Ok(())
+            }
+        }
+    }
+}

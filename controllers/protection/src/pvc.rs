@@ -1,0 +1,309 @@
+//! pvc-protection: the async layer. One task owns the queue, the pods-by-claim index and the
+//! record of which pods each waiting claim was last reported with; syncs run one at a time (as
+//! upstream's single worker), each a store read, at most one live pod list, and one patch.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use anyhow::bail;
+use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
+use kube::api::ListParams;
+use kube::runtime::reflector::ObjectRef;
+use kube::{Api, Resource};
+use stowage_common::cluster::Cluster;
+use stowage_common::events::Events;
+use stowage_common::informer::Change;
+use tokio::sync::broadcast::error::{RecvError, TryRecvError};
+use tokio::time::Instant;
+
+use crate::core::{Action, PVC_FINALIZER, PodRef, decide_pvc, pvc_needs_sync, users, waiting_note};
+use crate::index::{Key, PodsByClaim, key_of};
+use crate::metrics::{self, Metrics};
+use crate::queue::WorkQueue;
+use crate::write::{self, WriteError};
+
+/// Reason of the event on a claim whose deletion waits for pods.
+pub const REASON_CLAIM_IN_USE: &str = "ClaimInUse";
+/// Reporting controller of the events.
+const EVENT_SOURCE: &str = "stowage-protection";
+
+struct PvcProtection {
+    cluster: Arc<Cluster>,
+    metrics: Metrics,
+    queue: WorkQueue<Key>,
+    index: PodsByClaim,
+    /// Claims waiting for pods, with the pods last reported in an event.
+    waiting: HashMap<Key, Vec<PodRef>>,
+}
+
+pub(crate) enum Feed<K> {
+    Change(Change<K>),
+    Lagged,
+}
+
+pub(crate) fn feed<K>(r: Result<Change<K>, RecvError>) -> anyhow::Result<Feed<K>> {
+    match r {
+        Ok(c) => Ok(Feed::Change(c)),
+        Err(RecvError::Lagged(_)) => Ok(Feed::Lagged),
+        Err(RecvError::Closed) => bail!("change feed closed"),
+    }
+}
+
+pub(crate) fn try_feed<K>(r: Result<Change<K>, TryRecvError>) -> anyhow::Result<Option<Feed<K>>> {
+    match r {
+        Ok(c) => Ok(Some(Feed::Change(c))),
+        Err(TryRecvError::Empty) => Ok(None),
+        Err(TryRecvError::Lagged(_)) => Ok(Some(Feed::Lagged)),
+        Err(TryRecvError::Closed) => bail!("change feed closed"),
+    }
+}
+
+/// Runs pvc-protection until the feeds close (the informers stopped) or the future is dropped.
+pub async fn run_pvc_protection(cluster: Arc<Cluster>, metrics: Metrics) -> anyhow::Result<()> {
+    // Subscribe before the first scan, so nothing that changes during it is missed.
+    let mut claims = cluster.pvcs.subscribe();
+    let mut pods = cluster.pods.subscribe();
+    cluster.pvcs.ready().await;
+    cluster.pods.ready().await;
+    let mut c = PvcProtection {
+        cluster,
+        metrics,
+        queue: WorkQueue::default(),
+        index: PodsByClaim::default(),
+        waiting: HashMap::new(),
+    };
+    c.resync_pods();
+    c.resync_claims();
+    tracing::info!("pvc-protection started");
+    loop {
+        // Take in everything already announced before the next sync, so it decides on the
+        // newest view and a burst of changes to one claim becomes one sync.
+        while let Some(f) = try_feed(claims.try_recv())? {
+            c.on_claim(f);
+        }
+        while let Some(f) = try_feed(pods.try_recv())? {
+            c.on_pod(f);
+        }
+        c.metrics
+            .queue_depth
+            .with_label_values(&[metrics::PVC_CONTROLLER])
+            .set(c.queue.len() as i64);
+        if let Some(key) = c.queue.pop(Instant::now()) {
+            c.sync(key).await;
+            continue;
+        }
+        let due = c.queue.next_due();
+        tokio::select! {
+            r = claims.recv() => c.on_claim(feed(r)?),
+            r = pods.recv() => c.on_pod(feed(r)?),
+            _ = tokio::time::sleep_until(due.unwrap_or_else(Instant::now)), if due.is_some() => {}
+        }
+    }
+}
+
+impl PvcProtection {
+    fn claim(&self, key: &Key) -> Option<Arc<PersistentVolumeClaim>> {
+        self.cluster
+            .pvcs
+            .store()
+            .get(&ObjectRef::new(&key.1).within(&key.0))
+    }
+
+    fn on_claim(&mut self, f: Feed<PersistentVolumeClaim>) {
+        match f {
+            Feed::Change(Change::Applied(pvc)) => {
+                let key = key_of(&pvc.metadata);
+                if pvc_needs_sync(&pvc) {
+                    self.queue.add(key);
+                } else if self.waiting.remove(&key).is_some() {
+                    // Someone else took the finalizer off: it no longer waits on our account.
+                    self.update_waiting_gauge();
+                }
+            }
+            Feed::Change(Change::Deleted(pvc)) => {
+                let key = key_of(&pvc.metadata);
+                self.queue.forget(&key);
+                if self.waiting.remove(&key).is_some() {
+                    self.update_waiting_gauge();
+                }
+            }
+            Feed::Change(Change::Resynced) | Feed::Lagged => self.resync_claims(),
+        }
+    }
+
+    fn on_pod(&mut self, f: Feed<Pod>) {
+        let touched = match f {
+            Feed::Change(Change::Applied(pod)) => self.index.apply(&pod),
+            Feed::Change(Change::Deleted(pod)) => self.index.delete(&pod),
+            Feed::Change(Change::Resynced) | Feed::Lagged => {
+                self.resync_pods();
+                // Pods deleted while the watch was down left no `Deleted`: look at every claim.
+                self.resync_claims();
+                return;
+            }
+        };
+        // A pod change matters only to claims that are being deleted or lack the finalizer.
+        for key in touched {
+            if self.claim(&key).is_some_and(|p| pvc_needs_sync(&p)) {
+                self.queue.add(key);
+            }
+        }
+    }
+
+    fn resync_pods(&mut self) {
+        let pods = self.cluster.pods.store().state();
+        self.index.rebuild(pods.iter().map(|p| p.as_ref()));
+    }
+
+    fn resync_claims(&mut self) {
+        let claims = self.cluster.pvcs.store().state();
+        let present: std::collections::HashSet<Key> = claims.iter().map(|c| key_of(&c.metadata)).collect();
+        self.waiting.retain(|k, _| present.contains(k));
+        self.update_waiting_gauge();
+        for c in claims.iter().filter(|c| pvc_needs_sync(c)) {
+            self.queue.add(key_of(&c.metadata));
+        }
+    }
+
+    fn update_waiting_gauge(&self) {
+        self.metrics.claims_waiting.set(self.waiting.len() as i64);
+    }
+
+    /// Users of `pvc` according to the shared pod store.
+    fn cached_users(&self, pvc: &PersistentVolumeClaim, key: &Key) -> Vec<PodRef> {
+        let store = self.cluster.pods.store();
+        let pods: Vec<Arc<Pod>> = self
+            .index
+            .pods_of(key)
+            .filter_map(|name| store.get(&ObjectRef::new(name).within(&key.0)))
+            .collect();
+        users(pvc, pods.iter().map(|p| p.as_ref()))
+    }
+
+    async fn sync(&mut self, key: Key) {
+        let started = std::time::Instant::now();
+        self.metrics
+            .reconciles
+            .with_label_values(&[metrics::PVC_CONTROLLER])
+            .inc();
+        let result = self.sync_inner(&key).await;
+        self.metrics
+            .duration
+            .with_label_values(&[metrics::PVC_CONTROLLER])
+            .observe(started.elapsed().as_secs_f64());
+        match result {
+            Ok(()) => self.queue.forget(&key),
+            Err(e) => {
+                self.metrics
+                    .errors
+                    .with_label_values(&[metrics::PVC_CONTROLLER, e.reason()])
+                    .inc();
+                let delay = self.queue.retry(key.clone(), Instant::now());
+                tracing::debug!(claim = %format!("{}/{}", key.0, key.1), error = %e, ?delay, "sync failed, retrying");
+            }
+        }
+    }
+
+    async fn sync_inner(&mut self, key: &Key) -> Result<(), WriteError> {
+        let Some(pvc) = self.claim(key) else {
+            if self.waiting.remove(key).is_some() {
+                self.update_waiting_gauge();
+            }
+            return Ok(());
+        };
+        let cached = self.cached_users(&pvc, key);
+        match decide_pvc(&pvc, &cached) {
+            Action::Nothing | Action::WaitForUnbind => {
+                if self.waiting.remove(key).is_some() {
+                    self.update_waiting_gauge();
+                }
+                Ok(())
+            }
+            Action::WaitForPods(users) => {
+                self.report_waiting(key, &pvc, users).await;
+                Ok(())
+            }
+            Action::AddFinalizer => self.add_finalizer(&pvc).await,
+            Action::RemoveFinalizer => {
+                // The store may not have seen a pod created a moment ago: ask the apiserver.
+                let live = self.live_users(&pvc, key).await?;
+                match decide_pvc(&pvc, &live) {
+                    Action::RemoveFinalizer => self.remove_finalizer(&pvc, key).await,
+                    Action::WaitForPods(users) => {
+                        self.report_waiting(key, &pvc, users).await;
+                        Ok(())
+                    }
+                    _ => Ok(()),
+                }
+            }
+        }
+    }
+
+    async fn live_users(&self, pvc: &PersistentVolumeClaim, key: &Key) -> Result<Vec<PodRef>, WriteError> {
+        let api: Api<Pod> = Api::namespaced(self.cluster.client.clone(), &key.0);
+        // No resourceVersion: a consistent read, newer than the claim's deletion we reacted to.
+        match api.list(&ListParams::default()).await {
+            Ok(list) => {
+                let u = users(pvc, &list.items);
+                let outcome = if u.is_empty() { "unused" } else { "in_use" };
+                self.metrics.live_lists.with_label_values(&[outcome]).inc();
+                Ok(u)
+            }
+            Err(e) => {
+                self.metrics.live_lists.with_label_values(&["error"]).inc();
+                Err(WriteError::Api(e))
+            }
+        }
+    }
+
+    async fn report_waiting(&mut self, key: &Key, pvc: &PersistentVolumeClaim, users: Vec<PodRef>) {
+        if self.waiting.get(key) == Some(&users) {
+            return; // same pods as already reported: no event on every resync
+        }
+        tracing::info!(claim = %format!("{}/{}", key.0, key.1), pods = ?users.iter().map(|u| &u.name).collect::<Vec<_>>(), "claim deletion waits for pods");
+        let note = waiting_note(&users);
+        self.waiting.insert(key.clone(), users);
+        self.update_waiting_gauge();
+        self.metrics.in_use_events.with_label_values(&["Normal"]).inc();
+        // A fresh recorder per change: the shared recorder folds events by (reason, action,
+        // object) into one series that keeps the first note, which would hide the new pod list.
+        // Changes are rare (once per change of the pod set), so nothing needs folding here.
+        Events::new(self.cluster.client.clone(), EVENT_SOURCE)
+            .normal(&pvc.object_ref(&()), REASON_CLAIM_IN_USE, "Delete", note)
+            .await;
+    }
+
+    async fn add_finalizer(&self, pvc: &PersistentVolumeClaim) -> Result<(), WriteError> {
+        let Some(patch) = write::add_finalizer(&pvc.metadata, PVC_FINALIZER) else {
+            return Ok(()); // no resourceVersion: not an object from the apiserver
+        };
+        let (ns, name) = key_of(&pvc.metadata);
+        let api: Api<PersistentVolumeClaim> = Api::namespaced(self.cluster.client.clone(), &ns);
+        if write::send(&api, &name, patch).await?.is_some() {
+            self.metrics
+                .finalizers_added
+                .with_label_values(&[metrics::PVC])
+                .inc();
+            tracing::info!(claim = %format!("{ns}/{name}"), "added protection finalizer");
+        }
+        Ok(())
+    }
+
+    async fn remove_finalizer(&mut self, pvc: &PersistentVolumeClaim, key: &Key) -> Result<(), WriteError> {
+        let Some(patch) = write::remove_finalizer(&pvc.metadata, PVC_FINALIZER) else {
+            return Ok(());
+        };
+        let api: Api<PersistentVolumeClaim> = Api::namespaced(self.cluster.client.clone(), &key.0);
+        if write::send(&api, &key.1, patch).await?.is_some() {
+            self.metrics
+                .finalizers_removed
+                .with_label_values(&[metrics::PVC])
+                .inc();
+        }
+        if self.waiting.remove(key).is_some() {
+            self.update_waiting_gauge();
+        }
+        tracing::info!(claim = %format!("{}/{}", key.0, key.1), "removed protection finalizer: no pod uses the claim");
+        Ok(())
+    }
+}
