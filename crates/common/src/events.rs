@@ -1,5 +1,9 @@
-//! Events for people: a thin wrapper over kube-runtime's recorder (which folds repeats into a
-//! series) that logs instead of failing when the apiserver refuses an event.
+//! Events for people: a thin wrapper over kube-runtime's recorder that logs instead of failing
+//! when the apiserver refuses an event.
+//!
+//! kube-runtime's recorder folds events into a series by (object, reason, action) and keeps the
+//! first note, so a changed explanation would never show. Callers here report a condition once
+//! per change already, so every publish is a new event with its own note.
 
 use k8s_openapi::api::core::v1::ObjectReference;
 use kube::Client;
@@ -7,7 +11,8 @@ use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 
 #[derive(Clone)]
 pub struct Events {
-    recorder: Recorder,
+    client: Client,
+    reporter: Reporter,
 }
 
 impl Events {
@@ -17,9 +22,7 @@ impl Events {
             controller: controller.into(),
             instance: std::env::var("POD_NAME").ok(),
         };
-        Self {
-            recorder: Recorder::new(client, reporter),
-        }
+        Self { client, reporter }
     }
 
     pub async fn normal(&self, on: &ObjectReference, reason: &str, action: &str, note: String) {
@@ -45,7 +48,8 @@ impl Events {
             action: action.into(),
             secondary: None,
         };
-        if let Err(e) = self.recorder.publish(&ev, on).await {
+        let recorder = Recorder::new(self.client.clone(), self.reporter.clone());
+        if let Err(e) = recorder.publish(&ev, on).await {
             tracing::warn!(reason, error = %e, "cannot record event");
         }
     }

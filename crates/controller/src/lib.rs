@@ -76,6 +76,7 @@ pub struct Args {
 #[derive(Clone)]
 struct Wiring {
     binder: (stowage_binder::Metrics, stowage_binder::Config),
+    protection: stowage_protection::Metrics,
 }
 
 impl Wiring {
@@ -89,6 +90,7 @@ impl Wiring {
                     max_in_flight: args.binder_max_in_flight,
                 },
             ),
+            protection: stowage_protection::Metrics::new(registry),
         }
     }
 }
@@ -216,6 +218,15 @@ async fn run_controllers(
             "binder" => {
                 let (m, c) = wiring.binder.clone();
                 running.spawn(async move { (name, stowage_binder::run(cluster, m, c).await) });
+            }
+            "pvc-protection" => {
+                let m = wiring.protection.clone();
+                running
+                    .spawn(async move { (name, stowage_protection::run_pvc_protection(cluster, m).await) });
+            }
+            "pv-protection" => {
+                let m = wiring.protection.clone();
+                running.spawn(async move { (name, stowage_protection::run_pv_protection(cluster, m).await) });
             }
             other => tracing::warn!(controller = other, "controller not available in this build"),
         }
