@@ -15,8 +15,13 @@ async fn agent_serves_parseable_metrics_and_health() {
         format!("--node-name={}", unique("node")),
         format!("--root-dir={}", root.display()),
     ];
-    let r = Running::start(std::path::Path::new(env!("CARGO_BIN_EXE_stowage-agent")), &args, &logs, "agent-shell")
-        .unwrap();
+    let r = Running::start(
+        std::path::Path::new(env!("CARGO_BIN_EXE_stowage-agent")),
+        &args,
+        &logs,
+        "agent-shell",
+    )
+    .unwrap();
     eventually(Duration::from_secs(60), || async {
         match r.get("/readyz") {
             Ok((200, _)) => Ok(()),

@@ -1,0 +1,496 @@
+//! The attacher: what external-attacher does for a CSI driver, done on the node for the loop
+//! driver. A VolumeAttachment of this node gets our finalizer first, then its image is attached to
+//! a loop device and the status says where; on deletion the device is released (once nothing
+//! mounts it) and the finalizer dropped.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::ObjectReference;
+use k8s_openapi::api::storage::v1::VolumeAttachment;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Patch, PatchParams};
+use kube::{Api, ResourceExt};
+use tokio::sync::{mpsc, watch};
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+
+use crate::ctx::{Ctx, is_ours};
+use crate::mountinfo;
+use crate::paths::{DRIVER, VA_FINALIZER, image_path};
+use crate::sys;
+use crate::tracker::{OpKey, Tracker};
+
+/// Re-check of attached devices (a node reboot or a manual `losetup -d` frees them).
+const VERIFY_PERIOD: Duration = Duration::from_secs(5);
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum VaAction {
+    AddFinalizer,
+    Attach,
+    Detach,
+}
+
+impl VaAction {
+    fn kind(self) -> &'static str {
+        match self {
+            VaAction::AddFinalizer => "finalize",
+            VaAction::Attach => "attach",
+            VaAction::Detach => "detach",
+        }
+    }
+}
+
+/// What a VolumeAttachment needs. `device_ok` says whether the device its status names still
+/// backs the volume's image (`None` when not checked).
+pub fn decide(va: &VolumeAttachment, node: &str, device_ok: Option<bool>) -> Option<VaAction> {
+    if !is_ours(va, node) {
+        return None;
+    }
+    let has_finalizer = va.finalizers().iter().any(|f| f == VA_FINALIZER);
+    if va.metadata.deletion_timestamp.is_some() {
+        return has_finalizer.then_some(VaAction::Detach);
+    }
+    if !has_finalizer {
+        // Before any device exists, so the attachment cannot vanish while holding one.
+        return Some(VaAction::AddFinalizer);
+    }
+    let st = va.status.as_ref();
+    let attached = st.is_some_and(|s| s.attached);
+    let has_path = st
+        .and_then(|s| s.attachment_metadata.as_ref())
+        .is_some_and(|m| m.contains_key("devicePath"));
+    if !attached || !has_path || device_ok == Some(false) {
+        return Some(VaAction::Attach);
+    }
+    None
+}
+
+struct Done {
+    key: OpKey,
+    kind: &'static str,
+    ok: bool,
+}
+
+pub async fn run(ctx: Arc<Ctx>, mut stop: watch::Receiver<bool>) {
+    tokio::join!(ctx.vas.ready(), ctx.pvs.ready());
+    let mut vas_rx = ctx.vas.subscribe();
+    let mut pvs_rx = ctx.pvs.subscribe();
+    let (tx, mut rx) = mpsc::unbounded_channel::<Done>();
+    let mut tracker = Tracker::default();
+    let mut tasks = JoinSet::new();
+    let mut last_verify = Instant::now() - VERIFY_PERIOD;
+    tracing::info!("attacher started");
+    loop {
+        let now = Instant::now();
+        let verify = now.duration_since(last_verify) >= VERIFY_PERIOD;
+        if verify {
+            last_verify = now;
+        }
+        let mut wanted = std::collections::BTreeSet::new();
+        for va in ctx.vas.store().state() {
+            if !is_ours(&va, &ctx.node) {
+                continue;
+            }
+            let key = OpKey::volume(&va.name_any());
+            let device_ok = if verify && !tracker.is_running(&key) {
+                device_ok(&ctx, &va).await
+            } else {
+                None
+            };
+            let Some(action) = decide(&va, &ctx.node, device_ok) else {
+                continue;
+            };
+            wanted.insert(key.clone());
+            if !tracker.can_start(&key, action.kind(), now) {
+                continue;
+            }
+            tracker.start(key.clone());
+            let (ctx, tx) = (ctx.clone(), tx.clone());
+            tasks.spawn(async move {
+                let ok = execute(&ctx, &va, action).await;
+                let _ = tx.send(Done {
+                    key,
+                    kind: action.kind(),
+                    ok,
+                });
+            });
+        }
+        tracker.retain(|k| wanted.contains(k));
+        ctx.metrics.passes.with_label_values(&["attacher"]).inc();
+        let wake = tracker
+            .next_expiry(now)
+            .map_or(now + VERIFY_PERIOD, |t| t.min(now + VERIFY_PERIOD));
+        tokio::select! {
+            _ = vas_rx.recv() => {}
+            _ = pvs_rx.recv() => {}
+            Some(d) = rx.recv() => tracker.finish(&d.key, d.kind, d.ok, Instant::now()),
+            _ = tokio::time::sleep_until(wake) => {}
+            _ = stop.changed() => break,
+        }
+        while let Ok(d) = rx.try_recv() {
+            tracker.finish(&d.key, d.kind, d.ok, Instant::now());
+        }
+        crate::volumes::drain(&mut vas_rx);
+        crate::volumes::drain(&mut pvs_rx);
+    }
+    let _ = tokio::time::timeout(Duration::from_secs(30), async {
+        while tasks.join_next().await.is_some() {}
+    })
+    .await;
+}
+
+/// For an attached VA: does the device in its status still back its image?
+async fn device_ok(ctx: &Ctx, va: &VolumeAttachment) -> Option<bool> {
+    let st = va.status.as_ref().filter(|s| s.attached)?;
+    let dev = st.attachment_metadata.as_ref()?.get("devicePath")?;
+    let handle = handle_of(ctx, va)?;
+    let image = image_path(&ctx.image_dir, &handle)?;
+    Some(sys::backs(dev, &image).await)
+}
+
+/// The volume handle: from the PV, else from what we wrote into the status at attach time (the
+/// PV may be gone by the time the attachment is deleted).
+fn handle_of(ctx: &Ctx, va: &VolumeAttachment) -> Option<String> {
+    let from_pv = va
+        .spec
+        .source
+        .persistent_volume_name
+        .as_deref()
+        .and_then(|n| ctx.pv(n))
+        .and_then(|pv| {
+            pv.spec
+                .as_ref()?
+                .csi
+                .as_ref()
+                .filter(|c| c.driver == DRIVER)
+                .map(|c| c.volume_handle.clone())
+        });
+    from_pv.or_else(|| {
+        va.status
+            .as_ref()?
+            .attachment_metadata
+            .as_ref()?
+            .get("volumeHandle")
+            .cloned()
+    })
+}
+
+fn reference(va: &VolumeAttachment) -> ObjectReference {
+    ObjectReference {
+        api_version: Some("storage.k8s.io/v1".into()),
+        kind: Some("VolumeAttachment".into()),
+        name: va.metadata.name.clone(),
+        uid: va.metadata.uid.clone(),
+        ..Default::default()
+    }
+}
+
+fn now_time() -> serde_json::Value {
+    serde_json::to_value(Time(Timestamp::now())).unwrap_or(serde_json::Value::Null)
+}
+
+async fn execute(ctx: &Ctx, va: &VolumeAttachment, action: VaAction) -> bool {
+    let api: Api<VolumeAttachment> = Api::all(ctx.client.clone());
+    let name = va.name_any();
+    match action {
+        VaAction::AddFinalizer => {
+            let mut fins = va.finalizers().to_vec();
+            fins.push(VA_FINALIZER.into());
+            let patch = serde_json::json!({
+                "metadata": { "finalizers": fins, "resourceVersion": va.metadata.resource_version }
+            });
+            match api
+                .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+                .await
+            {
+                Ok(_) => true,
+                Err(e) => {
+                    tracing::info!(va = %name, error = %e, "cannot add finalizer, will retry");
+                    false
+                }
+            }
+        }
+        VaAction::Attach => {
+            let started = std::time::Instant::now();
+            let r = attach(ctx, va).await;
+            ctx.metrics.record("attach", started, r.is_ok());
+            let patch = match &r {
+                Ok((dev, handle)) => {
+                    tracing::info!(va = %name, device = %dev, "attached");
+                    serde_json::json!({ "status": {
+                        "attached": true,
+                        "attachmentMetadata": { "devicePath": dev, "volumeHandle": handle },
+                        "attachError": null,
+                    }})
+                }
+                Err(msg) => {
+                    tracing::warn!(va = %name, error = %msg, "attach failed");
+                    ctx.events
+                        .warning(&reference(va), "FailedAttach", "Attach", msg.clone())
+                        .await;
+                    serde_json::json!({ "status": {
+                        "attached": false,
+                        "attachError": { "message": msg, "time": now_time() },
+                    }})
+                }
+            };
+            match api
+                .patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
+                .await
+            {
+                Ok(_) => r.is_ok(),
+                Err(e) => {
+                    tracing::warn!(va = %name, error = %e, "cannot write attachment status");
+                    false
+                }
+            }
+        }
+        VaAction::Detach => {
+            let started = std::time::Instant::now();
+            let r = detach(ctx, va).await;
+            ctx.metrics.record("detach", started, r.is_ok());
+            match r {
+                Ok(()) => {
+                    let status = serde_json::json!({ "status": {
+                        "attached": false, "attachmentMetadata": null, "detachError": null,
+                    }});
+                    if let Err(e) = api
+                        .patch_status(&name, &PatchParams::default(), &Patch::Merge(&status))
+                        .await
+                        && !is_not_found(&e)
+                    {
+                        tracing::warn!(va = %name, error = %e, "cannot write detached status");
+                    }
+                    let fins: Vec<String> = va
+                        .finalizers()
+                        .iter()
+                        .filter(|f| *f != VA_FINALIZER)
+                        .cloned()
+                        .collect();
+                    let patch = serde_json::json!({ "metadata": { "finalizers": fins } });
+                    match api
+                        .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+                        .await
+                    {
+                        Ok(_) => {
+                            tracing::info!(va = %name, "detached");
+                            true
+                        }
+                        Err(e) if is_not_found(&e) => true,
+                        Err(e) => {
+                            tracing::warn!(va = %name, error = %e, "cannot remove finalizer");
+                            false
+                        }
+                    }
+                }
+                Err(msg) => {
+                    tracing::warn!(va = %name, error = %msg, "detach failed");
+                    ctx.events
+                        .warning(&reference(va), "FailedDetach", "Detach", msg.clone())
+                        .await;
+                    let patch = serde_json::json!({ "status": {
+                        "detachError": { "message": msg, "time": now_time() },
+                    }});
+                    let _ = api
+                        .patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
+                        .await;
+                    false
+                }
+            }
+        }
+    }
+}
+
+fn is_not_found(e: &kube::Error) -> bool {
+    matches!(e, kube::Error::Api(s) if s.code == 404)
+}
+
+/// Attaches the image; returns (device, handle) or the reason in words.
+async fn attach(ctx: &Ctx, va: &VolumeAttachment) -> Result<(String, String), String> {
+    let pv_name = va
+        .spec
+        .source
+        .persistent_volume_name
+        .clone()
+        .ok_or("inline volume specs are not supported by loop.stowage.dev; name a PersistentVolume")?;
+    let pv = ctx
+        .pv(&pv_name)
+        .ok_or_else(|| format!("persistentvolume \"{pv_name}\" not found"))?;
+    if pv.metadata.deletion_timestamp.is_some() {
+        return Err(format!("persistentvolume \"{pv_name}\" is being deleted"));
+    }
+    let csi = pv
+        .spec
+        .as_ref()
+        .and_then(|s| s.csi.as_ref())
+        .filter(|c| c.driver == DRIVER)
+        .ok_or_else(|| format!("persistentvolume \"{pv_name}\" is not a {DRIVER} volume"))?;
+    let handle = csi.volume_handle.clone();
+    let image = image_path(&ctx.image_dir, &handle)
+        .ok_or_else(|| format!("volume handle {handle:?} is not a plain file name"))?;
+    match tokio::fs::metadata(&image).await {
+        Ok(m) if m.is_file() => {}
+        Ok(_) => return Err(format!("image {} is not a regular file", image.display())),
+        Err(e) => return Err(format!("image file {} of volume {pv_name}: {e}", image.display())),
+    }
+    let existing = sys::loops_of(&image).await.map_err(|e| e.to_string())?;
+    if let Some(dev) = existing.into_iter().next() {
+        return Ok((dev, handle));
+    }
+    let dev = sys::loop_attach(&image, csi.read_only.unwrap_or(false))
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok((dev, handle))
+}
+
+/// Releases every loop device of the image once no mount and no block file uses it.
+async fn detach(ctx: &Ctx, va: &VolumeAttachment) -> Result<(), String> {
+    let Some(handle) = handle_of(ctx, va) else {
+        // Never attached by us (no handle recorded and no PV): nothing to release.
+        return Ok(());
+    };
+    let image = image_path(&ctx.image_dir, &handle).ok_or_else(|| format!("bad volume handle {handle:?}"))?;
+    let mut devices = sys::loops_of(&image).await.map_err(|e| e.to_string())?;
+    // The image may be gone; its device then still names it as deleted.
+    if let Some(dev) = va
+        .status
+        .as_ref()
+        .and_then(|s| s.attachment_metadata.as_ref())
+        .and_then(|m| m.get("devicePath"))
+        && !devices.contains(dev)
+        && sys::backs(dev, &image).await
+    {
+        devices.push(dev.clone());
+    }
+    let table = mountinfo::read()
+        .await
+        .map_err(|e| format!("cannot read the mount table: {e}"))?;
+    let block_files = block_files(&ctx.layout.pods_dir()).await;
+    for dev in &devices {
+        let Some(devno) = sys::rdev(Path::new(dev)).await else {
+            continue;
+        };
+        let users: Vec<String> = table
+            .iter()
+            .filter(|m| {
+                m.devno == devno
+                    || (m.fstype == "devtmpfs" && m.root == format!("/{}", dev.trim_start_matches("/dev/")))
+            })
+            .map(|m| m.mount_point.display().to_string())
+            .chain(
+                block_files
+                    .iter()
+                    .filter(|(_, d)| *d == devno)
+                    .map(|(p, _)| p.clone()),
+            )
+            .collect();
+        if !users.is_empty() {
+            return Err(format!(
+                "device {dev} is still in use on this node: {}",
+                users.join(", ")
+            ));
+        }
+    }
+    for dev in &devices {
+        sys::loop_detach(dev).await.map_err(|e| e.to_string())?;
+    }
+    Ok(())
+}
+
+/// Block device files published into pods: path → device numbers.
+async fn block_files(pods: &Path) -> Vec<(String, mountinfo::DevNo)> {
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    let mut out = vec![];
+    let Ok(mut rd) = tokio::fs::read_dir(pods).await else {
+        return out;
+    };
+    while let Ok(Some(pod)) = rd.next_entry().await {
+        let dir = pod
+            .path()
+            .join("volumeDevices")
+            .join(crate::paths::CSI_PLUGIN_DIR);
+        let Ok(mut inner) = tokio::fs::read_dir(&dir).await else {
+            continue;
+        };
+        while let Ok(Some(e)) = inner.next_entry().await {
+            if let Ok(m) = tokio::fs::symlink_metadata(e.path()).await
+                && m.file_type().is_block_device()
+            {
+                out.push((e.path().display().to_string(), mountinfo::split_dev(m.rdev())));
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use k8s_openapi::api::storage::v1::{
+        VolumeAttachmentSource, VolumeAttachmentSpec, VolumeAttachmentStatus,
+    };
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+    use kube::api::ObjectMeta;
+
+    use std::collections::BTreeMap;
+
+    use super::*;
+
+    fn va(node: &str, finalizer: bool, attached: bool, deleting: bool) -> VolumeAttachment {
+        VolumeAttachment {
+            metadata: ObjectMeta {
+                name: Some("va".into()),
+                finalizers: finalizer.then(|| vec![VA_FINALIZER.to_string()]),
+                deletion_timestamp: deleting.then_some(Time(Timestamp::UNIX_EPOCH)),
+                ..Default::default()
+            },
+            spec: VolumeAttachmentSpec {
+                attacher: DRIVER.into(),
+                node_name: node.into(),
+                source: VolumeAttachmentSource {
+                    persistent_volume_name: Some("pv".into()),
+                    ..Default::default()
+                },
+            },
+            status: attached.then(|| VolumeAttachmentStatus {
+                attached: true,
+                attachment_metadata: Some(BTreeMap::from([("devicePath".into(), "/dev/loop1".into())])),
+                ..Default::default()
+            }),
+        }
+    }
+
+    #[test]
+    fn finalizer_first_then_attach_then_nothing() {
+        assert_eq!(
+            decide(&va("n", false, false, false), "n", None),
+            Some(VaAction::AddFinalizer)
+        );
+        assert_eq!(
+            decide(&va("n", true, false, false), "n", None),
+            Some(VaAction::Attach)
+        );
+        assert_eq!(decide(&va("n", true, true, false), "n", None), None);
+        assert_eq!(decide(&va("n", true, true, false), "n", Some(true)), None);
+        // The device went away: attach again.
+        assert_eq!(
+            decide(&va("n", true, true, false), "n", Some(false)),
+            Some(VaAction::Attach)
+        );
+    }
+
+    #[test]
+    fn deletion_detaches_only_with_our_finalizer_and_only_our_node() {
+        assert_eq!(
+            decide(&va("n", true, true, true), "n", None),
+            Some(VaAction::Detach)
+        );
+        assert_eq!(decide(&va("n", false, true, true), "n", None), None);
+        assert_eq!(decide(&va("other", true, true, false), "n", None), None);
+        let mut foreign = va("n", true, false, false);
+        foreign.spec.attacher = "csi.example.com".into();
+        assert_eq!(decide(&foreign, "n", None), None);
+    }
+}

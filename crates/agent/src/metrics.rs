@@ -1,0 +1,135 @@
+//! The agent's metric families (all `stowage_agent_*`).
+
+use std::time::Instant;
+
+use prometheus::{Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry};
+use stowage_common::metrics::register;
+
+/// Operation names used as the `operation` label.
+pub const OPERATIONS: [&str; 7] = [
+    "attach",
+    "mount_device",
+    "setup",
+    "teardown",
+    "unmount_device",
+    "detach",
+    "expand_fs",
+];
+
+#[derive(Clone)]
+pub struct Metrics {
+    /// Finished operations by name and status (`success`, `error`).
+    pub operations: IntCounterVec,
+    /// Failed operations by name.
+    pub errors: IntCounterVec,
+    /// How long each operation took.
+    pub duration: HistogramVec,
+    /// Volumes in the desired and the actual state.
+    pub volumes: IntGaugeVec,
+    /// Pod volumes (pod, volume) desired and mounted.
+    pub pod_volumes: IntGaugeVec,
+    /// Pod created → its volume published in the pod dir.
+    pub pod_volume_ready: Histogram,
+    /// Reconciler passes.
+    pub passes: IntCounterVec,
+}
+
+impl Metrics {
+    pub fn new(registry: &Registry) -> Self {
+        let buckets = vec![
+            0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+        ];
+        let m = Self {
+            operations: register(
+                registry,
+                IntCounterVec::new(
+                    Opts::new("stowage_agent_operations_total", "Volume operations finished, by operation and status."),
+                    &["operation", "status"],
+                )
+                .expect("static metric definition"),
+            ),
+            errors: register(
+                registry,
+                IntCounterVec::new(
+                    Opts::new("stowage_agent_operation_errors_total", "Volume operations that failed, by operation."),
+                    &["operation"],
+                )
+                .expect("static metric definition"),
+            ),
+            duration: register(
+                registry,
+                HistogramVec::new(
+                    HistogramOpts::new(
+                        "stowage_agent_operation_duration_seconds",
+                        "Duration of volume operations, by operation and status.",
+                    )
+                    .buckets(buckets.clone()),
+                    &["operation", "status"],
+                )
+                .expect("static metric definition"),
+            ),
+            volumes: register(
+                registry,
+                IntGaugeVec::new(
+                    Opts::new(
+                        "stowage_agent_volumes",
+                        "Volumes in the desired state (wanted by pods) and the actual state (mounted on the node).",
+                    ),
+                    &["state"],
+                )
+                .expect("static metric definition"),
+            ),
+            pod_volumes: register(
+                registry,
+                IntGaugeVec::new(
+                    Opts::new("stowage_agent_pod_volumes", "Pod volumes desired and mounted."),
+                    &["state"],
+                )
+                .expect("static metric definition"),
+            ),
+            pod_volume_ready: register(
+                registry,
+                Histogram::with_opts(
+                    HistogramOpts::new(
+                        "stowage_agent_pod_volume_ready_seconds",
+                        "From pod creation to its volume being published into the pod directory.",
+                    )
+                    .buckets(buckets),
+                )
+                .expect("static metric definition"),
+            ),
+            passes: register(
+                registry,
+                IntCounterVec::new(
+                    Opts::new("stowage_agent_reconcile_passes_total", "Reconciler passes, by loop."),
+                    &["loop"],
+                )
+                .expect("static metric definition"),
+            ),
+        };
+        // Every series exists from the start, so rates work before the first operation.
+        for op in OPERATIONS {
+            m.errors.with_label_values(&[op]);
+            for st in ["success", "error"] {
+                m.operations.with_label_values(&[op, st]);
+            }
+        }
+        for st in ["desired", "actual"] {
+            m.volumes.with_label_values(&[st]).set(0);
+            m.pod_volumes.with_label_values(&[st]).set(0);
+        }
+        m
+    }
+
+    /// Records one finished operation.
+    pub fn record(&self, op: &str, started: Instant, ok: bool) {
+        let status = if ok { "success" } else { "error" };
+        self.operations.with_label_values(&[op, status]).inc();
+        self.duration
+            .with_label_values(&[op, status])
+            .observe(started.elapsed().as_secs_f64());
+        if !ok {
+            self.errors.with_label_values(&[op]).inc();
+        }
+    }
+}

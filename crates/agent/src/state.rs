@@ -1,0 +1,582 @@
+//! Desired and actual state of the volume manager, as plain data. `desired()` turns the pods of
+//! this node (plus their claims, volumes and attachments) into the set of (volume, pod) mounts the
+//! node should have; the actual state is assembled from what the observer found in the mount table
+//! and the pod directories. No I/O in here; time is an argument.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+
+use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
+use k8s_openapi::api::storage::v1::VolumeAttachment;
+use k8s_openapi::jiff::Timestamp;
+
+use crate::mountinfo::DevNo;
+use crate::paths::{DRIVER, plain_component, unique_name};
+
+/// The pod annotation-free facts the agent needs to talk about a pod.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PodInfo {
+    pub uid: String,
+    pub namespace: String,
+    pub name: String,
+    pub created: Option<Timestamp>,
+}
+
+impl PodInfo {
+    pub fn reference(&self) -> k8s_openapi::api::core::v1::ObjectReference {
+        k8s_openapi::api::core::v1::ObjectReference {
+            api_version: Some("v1".into()),
+            kind: Some("Pod".into()),
+            namespace: Some(self.namespace.clone()),
+            name: Some(self.name.clone()),
+            uid: Some(self.uid.clone()),
+            ..Default::default()
+        }
+    }
+}
+
+/// What the attach side says about a volume on this node.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Attachment {
+    /// No VolumeAttachment for (volume, node) yet.
+    Missing,
+    /// Exists, not attached yet; `error` is the attacher's last complaint.
+    Pending {
+        error: Option<String>,
+    },
+    /// Being deleted: do not start new mounts on it.
+    Detaching,
+    Attached {
+        device: String,
+    },
+}
+
+/// One pod's use of a volume.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PodUse {
+    pub pod: PodInfo,
+    /// The pod's name for the volume (`spec.volumes[].name`).
+    pub spec_name: String,
+    pub read_only: bool,
+    pub fs_group: Option<u32>,
+    /// `fsGroupChangePolicy: OnRootMismatch`.
+    pub fs_group_on_root_mismatch: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Claim {
+    pub namespace: String,
+    pub name: String,
+    pub uid: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DesiredVolume {
+    pub pv: String,
+    pub handle: String,
+    pub block: bool,
+    /// `spec.csi.readOnly` of the PV: the device itself is mounted read-only.
+    pub pv_read_only: bool,
+    /// `pv.beta.kubernetes.io/gid`: a supplemental group for the pods using the volume.
+    pub gid: Option<u32>,
+    pub claim: Claim,
+    pub attachment: Attachment,
+    /// Listed in `node.status.volumesInUse` already (the controller will not detach it).
+    pub reported_in_use: bool,
+    /// The size a pending node-side expansion should reach.
+    pub resize_to: Option<String>,
+    pub pods: BTreeMap<String, PodUse>,
+}
+
+impl DesiredVolume {
+    pub fn unique_name(&self) -> String {
+        unique_name(&self.handle)
+    }
+}
+
+/// Why a pod's volume cannot be mounted (yet), in words for an Event.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PodError {
+    pub pod: PodInfo,
+    pub volume: String,
+    pub reason: &'static str,
+    pub message: String,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Desired {
+    /// By PV name.
+    pub volumes: BTreeMap<String, DesiredVolume>,
+    /// Every pod of this node that may still run; mounts of these pods are never torn down, even
+    /// while one of their claims cannot be resolved.
+    pub live_pods: BTreeSet<String>,
+    pub errors: Vec<PodError>,
+}
+
+/// Lookups into the caches, as closures so tests can feed maps.
+pub struct View<'a> {
+    pub pvc: &'a dyn Fn(&str, &str) -> Option<Arc<PersistentVolumeClaim>>,
+    pub pv: &'a dyn Fn(&str) -> Option<Arc<PersistentVolume>>,
+    /// The VolumeAttachment of (PV name, volume handle) on this node.
+    pub va: &'a dyn Fn(&str, &str) -> Option<Arc<VolumeAttachment>>,
+    /// Unique names the node status lists in `volumesInUse`.
+    pub reported: &'a BTreeSet<String>,
+    /// Claims whose node expansion this agent finished: uid → resourceVersion it wrote.
+    pub expanded: &'a BTreeMap<String, String>,
+    pub now: Timestamp,
+}
+
+/// A pod still needs its volumes unless it reached a terminal phase or its deletion deadline
+/// passed (no container runtime here can tell us more about a terminating pod).
+pub fn pod_is_live(pod: &Pod, now: Timestamp) -> bool {
+    let terminal = pod
+        .status
+        .as_ref()
+        .and_then(|s| s.phase.as_deref())
+        .is_some_and(|p| p == "Succeeded" || p == "Failed");
+    let past_deadline = pod
+        .metadata
+        .deletion_timestamp
+        .as_ref()
+        .is_some_and(|t| t.0 <= now);
+    !terminal && !past_deadline
+}
+
+fn pod_info(pod: &Pod) -> Option<PodInfo> {
+    Some(PodInfo {
+        uid: pod.metadata.uid.clone()?,
+        namespace: pod.metadata.namespace.clone()?,
+        name: pod.metadata.name.clone()?,
+        created: pod.metadata.creation_timestamp.as_ref().map(|t| t.0),
+    })
+}
+
+/// How the pod's containers use a volume: as files, as a device, or not at all.
+fn usage(pod: &Pod, vol: &str) -> (bool, bool) {
+    let Some(spec) = pod.spec.as_ref() else {
+        return (false, false);
+    };
+    let containers = spec
+        .containers
+        .iter()
+        .chain(spec.init_containers.iter().flatten());
+    let (mut fs, mut block) = (false, false);
+    for c in containers {
+        fs |= c.volume_mounts.iter().flatten().any(|m| m.name == vol);
+        block |= c.volume_devices.iter().flatten().any(|d| d.name == vol);
+    }
+    (fs, block)
+}
+
+/// `Some(true)` when the claim waits for node-side expansion, per its resize status or the
+/// older `FileSystemResizePending` condition.
+pub fn node_resize_pending(pvc: &PersistentVolumeClaim) -> bool {
+    let Some(st) = pvc.status.as_ref() else {
+        return false;
+    };
+    let by_status = st
+        .allocated_resource_statuses
+        .as_ref()
+        .and_then(|m| m.get("storage"))
+        .is_some_and(|s| s == "NodeResizePending" || s == "NodeResizeInProgress");
+    let by_condition = st
+        .conditions
+        .iter()
+        .flatten()
+        .any(|c| c.type_ == "FileSystemResizePending" && c.status == "True");
+    by_status || by_condition
+}
+
+fn attachment_of(va: Option<&VolumeAttachment>) -> Attachment {
+    let Some(va) = va else { return Attachment::Missing };
+    if va.metadata.deletion_timestamp.is_some() {
+        return Attachment::Detaching;
+    }
+    let st = va.status.as_ref();
+    let device = st
+        .filter(|s| s.attached)
+        .and_then(|s| s.attachment_metadata.as_ref())
+        .and_then(|m| m.get("devicePath"))
+        .filter(|d| d.starts_with("/dev/"));
+    match device {
+        Some(d) => Attachment::Attached { device: d.clone() },
+        None => Attachment::Pending {
+            error: st
+                .and_then(|s| s.attach_error.as_ref())
+                .and_then(|e| e.message.clone()),
+        },
+    }
+}
+
+/// A resolved claim: the claim, its volume, and whether the pod asks for read-only.
+type Resolved = (Arc<PersistentVolumeClaim>, Arc<PersistentVolume>, bool);
+
+/// The volume a pod's claim leads to, or why it leads nowhere. `Ok(None)`: not our driver.
+fn resolve(
+    info: &PodInfo,
+    vol: &k8s_openapi::api::core::v1::Volume,
+    view: &View,
+) -> Result<Option<Resolved>, String> {
+    let (claim_name, pod_read_only, ephemeral) = if let Some(src) = &vol.persistent_volume_claim {
+        (src.claim_name.clone(), src.read_only.unwrap_or(false), false)
+    } else if vol.ephemeral.is_some() {
+        (format!("{}-{}", info.name, vol.name), false, true)
+    } else {
+        return Ok(None);
+    };
+    let pvc = (view.pvc)(&info.namespace, &claim_name)
+        .ok_or_else(|| format!("persistentvolumeclaim \"{claim_name}\" not found"))?;
+    if ephemeral {
+        let owned = pvc
+            .metadata
+            .owner_references
+            .iter()
+            .flatten()
+            .any(|o| o.uid == info.uid);
+        if !owned {
+            return Err(format!(
+                "persistentvolumeclaim \"{claim_name}\" was not created for this pod"
+            ));
+        }
+    }
+    let pv_name = pvc
+        .spec
+        .as_ref()
+        .and_then(|s| s.volume_name.clone())
+        .filter(|n| !n.is_empty())
+        .ok_or_else(|| format!("persistentvolumeclaim \"{claim_name}\" is not bound to a volume yet"))?;
+    let pv = (view.pv)(&pv_name)
+        .ok_or_else(|| format!("persistentvolume \"{pv_name}\" of claim \"{claim_name}\" not found"))?;
+    let spec = pv.spec.as_ref();
+    match spec.and_then(|s| s.csi.as_ref()) {
+        Some(csi) if csi.driver == DRIVER => {}
+        _ => return Ok(None),
+    }
+    let claim_ref = spec.and_then(|s| s.claim_ref.as_ref());
+    let matches = claim_ref.is_some_and(|r| {
+        r.namespace.as_deref() == Some(info.namespace.as_str())
+            && r.name.as_deref() == Some(claim_name.as_str())
+            && match (&r.uid, &pvc.metadata.uid) {
+                (Some(a), Some(b)) => a == b,
+                _ => true,
+            }
+    });
+    if !matches {
+        return Err(format!(
+            "persistentvolume \"{pv_name}\" is not bound to claim \"{claim_name}\" (its claimRef points elsewhere)"
+        ));
+    }
+    if !plain_component(&pv_name) {
+        return Err(format!(
+            "persistentvolume name {pv_name:?} cannot be used as a path"
+        ));
+    }
+    Ok(Some((pvc, pv, pod_read_only)))
+}
+
+/// Desired state from the pods of this node.
+pub fn desired<'p>(pods: impl IntoIterator<Item = &'p Pod>, view: &View) -> Desired {
+    let mut d = Desired::default();
+    for pod in pods {
+        let Some(info) = pod_info(pod) else { continue };
+        if !pod_is_live(pod, view.now) {
+            continue;
+        }
+        d.live_pods.insert(info.uid.clone());
+        let spec = pod.spec.as_ref();
+        let sc = spec.and_then(|s| s.security_context.as_ref());
+        let fs_group = sc.and_then(|s| s.fs_group).and_then(|g| u32::try_from(g).ok());
+        let on_root_mismatch = sc.and_then(|s| s.fs_group_change_policy.as_deref()) == Some("OnRootMismatch");
+        for vol in spec.and_then(|s| s.volumes.as_ref()).into_iter().flatten() {
+            let (fs_use, block_use) = usage(pod, &vol.name);
+            if !fs_use && !block_use {
+                continue;
+            }
+            let err = |message: String| PodError {
+                pod: info.clone(),
+                volume: vol.name.clone(),
+                reason: "FailedMount",
+                message,
+            };
+            let (pvc, pv, pod_ro) = match resolve(&info, vol, view) {
+                Ok(Some(x)) => x,
+                Ok(None) => continue,
+                Err(m) => {
+                    d.errors.push(err(m));
+                    continue;
+                }
+            };
+            let pv_name = pv.metadata.name.clone().unwrap_or_default();
+            let pv_spec = pv.spec.clone().unwrap_or_default();
+            let csi = pv_spec.csi.clone().unwrap_or_default();
+            let block = pv_spec.volume_mode.as_deref() == Some("Block");
+            if block && !block_use {
+                d.errors.push(err(format!(
+                    "volume \"{pv_name}\" has volumeMode Block but the pod mounts it as files (volumeMounts)"
+                )));
+                continue;
+            }
+            if !block && !fs_use {
+                d.errors.push(err(format!(
+                    "volume \"{pv_name}\" has volumeMode Filesystem but the pod uses it as a device (volumeDevices)"
+                )));
+                continue;
+            }
+            let resize_to = node_resize_pending(&pvc)
+                .then(|| {
+                    let st = pvc.status.as_ref()?;
+                    let already = pvc.metadata.uid.as_ref().and_then(|u| view.expanded.get(u));
+                    if let Some(rv) = already
+                        && !stowage_common::informer::is_newer(
+                            pvc.metadata.resource_version.as_deref(),
+                            Some(rv),
+                        )
+                    {
+                        return None;
+                    }
+                    st.allocated_resources
+                        .as_ref()
+                        .and_then(|m| m.get("storage"))
+                        .or_else(|| pv_spec.capacity.as_ref().and_then(|c| c.get("storage")))
+                        .map(|q| q.0.clone())
+                })
+                .flatten();
+            let entry = d.volumes.entry(pv_name.clone()).or_insert_with(|| {
+                let handle = csi.volume_handle.clone();
+                let gid = pv
+                    .metadata
+                    .annotations
+                    .as_ref()
+                    .and_then(|a| a.get("pv.beta.kubernetes.io/gid"))
+                    .and_then(|g| g.parse().ok());
+                DesiredVolume {
+                    attachment: attachment_of((view.va)(&pv_name, &handle).as_deref()),
+                    reported_in_use: view.reported.contains(&unique_name(&handle)),
+                    pv: pv_name.clone(),
+                    handle,
+                    block,
+                    pv_read_only: csi.read_only.unwrap_or(false),
+                    gid,
+                    claim: Claim {
+                        namespace: info.namespace.clone(),
+                        name: pvc.metadata.name.clone().unwrap_or_default(),
+                        uid: pvc.metadata.uid.clone().unwrap_or_default(),
+                    },
+                    resize_to,
+                    pods: BTreeMap::new(),
+                }
+            });
+            let read_only = pod_ro || entry.pv_read_only;
+            if let Attachment::Pending { error: Some(e) } = &entry.attachment {
+                d.errors.push(PodError {
+                    pod: info.clone(),
+                    volume: vol.name.clone(),
+                    reason: "FailedAttachVolume",
+                    message: format!("AttachVolume.Attach failed for volume \"{pv_name}\": {e}"),
+                });
+            }
+            entry.pods.insert(
+                info.uid.clone(),
+                PodUse {
+                    pod: info.clone(),
+                    spec_name: vol.name.clone(),
+                    read_only,
+                    fs_group,
+                    fs_group_on_root_mismatch: on_root_mismatch,
+                },
+            );
+        }
+    }
+    d
+}
+
+/// One thing the observer found under the root dir.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Mounted {
+    /// Something is mounted there (for a block file: a device node is there).
+    pub mounted: bool,
+    /// Mounted and answering: `stat` works and the device is the one the table says.
+    pub healthy: bool,
+    pub devno: Option<DevNo>,
+    pub source: Option<String>,
+    pub read_only: bool,
+}
+
+impl Mounted {
+    pub fn ok(&self) -> bool {
+        self.mounted && self.healthy
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PodMount {
+    pub block: bool,
+    pub state: Mounted,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ActualVolume {
+    /// The global device mount (or its leftover directory).
+    pub device: Option<Mounted>,
+    pub pods: BTreeMap<String, PodMount>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Actual {
+    pub volumes: BTreeMap<String, ActualVolume>,
+}
+
+impl Actual {
+    pub fn pod_mounts(&self) -> usize {
+        self.volumes.values().map(|v| v.pods.len()).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::api::core::v1::{
+        CSIPersistentVolumeSource, Container, ObjectReference, PersistentVolumeClaimSpec,
+        PersistentVolumeClaimVolumeSource, PersistentVolumeSpec, PodSpec, Volume, VolumeMount,
+    };
+    use kube::api::ObjectMeta;
+    use std::collections::HashMap;
+
+    fn pod(uid: &str, claim: &str) -> Pod {
+        Pod {
+            metadata: ObjectMeta {
+                name: Some(format!("p-{uid}")),
+                namespace: Some("ns".into()),
+                uid: Some(uid.into()),
+                ..Default::default()
+            },
+            spec: Some(PodSpec {
+                containers: vec![Container {
+                    name: "c".into(),
+                    volume_mounts: Some(vec![VolumeMount {
+                        name: "data".into(),
+                        mount_path: "/d".into(),
+                        ..Default::default()
+                    }]),
+                    ..Default::default()
+                }],
+                volumes: Some(vec![Volume {
+                    name: "data".into(),
+                    persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
+                        claim_name: claim.into(),
+                        read_only: None,
+                    }),
+                    ..Default::default()
+                }]),
+                ..Default::default()
+            }),
+            status: None,
+        }
+    }
+
+    fn pvc(name: &str, volume: Option<&str>) -> Arc<PersistentVolumeClaim> {
+        Arc::new(PersistentVolumeClaim {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                namespace: Some("ns".into()),
+                uid: Some(format!("uid-{name}")),
+                ..Default::default()
+            },
+            spec: Some(PersistentVolumeClaimSpec {
+                volume_name: volume.map(Into::into),
+                ..Default::default()
+            }),
+            status: None,
+        })
+    }
+
+    fn pv(name: &str, claim: &str) -> Arc<PersistentVolume> {
+        Arc::new(PersistentVolume {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                ..Default::default()
+            },
+            spec: Some(PersistentVolumeSpec {
+                csi: Some(CSIPersistentVolumeSource {
+                    driver: DRIVER.into(),
+                    volume_handle: format!("h-{name}"),
+                    ..Default::default()
+                }),
+                claim_ref: Some(ObjectReference {
+                    namespace: Some("ns".into()),
+                    name: Some(claim.into()),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            status: None,
+        })
+    }
+
+    fn run(pods: &[Pod], pvcs: &[Arc<PersistentVolumeClaim>], pvs: &[Arc<PersistentVolume>]) -> Desired {
+        let pvcs: HashMap<_, _> = pvcs
+            .iter()
+            .map(|c| (c.metadata.name.clone().unwrap(), c.clone()))
+            .collect();
+        let pvs: HashMap<_, _> = pvs
+            .iter()
+            .map(|c| (c.metadata.name.clone().unwrap(), c.clone()))
+            .collect();
+        let reported = BTreeSet::new();
+        let expanded = BTreeMap::new();
+        let view = View {
+            pvc: &|_, n| pvcs.get(n).cloned(),
+            pv: &|n| pvs.get(n).cloned(),
+            va: &|_, _| None,
+            reported: &reported,
+            expanded: &expanded,
+            now: Timestamp::UNIX_EPOCH,
+        };
+        desired(pods, &view)
+    }
+
+    #[test]
+    fn resolves_pod_claim_volume_and_shares_one_entry() {
+        let d = run(
+            &[pod("a", "c1"), pod("b", "c1")],
+            &[pvc("c1", Some("v1"))],
+            &[pv("v1", "c1")],
+        );
+        assert!(d.errors.is_empty(), "{:?}", d.errors);
+        let v = &d.volumes["v1"];
+        assert_eq!(v.handle, "h-v1");
+        assert_eq!(v.pods.len(), 2);
+        assert_eq!(v.attachment, Attachment::Missing);
+        assert_eq!(d.live_pods.len(), 2);
+    }
+
+    #[test]
+    fn bad_claims_become_pod_errors_not_volumes() {
+        let d = run(
+            &[pod("a", "missing"), pod("b", "unbound"), pod("c", "stolen")],
+            &[pvc("unbound", None), pvc("stolen", Some("v1"))],
+            &[pv("v1", "someone-else")],
+        );
+        assert!(d.volumes.is_empty());
+        assert_eq!(d.errors.len(), 3);
+        assert!(d.errors.iter().all(|e| e.reason == "FailedMount"));
+        assert!(d.errors[0].message.contains("not found"));
+        assert!(d.errors[1].message.contains("not bound"));
+        assert_eq!(d.live_pods.len(), 3, "pods stay live, so their mounts are kept");
+    }
+
+    #[test]
+    fn terminal_and_expired_pods_are_not_desired() {
+        let mut done = pod("a", "c1");
+        done.status = Some(k8s_openapi::api::core::v1::PodStatus {
+            phase: Some("Succeeded".into()),
+            ..Default::default()
+        });
+        let mut deleting = pod("b", "c1");
+        deleting.metadata.deletion_timestamp = Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+            Timestamp::UNIX_EPOCH,
+        ));
+        let d = run(&[done, deleting], &[pvc("c1", Some("v1"))], &[pv("v1", "c1")]);
+        assert!(d.volumes.is_empty() && d.live_pods.is_empty());
+    }
+}

@@ -1,0 +1,333 @@
+//! The node's tools: losetup, blkid, mkfs.ext4, mount, umount, resize2fs, mknod. Each call has a
+//! time limit (a hung device must not hang the agent) and its error carries the tool's own words.
+
+use std::io::ErrorKind;
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use tokio::process::Command;
+
+use crate::mountinfo::{self, DevNo, split_dev};
+
+const TOOL_TIMEOUT: Duration = Duration::from_secs(120);
+/// `stat` of a mount point: a broken mount answers with an error or not at all.
+const STAT_TIMEOUT: Duration = Duration::from_secs(5);
+
+#[derive(Debug, thiserror::Error)]
+pub enum SysError {
+    #[error("cannot run {tool}: {source}")]
+    Spawn {
+        tool: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{tool} timed out after {}s", TOOL_TIMEOUT.as_secs())]
+    Timeout { tool: String },
+    #[error("{tool} failed (exit {code:?}): {stderr}")]
+    Failed {
+        tool: String,
+        code: Option<i32>,
+        stderr: String,
+    },
+    #[error("{0}")]
+    Io(String),
+}
+
+pub type Result<T, E = SysError> = std::result::Result<T, E>;
+
+pub struct Output {
+    pub code: Option<i32>,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+/// Runs a tool and returns its output whatever the exit code.
+pub async fn run_raw(tool: &str, args: &[&str]) -> Result<Output> {
+    let mut cmd = Command::new(tool);
+    cmd.args(args)
+        .kill_on_drop(true)
+        .stdin(std::process::Stdio::null());
+    let out = match tokio::time::timeout(TOOL_TIMEOUT, cmd.output()).await {
+        Err(_) => return Err(SysError::Timeout { tool: tool.into() }),
+        Ok(Err(source)) => {
+            return Err(SysError::Spawn {
+                tool: tool.into(),
+                source,
+            });
+        }
+        Ok(Ok(o)) => o,
+    };
+    Ok(Output {
+        code: out.status.code(),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).trim().to_string(),
+    })
+}
+
+/// Runs a tool; a non-zero exit is an error.
+pub async fn run(tool: &str, args: &[&str]) -> Result<String> {
+    let out = run_raw(tool, args).await?;
+    if out.code == Some(0) {
+        Ok(out.stdout)
+    } else {
+        let stderr = if out.stderr.is_empty() {
+            out.stdout.trim().to_string()
+        } else {
+            out.stderr
+        };
+        Err(SysError::Failed {
+            tool: format!("{tool} {}", args.join(" ")),
+            code: out.code,
+            stderr,
+        })
+    }
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap_or_default()
+}
+
+/// Loop devices backed by `image` (by inode, as `losetup -j` matches). Empty when the file is gone.
+pub async fn loops_of(image: &Path) -> Result<Vec<String>> {
+    if tokio::fs::metadata(image).await.is_err() {
+        return Ok(vec![]);
+    }
+    let out = run("losetup", &["-j", s(image)]).await?;
+    Ok(out
+        .lines()
+        .filter_map(|l| l.split(':').next())
+        .filter(|d| d.starts_with("/dev/"))
+        .map(String::from)
+        .collect())
+}
+
+/// Attaches `image` to a free loop device and returns it.
+pub async fn loop_attach(image: &Path, read_only: bool) -> Result<String> {
+    let mut args = vec!["--find", "--show"];
+    if read_only {
+        args.push("--read-only");
+    }
+    args.push(s(image));
+    let out = run("losetup", &args).await?;
+    let dev = out.trim().to_string();
+    if !dev.starts_with("/dev/") {
+        return Err(SysError::Io(format!(
+            "losetup printed no device for {}: {out:?}",
+            image.display()
+        )));
+    }
+    Ok(dev)
+}
+
+/// Releases a loop device; a device that is already free is fine.
+pub async fn loop_detach(dev: &str) -> Result<()> {
+    if backing_file(dev).await.is_none() {
+        return Ok(());
+    }
+    match run("losetup", &["-d", dev]).await {
+        Ok(_) => Ok(()),
+        Err(_) if backing_file(dev).await.is_none() => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
+/// Makes the loop device pick up a grown image.
+pub async fn loop_refresh(dev: &str) -> Result<()> {
+    run("losetup", &["-c", dev]).await.map(|_| ())
+}
+
+fn loop_sysfs(dev: &str) -> Option<PathBuf> {
+    let name = dev.strip_prefix("/dev/")?;
+    (name.starts_with("loop") && !name.contains('/'))
+        .then(|| PathBuf::from(format!("/sys/block/{name}/loop")))
+}
+
+/// The file a loop device is backed by (kernel's view, " (deleted)" when unlinked); `None` when
+/// the device is free or not a loop device.
+pub async fn backing_file(dev: &str) -> Option<String> {
+    let p = loop_sysfs(dev)?.join("backing_file");
+    tokio::fs::read_to_string(p)
+        .await
+        .ok()
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
+}
+
+/// Is `dev` the loop device of `image` right now? Guards against mounting another volume's data
+/// when a device path in an attachment went stale (device freed and reused).
+pub async fn backs(dev: &str, image: &Path) -> bool {
+    let Some(file) = backing_file(dev).await else {
+        return false;
+    };
+    let Ok(canon) = tokio::fs::canonicalize(image).await else {
+        // The image is gone; the kernel marks its old path as deleted.
+        return file == format!("{} (deleted)", image.display());
+    };
+    file == canon.to_string_lossy()
+}
+
+/// The device numbers of a block device node.
+pub async fn rdev(dev: &Path) -> Option<DevNo> {
+    let m = tokio::fs::metadata(dev).await.ok()?;
+    m.file_type().is_block_device().then(|| split_dev(m.rdev()))
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Probe {
+    /// blkid found nothing it recognises: the device is blank as far as we can tell.
+    Blank,
+    /// Something is there (a file system, a partition table, RAID metadata…).
+    Found(String),
+}
+
+/// Probes the device directly (no cache). Exit 2 is blkid's "nothing found"; every other failure
+/// is an error, never "blank", so an I/O problem can never lead to a format.
+pub async fn probe(dev: &str) -> Result<Probe> {
+    let out = run_raw("blkid", &["-p", "-o", "export", dev]).await?;
+    decide_probe(out.code, &out.stdout, &out.stderr)
+}
+
+pub fn decide_probe(code: Option<i32>, stdout: &str, stderr: &str) -> Result<Probe> {
+    match code {
+        Some(2) => Ok(Probe::Blank),
+        Some(0) => {
+            let kind = stdout
+                .lines()
+                .find_map(|l| l.strip_prefix("TYPE=").or_else(|| l.strip_prefix("PTTYPE=")))
+                .unwrap_or("unknown signature");
+            Ok(Probe::Found(kind.to_string()))
+        }
+        code => Err(SysError::Failed {
+            tool: "blkid -p".into(),
+            code,
+            stderr: stderr.to_string(),
+        }),
+    }
+}
+
+pub async fn mkfs_ext4(dev: &str) -> Result<()> {
+    // -m 0: these are data volumes, reserving blocks for root only hides capacity.
+    run("mkfs.ext4", &["-q", "-F", "-m", "0", dev]).await.map(|_| ())
+}
+
+pub async fn mount_device(dev: &str, target: &Path, read_only: bool) -> Result<()> {
+    let opts = if read_only { "ro" } else { "rw" };
+    run("mount", &["-o", opts, dev, s(target)]).await.map(|_| ())
+}
+
+pub async fn bind_mount(src: &Path, target: &Path, read_only: bool) -> Result<()> {
+    run("mount", &["--bind", s(src), s(target)]).await?;
+    if read_only {
+        // A bind mount takes "ro" only through a remount.
+        if let Err(e) = run("mount", &["-o", "remount,bind,ro", s(target)]).await {
+            let _ = unmount(target).await;
+            return Err(e);
+        }
+    }
+    Ok(())
+}
+
+pub async fn resize2fs(dev: &str) -> Result<()> {
+    run("resize2fs", &[dev]).await.map(|_| ())
+}
+
+/// Creates a block device node for `devno` at `path` (replacing whatever is there).
+pub async fn mknod_block(path: &Path, devno: DevNo) -> Result<()> {
+    match tokio::fs::remove_file(path).await {
+        Ok(()) => {}
+        Err(e) if e.kind() == ErrorKind::NotFound => {}
+        Err(e) => return Err(SysError::Io(format!("cannot replace {}: {e}", path.display()))),
+    }
+    let (maj, min) = (devno.0.to_string(), devno.1.to_string());
+    run("mknod", &["-m", "0660", s(path), "b", &maj, &min])
+        .await
+        .map(|_| ())
+}
+
+/// Mount entries whose mount point is exactly `path`.
+pub async fn mounts_at(path: &Path) -> Result<Vec<mountinfo::MountEntry>> {
+    let all = mountinfo::read()
+        .await
+        .map_err(|e| SysError::Io(format!("cannot read the mount table: {e}")))?;
+    Ok(all.into_iter().filter(|m| m.mount_point == path).collect())
+}
+
+/// Unmounts everything stacked on `path`. Success when nothing is (or was) mounted there, also
+/// when the mount is broken: then a lazy unmount detaches it from the tree.
+pub async fn unmount(path: &Path) -> Result<()> {
+    for _ in 0..8 {
+        if mounts_at(path).await?.is_empty() {
+            return Ok(());
+        }
+        if let Err(e) = run("umount", &[s(path)]).await {
+            let still = !mounts_at(path).await?.is_empty();
+            if !still {
+                return Ok(());
+            }
+            if stat_ok(path).await {
+                // Healthy but refusing (busy): report it, retry later.
+                return Err(e);
+            }
+            run("umount", &["-l", s(path)]).await?;
+        }
+    }
+    if mounts_at(path).await?.is_empty() {
+        Ok(())
+    } else {
+        Err(SysError::Io(format!(
+            "{} is still mounted after repeated unmounts",
+            path.display()
+        )))
+    }
+}
+
+/// Does `stat` of the path answer in time?
+pub async fn stat_ok(path: &Path) -> bool {
+    stat_dev(path).await.is_some()
+}
+
+/// `st_dev` of a path, if `stat` answers in time.
+pub async fn stat_dev(path: &Path) -> Option<DevNo> {
+    match tokio::time::timeout(STAT_TIMEOUT, tokio::fs::metadata(path)).await {
+        Ok(Ok(m)) => Some(split_dev(m.dev())),
+        _ => None,
+    }
+}
+
+/// Removes a directory if it exists and is empty; other problems are reported.
+pub async fn remove_dir_if_empty(path: &Path) -> Result<()> {
+    match tokio::fs::remove_dir(path).await {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == ErrorKind::NotFound || e.kind() == ErrorKind::DirectoryNotEmpty => Ok(()),
+        Err(e) => Err(SysError::Io(format!("cannot remove {}: {e}", path.display()))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_blkid_nothing_found_means_blank() {
+        assert_eq!(decide_probe(Some(2), "", "").unwrap(), Probe::Blank);
+        assert_eq!(
+            decide_probe(Some(0), "DEVNAME=/dev/loop0\nTYPE=ext4\n", "").unwrap(),
+            Probe::Found("ext4".into())
+        );
+        assert_eq!(
+            decide_probe(Some(0), "PTTYPE=gpt\n", "").unwrap(),
+            Probe::Found("gpt".into())
+        );
+        assert_eq!(
+            decide_probe(Some(0), "", "").unwrap(),
+            Probe::Found("unknown signature".into())
+        );
+        for code in [Some(1), Some(4), Some(8), None] {
+            assert!(
+                decide_probe(code, "", "I/O error").is_err(),
+                "{code:?} must not count as blank"
+            );
+        }
+    }
+}
