@@ -765,6 +765,20 @@ fn sync_claim_phase(claim: &PersistentVolumeClaim, cache: &Cache, env: &Env) -> 
             "ProvisioningFailed",
             format!("storageclass.storage.k8s.io {name:?} not found; create it or change the claim's class"),
         )),
+        (Some(_), Some(class)) if class.provisioner.starts_with("kubernetes.io/") => {
+            // In-tree plugin names (kubernetes.io/no-provisioner, …): stowage has no in-tree
+            // provisioners, and upstream reports these the same way when no plugin matches.
+            out.push(ev(
+                target,
+                true,
+                "ProvisioningFailed",
+                format!(
+                    "no volume plugin matched name: {}; waiting for a volume to be created manually ({})",
+                    class.provisioner,
+                    explain(claim, cache, env)
+                ),
+            ))
+        }
         (Some(name), Some(class)) => {
             let prov = class.provisioner.as_str();
             if ann(claim, ANN_STORAGE_PROVISIONER) != Some(prov)

@@ -348,6 +348,37 @@ async fn other_provisioners_get_the_claim_handed_over() {
 }
 
 #[tokio::test]
+async fn a_no_provisioner_class_waits_for_a_static_volume() {
+    let h = Harness::start().await;
+    h.namespace("app").await;
+    h.create::<StorageClass>(storage_class("local", "kubernetes.io/no-provisioner").build())
+        .await;
+    h.create_pv(pv("small").class("local").capacity("1Gi").build())
+        .await;
+    h.create_pvc(pvc("app", "c").class("local").request("2Gi").build())
+        .await;
+    let note = h.event("c", "ProvisioningFailed").await;
+    assert!(
+        note.contains("no volume plugin matched name: kubernetes.io/no-provisioner"),
+        "{note}"
+    );
+    assert!(
+        note.contains("small: too small: 1Gi < 2Gi"),
+        "names the nearest candidate and why: {note}"
+    );
+    let c = h.pvcs("app").get("c").await.unwrap();
+    assert!(
+        !c.annotations()
+            .contains_key("volume.kubernetes.io/storage-provisioner")
+    );
+    // A volume that fits, created later, is picked up without waiting for a resync.
+    h.create_pv(pv("big").class("local").capacity("2Gi").build())
+        .await;
+    let c = h.claim_phase("app", "c", "Bound").await;
+    assert_eq!(c.spec.unwrap().volume_name.as_deref(), Some("big"));
+}
+
+#[tokio::test]
 async fn a_missing_class_is_reported_and_the_claim_waits() {
     let h = Harness::start().await;
     h.namespace("app").await;
