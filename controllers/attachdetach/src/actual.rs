@@ -1,0 +1,166 @@
+//! Actual state of the world: what is attached where, as VolumeAttachments (and, right after a
+//! start, the nodes' own `status.volumesAttached`) say, plus what this controller has in flight.
+//! No I/O.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use crate::objects::VaState;
+
+/// An API operation in flight for one (volume, node).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Op {
+    Attach,
+    Detach,
+}
+
+/// One (volume, node) pair.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Attachment {
+    pub driver: String,
+    pub handle: String,
+    /// The VolumeAttachment as last seen (or written) by this controller.
+    pub va: Option<VaState>,
+    /// Device path from the node's `status.volumesAttached`, for attachments carried over from
+    /// before a restart whose VolumeAttachment has not been confirmed yet.
+    pub reported: Option<String>,
+    pub op: Option<Op>,
+    /// When the detach was first wanted (upstream's detachRequestedTime).
+    pub detach_requested: Option<Instant>,
+    /// When the attach now under way was requested (end-to-end latency).
+    pub attach_started: Option<Instant>,
+    /// When the detach now under way started.
+    pub detach_started: Option<Instant>,
+    /// Failed operations in a row, and when the next may start.
+    pub failures: u32,
+    pub retry_at: Option<Instant>,
+}
+
+impl Attachment {
+    /// Something is or may be attached: a VolumeAttachment, a node report, or a create in flight.
+    pub fn exists(&self) -> bool {
+        self.va.is_some() || self.reported.is_some() || self.op == Some(Op::Attach)
+    }
+
+    /// Confirmed attached (an uncertain one, still attaching, is not).
+    pub fn attached(&self) -> bool {
+        match &self.va {
+            Some(va) => va.attached && !va.deleting,
+            None => self.reported.is_some(),
+        }
+    }
+
+    /// The device path to report in node status, if this attachment belongs there: confirmed
+    /// and not being detached.
+    pub fn report(&self) -> Option<&str> {
+        if !self.attached() || self.op == Some(Op::Detach) {
+            return None;
+        }
+        Some(match &self.va {
+            Some(va) => va.device_path.as_str(),
+            None => self.reported.as_deref().unwrap_or(""),
+        })
+    }
+
+    pub fn deleting(&self) -> bool {
+        self.va.as_ref().is_some_and(|v| v.deleting)
+    }
+
+    pub fn backing_off(&self, now: Instant) -> bool {
+        self.retry_at.is_some_and(|t| now < t)
+    }
+
+    /// Nothing left worth remembering.
+    fn is_empty(&self, now: Instant) -> bool {
+        !self.exists() && self.op.is_none() && !self.backing_off(now)
+    }
+
+    /// Records a failure: exponential backoff 500 ms → about 2 min, as upstream's executor.
+    pub fn failed(&mut self, now: Instant) {
+        self.failures = self.failures.saturating_add(1);
+        let exp = self.failures.saturating_sub(1).min(8);
+        let delay = (Duration::from_millis(500) * 2u32.pow(exp)).min(Duration::from_secs(122));
+        self.retry_at = Some(now + delay);
+    }
+
+    pub fn succeeded(&mut self) {
+        self.failures = 0;
+        self.retry_at = None;
+    }
+}
+
+/// (unique volume name, node name).
+pub type Key = (String, String);
+
+#[derive(Debug, Clone, Default)]
+pub struct Actual {
+    entries: BTreeMap<Key, Attachment>,
+}
+
+impl Actual {
+    pub fn get(&self, volume: &str, node: &str) -> Option<&Attachment> {
+        self.entries.get(&(volume.to_string(), node.to_string()))
+    }
+
+    pub fn get_mut(&mut self, volume: &str, node: &str) -> Option<&mut Attachment> {
+        self.entries.get_mut(&(volume.to_string(), node.to_string()))
+    }
+
+    /// The entry for (volume, node), created with `driver`/`handle` if missing.
+    pub fn entry(&mut self, volume: &str, node: &str, driver: &str, handle: &str) -> &mut Attachment {
+        self.entries
+            .entry((volume.to_string(), node.to_string()))
+            .or_insert_with(|| Attachment {
+                driver: driver.to_string(),
+                handle: handle.to_string(),
+                ..Default::default()
+            })
+    }
+
+    /// Drops the entry if nothing is left in it.
+    pub fn tidy(&mut self, volume: &str, node: &str, now: Instant) {
+        let key = (volume.to_string(), node.to_string());
+        if self.entries.get(&key).is_some_and(|e| e.is_empty(now)) {
+            self.entries.remove(&key);
+        }
+    }
+
+    /// Drops every entry with nothing left in it.
+    pub fn tidy_all(&mut self, now: Instant) {
+        self.entries.retain(|_, e| !e.is_empty(now));
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = (&Key, &Attachment)> {
+        self.entries.iter()
+    }
+
+    pub fn iter_mut(&mut self) -> impl Iterator<Item = (&Key, &mut Attachment)> {
+        self.entries.iter_mut()
+    }
+
+    /// Nodes other than `node` where `volume` is or may be attached.
+    pub fn other_nodes<'a>(&'a self, volume: &'a str, node: &'a str) -> impl Iterator<Item = &'a str> {
+        let from = (volume.to_string(), String::new());
+        self.entries
+            .range(from..)
+            .take_while(move |((v, _), _)| v == volume)
+            .filter(move |((_, n), e)| n != node && e.exists())
+            .map(|((_, n), _)| n.as_str())
+    }
+
+    /// Attachments of one node, for the status updater.
+    pub fn on_node<'a>(&'a self, node: &'a str) -> impl Iterator<Item = (&'a str, &'a Attachment)> {
+        self.entries
+            .iter()
+            .filter(move |((_, n), _)| n == node)
+            .map(|((v, _), e)| (v.as_str(), e))
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+}

@@ -1,0 +1,401 @@
+//! Desired state of the world: which volume should be attached to which managed node, and for
+//! which pods. No I/O: the executor feeds it pod by pod, resolving pod → claim → volume → driver
+//! through a [`Lookup`].
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
+use k8s_openapi::api::storage::v1::CSIDriver;
+use kube::ResourceExt;
+
+use crate::objects::{pod_claims, pv_multi_attach_allowed, unique_volume_name};
+
+/// One attachable volume.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VolumeSpec {
+    /// Unique volume name (`kubernetes.io/csi/<driver>^<handle>`).
+    pub name: String,
+    pub pv_name: String,
+    pub driver: String,
+    pub handle: String,
+    /// False for ReadWriteOnce / ReadWriteOncePod-only volumes.
+    pub multi_attach: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct PodRef {
+    pub namespace: String,
+    pub name: String,
+    pub uid: String,
+}
+
+impl PodRef {
+    pub fn of(pod: &Pod) -> Self {
+        Self {
+            namespace: pod.namespace().unwrap_or_default(),
+            name: pod.name_any(),
+            uid: pod.uid().unwrap_or_default(),
+        }
+    }
+}
+
+/// A volume wanted on one node.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DesiredVolume {
+    pub spec: VolumeSpec,
+    /// The pods on this node that use it, by UID.
+    pub pods: BTreeMap<String, PodRef>,
+    /// The multi-attach event went out for this entry (once per entry, as upstream).
+    pub multi_attach_reported: bool,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct Desired {
+    /// node → unique volume name → entry; only managed nodes, only volumes with pods.
+    nodes: BTreeMap<String, BTreeMap<String, DesiredVolume>>,
+    /// pod UID → (node, volumes), to undo a pod's contribution.
+    pods: HashMap<String, (String, Vec<String>)>,
+}
+
+impl Desired {
+    /// Sets the volumes `pod` wants on `node`, replacing what it wanted before. Entries the pod
+    /// keeps are kept as they are (with their multi-attach flag).
+    pub fn set_pod(&mut self, pod: PodRef, node: &str, volumes: Vec<VolumeSpec>) {
+        let names: Vec<String> = volumes.iter().map(|v| v.name.clone()).collect();
+        if let Some((old_node, old_names)) = self.pods.get(&pod.uid).cloned() {
+            for n in old_names {
+                if old_node != node || !names.contains(&n) {
+                    self.unlink(&old_node, &n, &pod.uid);
+                }
+            }
+        }
+        if volumes.is_empty() {
+            self.pods.remove(&pod.uid);
+            return;
+        }
+        let entries = self.nodes.entry(node.to_string()).or_default();
+        for spec in volumes {
+            let e = entries.entry(spec.name.clone()).or_insert_with(|| DesiredVolume {
+                spec: spec.clone(),
+                pods: BTreeMap::new(),
+                multi_attach_reported: false,
+            });
+            e.spec = spec;
+            e.pods.insert(pod.uid.clone(), pod.clone());
+        }
+        self.pods.insert(pod.uid, (node.to_string(), names));
+    }
+
+    pub fn remove_pod(&mut self, uid: &str) {
+        let Some((node, names)) = self.pods.remove(uid) else {
+            return;
+        };
+        for n in names {
+            self.unlink(&node, &n, uid);
+        }
+    }
+
+    fn unlink(&mut self, node: &str, volume: &str, uid: &str) {
+        let Some(entries) = self.nodes.get_mut(node) else {
+            return;
+        };
+        if let Some(e) = entries.get_mut(volume) {
+            e.pods.remove(uid);
+            if e.pods.is_empty() {
+                entries.remove(volume);
+            }
+        }
+        if entries.is_empty() {
+            self.nodes.remove(node);
+        }
+    }
+
+    pub fn has_pod(&self, uid: &str) -> bool {
+        self.pods.contains_key(uid)
+    }
+
+    pub fn pod_uids(&self) -> impl Iterator<Item = &String> {
+        self.pods.keys()
+    }
+
+    pub fn get(&self, volume: &str, node: &str) -> Option<&DesiredVolume> {
+        self.nodes.get(node)?.get(volume)
+    }
+
+    pub fn mark_multi_attach_reported(&mut self, volume: &str, node: &str) {
+        if let Some(e) = self.nodes.get_mut(node).and_then(|n| n.get_mut(volume)) {
+            e.multi_attach_reported = true;
+        }
+    }
+
+    /// Every (node, entry), ordered by node then volume.
+    pub fn iter(&self) -> impl Iterator<Item = (&String, &DesiredVolume)> {
+        self.nodes
+            .iter()
+            .flat_map(|(n, vols)| vols.values().map(move |v| (n, v)))
+    }
+
+    /// Pods using `volume` on nodes other than `node`.
+    pub fn pods_elsewhere<'a>(&'a self, volume: &'a str, node: &'a str) -> impl Iterator<Item = &'a PodRef> {
+        self.nodes
+            .iter()
+            .filter(move |(n, _)| n.as_str() != node)
+            .filter_map(move |(_, vols)| vols.get(volume))
+            .flat_map(|e| e.pods.values())
+    }
+
+    pub fn len(&self) -> usize {
+        self.nodes.values().map(BTreeMap::len).sum()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.nodes.is_empty()
+    }
+}
+
+/// Read access to the objects a pod's volumes resolve through.
+pub trait Lookup {
+    fn claim(&self, namespace: &str, name: &str) -> Option<Arc<PersistentVolumeClaim>>;
+    fn volume(&self, name: &str) -> Option<Arc<PersistentVolume>>;
+    fn driver(&self, name: &str) -> Option<Arc<CSIDriver>>;
+}
+
+/// A driver needs attaching unless its CSIDriver object says otherwise; no object means yes.
+pub fn driver_attachable(driver: Option<&CSIDriver>) -> bool {
+    driver.is_none_or(|d| d.spec.attach_required.unwrap_or(true))
+}
+
+/// The attachable volumes of `pod`. Claims not (yet) bound, volumes missing or pointing at
+/// another claim, and non-CSI volumes are skipped: a later claim or volume event re-resolves.
+pub fn pod_volumes(pod: &Pod, lookup: &impl Lookup) -> Vec<VolumeSpec> {
+    let ns = pod.namespace().unwrap_or_default();
+    let mut out: Vec<VolumeSpec> = Vec::new();
+    for claim_name in pod_claims(pod) {
+        let Some(spec) = resolve_claim(&ns, &claim_name, lookup) else {
+            continue;
+        };
+        if !out.iter().any(|s| s.name == spec.name) {
+            out.push(spec);
+        }
+    }
+    out
+}
+
+fn resolve_claim(ns: &str, claim_name: &str, lookup: &impl Lookup) -> Option<VolumeSpec> {
+    let claim = lookup.claim(ns, claim_name)?;
+    let bound = claim.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Bound");
+    let pv_name = claim
+        .spec
+        .as_ref()?
+        .volume_name
+        .as_deref()
+        .filter(|v| !v.is_empty())?;
+    if !bound {
+        return None;
+    }
+    let pv = lookup.volume(pv_name)?;
+    let claim_ref_uid = pv.spec.as_ref()?.claim_ref.as_ref()?.uid.as_deref();
+    if claim_ref_uid != claim.uid().as_deref() {
+        return None;
+    }
+    let csi = pv.spec.as_ref()?.csi.as_ref()?;
+    if !driver_attachable(lookup.driver(&csi.driver).as_deref()) {
+        return None;
+    }
+    Some(VolumeSpec {
+        name: unique_volume_name(&csi.driver, &csi.volume_handle),
+        pv_name: pv_name.to_string(),
+        driver: csi.driver.clone(),
+        handle: csi.volume_handle.clone(),
+        multi_attach: pv_multi_attach_allowed(&pv),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::api::core::v1::{
+        CSIPersistentVolumeSource, ObjectReference, PersistentVolumeClaimSpec, PersistentVolumeClaimStatus,
+        PersistentVolumeClaimVolumeSource, PersistentVolumeSpec, PodSpec, Volume,
+    };
+    use k8s_openapi::api::storage::v1::CSIDriverSpec;
+    use kube::api::ObjectMeta;
+
+    #[derive(Default)]
+    struct Fake {
+        claims: Vec<PersistentVolumeClaim>,
+        pvs: Vec<PersistentVolume>,
+        drivers: Vec<CSIDriver>,
+    }
+
+    impl Lookup for Fake {
+        fn claim(&self, ns: &str, name: &str) -> Option<Arc<PersistentVolumeClaim>> {
+            self.claims
+                .iter()
+                .find(|c| c.namespace().as_deref() == Some(ns) && c.name_any() == name)
+                .cloned()
+                .map(Arc::new)
+        }
+        fn volume(&self, name: &str) -> Option<Arc<PersistentVolume>> {
+            self.pvs
+                .iter()
+                .find(|p| p.name_any() == name)
+                .cloned()
+                .map(Arc::new)
+        }
+        fn driver(&self, name: &str) -> Option<Arc<CSIDriver>> {
+            self.drivers
+                .iter()
+                .find(|d| d.name_any() == name)
+                .cloned()
+                .map(Arc::new)
+        }
+    }
+
+    fn claim(name: &str, pv: &str, phase: &str) -> PersistentVolumeClaim {
+        PersistentVolumeClaim {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                namespace: Some("ns".into()),
+                uid: Some(format!("uid-{name}")),
+                ..Default::default()
+            },
+            spec: Some(PersistentVolumeClaimSpec {
+                volume_name: Some(pv.into()),
+                ..Default::default()
+            }),
+            status: Some(PersistentVolumeClaimStatus {
+                phase: Some(phase.into()),
+                ..Default::default()
+            }),
+        }
+    }
+
+    fn pv(name: &str, driver: &str, claim_uid: &str, modes: &[&str]) -> PersistentVolume {
+        PersistentVolume {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                ..Default::default()
+            },
+            spec: Some(PersistentVolumeSpec {
+                access_modes: Some(modes.iter().map(|m| m.to_string()).collect()),
+                claim_ref: Some(ObjectReference {
+                    uid: Some(claim_uid.into()),
+                    ..Default::default()
+                }),
+                csi: Some(CSIPersistentVolumeSource {
+                    driver: driver.into(),
+                    volume_handle: format!("h-{name}"),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            status: None,
+        }
+    }
+
+    fn pod(claims: &[&str]) -> Pod {
+        Pod {
+            metadata: ObjectMeta {
+                name: Some("p".into()),
+                namespace: Some("ns".into()),
+                uid: Some("pod-uid".into()),
+                ..Default::default()
+            },
+            spec: Some(PodSpec {
+                node_name: Some("n1".into()),
+                volumes: Some(
+                    claims
+                        .iter()
+                        .map(|c| Volume {
+                            name: c.to_string(),
+                            persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
+                                claim_name: c.to_string(),
+                                read_only: None,
+                            }),
+                            ..Default::default()
+                        })
+                        .collect(),
+                ),
+                ..Default::default()
+            }),
+            status: None,
+        }
+    }
+
+    fn driver(name: &str, attach: bool) -> CSIDriver {
+        CSIDriver {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                ..Default::default()
+            },
+            spec: CSIDriverSpec {
+                attach_required: Some(attach),
+                ..Default::default()
+            },
+        }
+    }
+
+    #[test]
+    fn resolves_bound_claims_of_attachable_drivers_only() {
+        let lookup = Fake {
+            claims: vec![
+                claim("a", "pv-a", "Bound"),
+                claim("b", "pv-b", "Pending"),
+                claim("c", "pv-c", "Bound"),
+                claim("d", "pv-d", "Bound"),
+                claim("e", "pv-e", "Bound"),
+            ],
+            pvs: vec![
+                pv("pv-a", "no-object.dev", "uid-a", &["ReadWriteOnce"]),
+                pv("pv-b", "no-object.dev", "uid-b", &["ReadWriteOnce"]),
+                pv("pv-c", "noattach.dev", "uid-c", &["ReadWriteOnce"]),
+                pv("pv-d", "attach.dev", "uid-d", &["ReadWriteMany"]),
+                // Bound to some other claim (stale PV): not ours.
+                pv("pv-e", "attach.dev", "someone-else", &["ReadWriteOnce"]),
+            ],
+            drivers: vec![driver("noattach.dev", false), driver("attach.dev", true)],
+        };
+        let vols = pod_volumes(&pod(&["a", "b", "c", "d", "e", "missing", "a"]), &lookup);
+        let names: Vec<_> = vols.iter().map(|v| v.name.as_str()).collect();
+        assert_eq!(
+            names,
+            vec![
+                "kubernetes.io/csi/no-object.dev^h-pv-a",
+                "kubernetes.io/csi/attach.dev^h-pv-d"
+            ]
+        );
+        assert!(!vols[0].multi_attach);
+        assert!(vols[1].multi_attach);
+    }
+
+    #[test]
+    fn entries_follow_their_pods() {
+        let spec = VolumeSpec {
+            name: "v".into(),
+            pv_name: "pv".into(),
+            driver: "d".into(),
+            handle: "h".into(),
+            multi_attach: false,
+        };
+        let p = |uid: &str| PodRef {
+            namespace: "ns".into(),
+            name: uid.into(),
+            uid: uid.into(),
+        };
+        let mut d = Desired::default();
+        d.set_pod(p("1"), "n1", vec![spec.clone()]);
+        d.set_pod(p("2"), "n1", vec![spec.clone()]);
+        d.mark_multi_attach_reported("v", "n1");
+        assert_eq!(d.len(), 1);
+        d.remove_pod("1");
+        assert!(d.get("v", "n1").unwrap().multi_attach_reported);
+        // Moving the pod to another node takes its volume along.
+        d.set_pod(p("2"), "n2", vec![spec]);
+        assert!(d.get("v", "n1").is_none());
+        assert!(!d.get("v", "n2").unwrap().multi_attach_reported);
+        d.remove_pod("2");
+        assert!(d.is_empty());
+    }
+}

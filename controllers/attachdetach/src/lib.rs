@@ -1,0 +1,47 @@
+//! The attach/detach controller: upstream's attachdetach-controller behaviour for CSI volumes.
+//! Desired state (`desired`) and actual state (`actual`) are plain types fed by the shared
+//! informers; `reconcile` is a pure pass that decides detaches, node status and attaches; `exec`
+//! carries the decisions out as VolumeAttachment creates/deletes and node status patches.
+
+pub mod actual;
+pub mod desired;
+pub mod exec;
+pub mod metrics;
+pub mod objects;
+pub mod reconcile;
+
+use std::time::Duration;
+
+pub use exec::run;
+pub use metrics::Metrics;
+
+/// Controller settings; `Default` has upstream's values.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// How long a detach waits for a not-Ready node to unmount before it is forced
+    /// (--max-wait-for-unmount; upstream's fixed maxWaitForUnmountDuration).
+    pub max_wait_for_unmount: Duration,
+    /// Never force a detach because of the timeout (--disable-force-detach-on-timeout); the
+    /// out-of-service taint and a deleted node still detach at once.
+    pub disable_force_detach_on_timeout: bool,
+    /// Full rebuild of desired and actual state from the stores (upstream's populator period);
+    /// also confirms attachments carried over from node status against VolumeAttachments.
+    pub resync: Duration,
+    /// VolumeAttachment creates in flight at once.
+    pub max_attaches_in_flight: usize,
+    /// Detaches (node status patch + VolumeAttachment delete) in flight at once; a separate
+    /// budget, so attaches never queue behind a burst of detaches.
+    pub max_detaches_in_flight: usize,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            max_wait_for_unmount: Duration::from_secs(6 * 60),
+            disable_force_detach_on_timeout: false,
+            resync: Duration::from_secs(60),
+            max_attaches_in_flight: 32,
+            max_detaches_in_flight: 32,
+        }
+    }
+}

@@ -1,0 +1,253 @@
+//! Attach/detach metrics, all prefixed `stowage_attachdetach_`. Inventory gauges (volumes in
+//! desired and actual state, detaches waiting for unmount) are computed at scrape time from a
+//! snapshot the controller refreshes after each pass, so waiting times stay current between
+//! passes.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use prometheus::core::{Collector, Desc};
+use prometheus::proto::MetricFamily;
+use prometheus::{
+    Gauge, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry,
+};
+use stowage_common::metrics::register;
+
+/// What the scrape-time gauges are computed from.
+#[derive(Debug, Default, Clone)]
+pub struct Snapshot {
+    /// (state, driver) → volumes; state is `desired_state_of_world` or `actual_state_of_world`.
+    pub volumes: BTreeMap<(&'static str, String), i64>,
+    /// When each detach now waiting for unmount was first wanted.
+    pub waiting_since: Vec<Instant>,
+}
+
+#[derive(Clone)]
+struct Inventory {
+    volumes: IntGaugeVec,
+    waiting: IntGauge,
+    longest_wait: Gauge,
+    snapshot: Arc<Mutex<Snapshot>>,
+}
+
+impl Collector for Inventory {
+    fn desc(&self) -> Vec<&Desc> {
+        let mut d = self.volumes.desc();
+        d.extend(self.waiting.desc());
+        d.extend(self.longest_wait.desc());
+        d
+    }
+
+    fn collect(&self) -> Vec<MetricFamily> {
+        let snap = self.snapshot.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        self.volumes.reset();
+        for ((state, driver), n) in &snap.volumes {
+            self.volumes.with_label_values(&[state, driver.as_str()]).set(*n);
+        }
+        self.waiting.set(snap.waiting_since.len() as i64);
+        let longest = snap
+            .waiting_since
+            .iter()
+            .min()
+            .map(|t| t.elapsed().as_secs_f64())
+            .unwrap_or(0.0);
+        self.longest_wait.set(longest);
+        let mut out = self.volumes.collect();
+        out.extend(self.waiting.collect());
+        out.extend(self.longest_wait.collect());
+        out
+    }
+}
+
+#[derive(Clone)]
+pub struct Metrics {
+    /// Reconciler passes.
+    pub reconciles: IntCounter,
+    /// Time one pass took to decide (the pure reconciler).
+    pub reconcile_seconds: Histogram,
+    /// Failed operations started by the reconciler, by operation and error category.
+    pub reconcile_errors: IntCounterVec,
+    /// API operations by operation (`attach`, `detach`, `node_status`) and result.
+    pub operations: IntCounterVec,
+    /// Time of one API operation, by operation.
+    pub operation_seconds: HistogramVec,
+    /// Attach requested (VolumeAttachment created) → attached, end to end.
+    pub attach_seconds: Histogram,
+    /// Detach started → VolumeAttachment gone, end to end.
+    pub detach_seconds: Histogram,
+    /// Detaches that went ahead although the node still used the volume, by reason.
+    pub forced_detaches: IntCounterVec,
+    /// How long detaches waited for the node to unmount before they went ahead.
+    pub unmount_wait_seconds: Histogram,
+    /// Multi-attach events sent.
+    pub multi_attach_errors: IntCounter,
+    /// Operations waiting for a slot or in flight, by queue (`attach`, `detach`).
+    pub queue_depth: IntGaugeVec,
+    snapshot: Arc<Mutex<Snapshot>>,
+}
+
+impl Metrics {
+    /// Registers every family in `registry`; call once per process (per registry).
+    pub fn new(registry: &Registry) -> Self {
+        let op_buckets = prometheus::exponential_buckets(0.001, 2.0, 16).expect("static buckets");
+        let e2e_buckets = prometheus::exponential_buckets(0.05, 2.0, 16).expect("static buckets");
+        let inventory = Inventory {
+            volumes: IntGaugeVec::new(
+                Opts::new(
+                    "stowage_attachdetach_volumes",
+                    "Volumes (volume, node pairs) in desired and actual state, by state and driver.",
+                ),
+                &["state", "driver"],
+            )
+            .expect("static metric definition"),
+            waiting: IntGauge::new(
+                "stowage_attachdetach_detaches_waiting_for_unmount",
+                "Detaches held back because the node still uses the volume.",
+            )
+            .expect("static metric definition"),
+            longest_wait: Gauge::new(
+                "stowage_attachdetach_longest_unmount_wait_seconds",
+                "How long the oldest detach now waiting for unmount has waited.",
+            )
+            .expect("static metric definition"),
+            snapshot: Arc::new(Mutex::new(Snapshot::default())),
+        };
+        let m = Self {
+            reconciles: IntCounter::new("stowage_attachdetach_reconcile_total", "Reconciler passes.")
+                .expect("static metric definition"),
+            reconcile_seconds: Histogram::with_opts(
+                HistogramOpts::new(
+                    "stowage_attachdetach_reconcile_duration_seconds",
+                    "Time one reconciler pass took to decide.",
+                )
+                .buckets(prometheus::exponential_buckets(1e-5, 4.0, 10).expect("static buckets")),
+            )
+            .expect("static metric definition"),
+            reconcile_errors: IntCounterVec::new(
+                Opts::new(
+                    "stowage_attachdetach_reconcile_errors_total",
+                    "Operations started by the reconciler that failed, by operation and error category.",
+                ),
+                &["operation", "error"],
+            )
+            .expect("static metric definition"),
+            operations: IntCounterVec::new(
+                Opts::new(
+                    "stowage_attachdetach_operations_total",
+                    "API operations by operation (attach, detach, node_status) and result.",
+                ),
+                &["operation", "result"],
+            )
+            .expect("static metric definition"),
+            operation_seconds: HistogramVec::new(
+                HistogramOpts::new(
+                    "stowage_attachdetach_operation_duration_seconds",
+                    "Time of one API operation (VolumeAttachment create/delete, node status patch).",
+                )
+                .buckets(op_buckets),
+                &["operation"],
+            )
+            .expect("static metric definition"),
+            attach_seconds: Histogram::with_opts(
+                HistogramOpts::new(
+                    "stowage_attachdetach_attach_duration_seconds",
+                    "VolumeAttachment created to status.attached, end to end.",
+                )
+                .buckets(e2e_buckets.clone()),
+            )
+            .expect("static metric definition"),
+            detach_seconds: Histogram::with_opts(
+                HistogramOpts::new(
+                    "stowage_attachdetach_detach_duration_seconds",
+                    "Detach started to VolumeAttachment gone, end to end.",
+                )
+                .buckets(e2e_buckets.clone()),
+            )
+            .expect("static metric definition"),
+            forced_detaches: IntCounterVec::new(
+                Opts::new(
+                    "stowage_attachdetach_forced_detaches_total",
+                    "Detaches of volumes the node still used, by reason (timeout, out-of-service, node-deleted).",
+                ),
+                &["reason"],
+            )
+            .expect("static metric definition"),
+            unmount_wait_seconds: Histogram::with_opts(
+                HistogramOpts::new(
+                    "stowage_attachdetach_unmount_wait_seconds",
+                    "Time from a detach first wanted to the detach going ahead.",
+                )
+                .buckets(e2e_buckets),
+            )
+            .expect("static metric definition"),
+            multi_attach_errors: IntCounter::new(
+                "stowage_attachdetach_multi_attach_errors_total",
+                "Multi-Attach events: a single-node volume wanted on a node while attached to another.",
+            )
+            .expect("static metric definition"),
+            queue_depth: IntGaugeVec::new(
+                Opts::new(
+                    "stowage_attachdetach_queue_depth",
+                    "Operations waiting for a slot or in flight, by queue (attach, detach).",
+                ),
+                &["queue"],
+            )
+            .expect("static metric definition"),
+            snapshot: inventory.snapshot.clone(),
+        };
+        register(registry, m.reconciles.clone());
+        register(registry, m.reconcile_seconds.clone());
+        register(registry, m.reconcile_errors.clone());
+        register(registry, m.operations.clone());
+        register(registry, m.operation_seconds.clone());
+        register(registry, m.attach_seconds.clone());
+        register(registry, m.detach_seconds.clone());
+        register(registry, m.forced_detaches.clone());
+        register(registry, m.unmount_wait_seconds.clone());
+        register(registry, m.multi_attach_errors.clone());
+        register(registry, m.queue_depth.clone());
+        register(registry, inventory);
+        for q in ["attach", "detach"] {
+            m.queue_depth.with_label_values(&[q]).set(0);
+        }
+        m
+    }
+
+    /// Replaces the snapshot the scrape-time gauges read.
+    pub fn set_snapshot(&self, snap: Snapshot) {
+        *self.snapshot.lock().unwrap_or_else(|p| p.into_inner()) = snap;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn inventory_is_computed_at_scrape_time() {
+        let registry = Registry::new();
+        let m = Metrics::new(&registry);
+        let mut snap = Snapshot::default();
+        snap.volumes.insert(("desired_state_of_world", "d".into()), 3);
+        snap.waiting_since.push(Instant::now() - Duration::from_secs(5));
+        m.set_snapshot(snap);
+        let text = stowage_common::metrics::encode(&registry);
+        assert!(
+            text.contains("stowage_attachdetach_volumes{driver=\"d\",state=\"desired_state_of_world\"} 3"),
+            "{text}"
+        );
+        assert!(
+            text.contains("stowage_attachdetach_detaches_waiting_for_unmount 1"),
+            "{text}"
+        );
+        let line = text
+            .lines()
+            .find(|l| l.starts_with("stowage_attachdetach_longest_unmount_wait_seconds "))
+            .unwrap();
+        let v: f64 = line.split(' ').nth(1).unwrap().parse().unwrap();
+        assert!(v >= 5.0, "{line}");
+    }
+}

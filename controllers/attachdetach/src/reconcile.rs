@@ -1,0 +1,285 @@
+//! The reconciler: one pure pass over desired and actual state that decides detaches, node
+//! status updates and attaches, in that order (a pod moving between nodes frees its
+//! single-node volume before anything tries to attach it elsewhere).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::{Duration, Instant};
+
+use crate::Config;
+use crate::actual::{Actual, Op};
+use crate::desired::{Desired, PodRef};
+use crate::objects::{NodeInfo, attachment_name};
+
+pub type Nodes = BTreeMap<String, NodeInfo>;
+
+/// Why a detach went ahead although the node still listed the volume as in use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum ForceReason {
+    /// Node not Ready for longer than --max-wait-for-unmount.
+    Timeout,
+    /// The node carries the out-of-service taint.
+    OutOfService,
+    /// The Node object is gone.
+    NodeDeleted,
+}
+
+impl ForceReason {
+    pub fn label(self) -> &'static str {
+        match self {
+            ForceReason::Timeout => "timeout",
+            ForceReason::OutOfService => "out-of-service",
+            ForceReason::NodeDeleted => "node-deleted",
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Action {
+    /// Start the unmount countdown of a detach (upstream's detachRequestedTime).
+    MarkDetachRequested { volume: String, node: String },
+    /// The volume is wanted again: forget the countdown.
+    CancelDetachRequest { volume: String, node: String },
+    /// Detach wanted but the node still uses the volume.
+    WaitForUnmount {
+        volume: String,
+        node: String,
+        waited: Duration,
+    },
+    /// Delete the VolumeAttachment `va_name`. `forced` is set when the node still listed the
+    /// volume as in use (or is gone).
+    Detach {
+        volume: String,
+        node: String,
+        va_name: String,
+        forced: Option<ForceReason>,
+        waited: Duration,
+    },
+    /// Replace the node's `status.volumesAttached` (unique name, device path), sorted by name.
+    UpdateNodeStatus {
+        node: String,
+        volumes: Vec<(String, String)>,
+    },
+    /// Create the VolumeAttachment.
+    Attach {
+        volume: String,
+        node: String,
+        va_name: String,
+        pv_name: String,
+        driver: String,
+    },
+    /// A single-node volume is held by another node: tell the waiting pods.
+    MultiAttachError {
+        volume: String,
+        node: String,
+        notes: Vec<(PodRef, String)>,
+    },
+}
+
+/// One reconciler pass. `now` is the caller's clock, so the pass is a pure function of its inputs.
+pub fn reconcile(
+    desired: &Desired,
+    actual: &Actual,
+    nodes: &Nodes,
+    now: Instant,
+    config: &Config,
+) -> Vec<Action> {
+    let mut actions = Vec::new();
+    // Detaches decided in this pass: no longer reported in node status.
+    let mut detaching: BTreeSet<(&str, &str)> = BTreeSet::new();
+
+    // Phase 1: detaches.
+    for ((volume, node), a) in actual.iter() {
+        if desired.get(volume, node).is_some() || !a.exists() {
+            continue;
+        }
+        if a.op.is_some() || a.deleting() || a.backing_off(now) {
+            continue;
+        }
+        let waited = match a.detach_requested {
+            Some(t) => now.saturating_duration_since(t),
+            None => {
+                actions.push(Action::MarkDetachRequested {
+                    volume: volume.clone(),
+                    node: node.clone(),
+                });
+                Duration::ZERO
+            }
+        };
+        let forced = match nodes.get(node) {
+            None => Some(ForceReason::NodeDeleted),
+            Some(n) if !n.in_use.contains(volume) => None,
+            Some(n) if n.out_of_service => Some(ForceReason::OutOfService),
+            Some(n)
+                if !n.ready
+                    && !config.disable_force_detach_on_timeout
+                    && waited >= config.max_wait_for_unmount =>
+            {
+                Some(ForceReason::Timeout)
+            }
+            Some(_) => {
+                actions.push(Action::WaitForUnmount {
+                    volume: volume.clone(),
+                    node: node.clone(),
+                    waited,
+                });
+                continue;
+            }
+        };
+        let va_name = match &a.va {
+            Some(va) => va.name.clone(),
+            None => attachment_name(&a.handle, &a.driver, node),
+        };
+        detaching.insert((volume, node));
+        actions.push(Action::Detach {
+            volume: volume.clone(),
+            node: node.clone(),
+            va_name,
+            forced,
+            waited,
+        });
+    }
+
+    // Phase 2: node status. Before a detach the node must stop advertising the volume, so the
+    // update carries the detaches of this pass already (the executor patches before deleting).
+    let mut reports: BTreeMap<&str, BTreeMap<&str, &str>> = BTreeMap::new();
+    for ((volume, node), a) in actual.iter() {
+        if detaching.contains(&(volume.as_str(), node.as_str())) {
+            continue;
+        }
+        if let Some(path) = a.report() {
+            reports.entry(node).or_default().insert(volume, path);
+        }
+    }
+    for (name, info) in nodes {
+        let want = reports.remove(name.as_str()).unwrap_or_default();
+        // Leave nodes alone that the controller has nothing to do with.
+        if !info.managed && want.is_empty() && !detaching.iter().any(|(_, n)| n == name) {
+            continue;
+        }
+        let same = want.len() == info.volumes_attached.len()
+            && want
+                .iter()
+                .all(|(v, p)| info.volumes_attached.get(*v).map(String::as_str) == Some(*p));
+        if !same {
+            actions.push(Action::UpdateNodeStatus {
+                node: name.clone(),
+                volumes: want
+                    .into_iter()
+                    .map(|(v, p)| (v.to_string(), p.to_string()))
+                    .collect(),
+            });
+        }
+    }
+
+    // Phase 3: attaches.
+    // Single-node volumes handed to a node in this pass.
+    let mut claimed: BTreeMap<&str, &str> = BTreeMap::new();
+    for (node, want) in desired.iter() {
+        let volume = want.spec.name.as_str();
+        if !nodes.get(node).is_some_and(|n| n.managed) {
+            continue;
+        }
+        if let Some(a) = actual.get(volume, node) {
+            if a.exists() {
+                if a.detach_requested.is_some() {
+                    actions.push(Action::CancelDetachRequest {
+                        volume: volume.to_string(),
+                        node: node.clone(),
+                    });
+                }
+                // Attached, attaching, or being deleted (re-created once it is gone).
+                continue;
+            }
+            if a.op.is_some() || a.backing_off(now) {
+                continue;
+            }
+        }
+        if !want.spec.multi_attach {
+            let held = actual.other_nodes(volume, node).next().is_some()
+                || claimed.get(volume).is_some_and(|n| *n != node.as_str());
+            if held {
+                if !want.multi_attach_reported {
+                    actions.push(Action::MultiAttachError {
+                        volume: volume.to_string(),
+                        node: node.clone(),
+                        notes: want
+                            .pods
+                            .values()
+                            .map(|p| {
+                                (
+                                    p.clone(),
+                                    multi_attach_note(desired, volume, node, &want.spec.pv_name, p),
+                                )
+                            })
+                            .collect(),
+                    });
+                }
+                continue;
+            }
+            claimed.insert(volume, node);
+        }
+        actions.push(Action::Attach {
+            volume: volume.to_string(),
+            node: node.clone(),
+            va_name: attachment_name(&want.spec.handle, &want.spec.driver, node),
+            pv_name: want.spec.pv_name.clone(),
+            driver: want.spec.driver.clone(),
+        });
+    }
+    actions
+}
+
+/// The event text for `waiting`: names of pods holding the volume only from its own namespace,
+/// a count for the rest, so no names leak across namespaces.
+fn multi_attach_note(desired: &Desired, volume: &str, node: &str, pv_name: &str, waiting: &PodRef) -> String {
+    let mut same: Vec<&str> = Vec::new();
+    let mut others = 0usize;
+    for p in desired.pods_elsewhere(volume, node) {
+        if p.namespace == waiting.namespace {
+            same.push(&p.name);
+        } else {
+            others += 1;
+        }
+    }
+    same.sort_unstable();
+    same.dedup();
+    let head = format!("Multi-Attach error for volume \"{pv_name}\":");
+    match (same.is_empty(), others) {
+        (true, 0) => format!(
+            "{head} it is still attached to another node and can be used on one node only; it is attached here once the other node lets go of it"
+        ),
+        (false, 0) => format!(
+            "{head} still used by pod(s) {} on another node; it is attached here once they release it",
+            same.join(", ")
+        ),
+        (true, n) => format!(
+            "{head} still used by {n} pod(s) in other namespaces on another node; it is attached here once they release it"
+        ),
+        (false, n) => format!(
+            "{head} still used by pod(s) {} and {n} pod(s) in other namespaces on another node; it is attached here once they release it",
+            same.join(", ")
+        ),
+    }
+}
+
+/// When the next pass is due without any new event: the earliest unmount deadline or retry
+/// still ahead of `now` (one already passed has had its pass).
+pub fn next_deadline(actual: &Actual, config: &Config, now: Instant) -> Option<Instant> {
+    actual
+        .iter()
+        .filter_map(|(_, a)| {
+            let unmount = (!config.disable_force_detach_on_timeout && a.op != Some(Op::Detach))
+                .then_some(a.detach_requested)
+                .flatten()
+                .map(|t| t + config.max_wait_for_unmount);
+            [unmount, a.retry_at]
+                .into_iter()
+                .flatten()
+                .filter(|t| *t > now)
+                .min()
+        })
+        .min()
+}
+
+#[cfg(test)]
+mod tests;

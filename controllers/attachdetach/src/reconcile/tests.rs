@@ -1,0 +1,509 @@
+use std::time::{Duration, Instant};
+
+use proptest::prelude::*;
+
+use super::*;
+use crate::actual::Attachment;
+use crate::desired::VolumeSpec;
+use crate::objects::VaState;
+
+const NS: &str = "ns";
+
+fn spec(v: &str, multi: bool) -> VolumeSpec {
+    VolumeSpec {
+        name: format!("kubernetes.io/csi/d^{v}"),
+        pv_name: format!("pv-{v}"),
+        driver: "d".into(),
+        handle: v.into(),
+        multi_attach: multi,
+    }
+}
+
+fn vname(v: &str) -> String {
+    spec(v, false).name
+}
+
+fn pod(ns: &str, name: &str) -> PodRef {
+    PodRef {
+        namespace: ns.into(),
+        name: name.into(),
+        uid: format!("uid-{ns}-{name}"),
+    }
+}
+
+fn node(ready: bool) -> NodeInfo {
+    NodeInfo {
+        managed: true,
+        ready,
+        ..Default::default()
+    }
+}
+
+fn attached_va(v: &str, n: &str) -> VaState {
+    VaState {
+        name: attachment_name(v, "d", n),
+        attached: true,
+        device_path: format!("/dev/{v}"),
+        ..Default::default()
+    }
+}
+
+fn attach<'a>(actual: &'a mut Actual, v: &str, n: &str) -> &'a mut Attachment {
+    let e = actual.entry(&vname(v), n, "d", v);
+    e.va = Some(attached_va(v, n));
+    e
+}
+
+fn cfg() -> Config {
+    Config {
+        max_wait_for_unmount: Duration::from_secs(60),
+        ..Default::default()
+    }
+}
+
+fn detaches(actions: &[Action]) -> Vec<(&str, &str, Option<ForceReason>)> {
+    actions
+        .iter()
+        .filter_map(|a| match a {
+            Action::Detach {
+                volume, node, forced, ..
+            } => Some((volume.as_str(), node.as_str(), *forced)),
+            _ => None,
+        })
+        .collect()
+}
+
+fn attaches(actions: &[Action]) -> Vec<(&str, &str)> {
+    actions
+        .iter()
+        .filter_map(|a| match a {
+            Action::Attach { volume, node, .. } => Some((volume.as_str(), node.as_str())),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn wanted_volume_gets_an_attachment_named_as_upstream() {
+    let mut d = Desired::default();
+    d.set_pod(pod(NS, "p"), "n1", vec![spec("v", false)]);
+    let nodes = Nodes::from([("n1".to_string(), node(true))]);
+    let actions = reconcile(&d, &Actual::default(), &nodes, Instant::now(), &cfg());
+    assert_eq!(
+        actions,
+        vec![Action::Attach {
+            volume: vname("v"),
+            node: "n1".into(),
+            va_name: attachment_name("v", "d", "n1"),
+            pv_name: "pv-v".into(),
+            driver: "d".into(),
+        }]
+    );
+}
+
+#[test]
+fn attached_and_wanted_is_left_alone_and_cancels_a_countdown() {
+    let mut d = Desired::default();
+    d.set_pod(pod(NS, "p"), "n1", vec![spec("v", false)]);
+    let mut a = Actual::default();
+    attach(&mut a, "v", "n1").detach_requested = Some(Instant::now());
+    let mut n = node(true);
+    n.volumes_attached.insert(vname("v"), "/dev/v".into());
+    let nodes = Nodes::from([("n1".to_string(), n)]);
+    let actions = reconcile(&d, &a, &nodes, Instant::now(), &cfg());
+    assert_eq!(
+        actions,
+        vec![Action::CancelDetachRequest {
+            volume: vname("v"),
+            node: "n1".into()
+        }]
+    );
+}
+
+#[test]
+fn unwanted_and_unmounted_is_detached_after_the_node_stops_reporting_it() {
+    let mut a = Actual::default();
+    attach(&mut a, "v", "n1");
+    let mut n = node(true);
+    n.volumes_attached.insert(vname("v"), "/dev/v".into());
+    let nodes = Nodes::from([("n1".to_string(), n)]);
+    let actions = reconcile(&Desired::default(), &a, &nodes, Instant::now(), &cfg());
+    assert_eq!(
+        actions,
+        vec![
+            Action::MarkDetachRequested {
+                volume: vname("v"),
+                node: "n1".into()
+            },
+            Action::Detach {
+                volume: vname("v"),
+                node: "n1".into(),
+                va_name: attachment_name("v", "d", "n1"),
+                forced: None,
+                waited: Duration::ZERO,
+            },
+            Action::UpdateNodeStatus {
+                node: "n1".into(),
+                volumes: vec![]
+            },
+        ]
+    );
+}
+
+#[test]
+fn in_use_on_a_ready_node_waits_forever() {
+    let t0 = Instant::now();
+    let mut a = Actual::default();
+    attach(&mut a, "v", "n1").detach_requested = Some(t0);
+    let mut n = node(true);
+    n.in_use.insert(vname("v"));
+    let nodes = Nodes::from([("n1".to_string(), n)]);
+    let later = t0 + Duration::from_secs(3600);
+    let actions = reconcile(&Desired::default(), &a, &nodes, later, &cfg());
+    assert!(detaches(&actions).is_empty(), "{actions:?}");
+    assert!(
+        actions.iter().any(
+            |x| matches!(x, Action::WaitForUnmount { waited, .. } if *waited == Duration::from_secs(3600))
+        )
+    );
+}
+
+#[test]
+fn in_use_on_a_not_ready_node_is_forced_after_the_max_wait() {
+    let t0 = Instant::now();
+    let mut a = Actual::default();
+    attach(&mut a, "v", "n1").detach_requested = Some(t0);
+    let mut n = node(false);
+    n.in_use.insert(vname("v"));
+    let nodes = Nodes::from([("n1".to_string(), n)]);
+    let d = Desired::default();
+    let before = reconcile(&d, &a, &nodes, t0 + Duration::from_secs(59), &cfg());
+    assert!(detaches(&before).is_empty());
+    let after = reconcile(&d, &a, &nodes, t0 + Duration::from_secs(60), &cfg());
+    assert_eq!(
+        detaches(&after),
+        vec![(vname("v").as_str(), "n1", Some(ForceReason::Timeout))]
+    );
+    let disabled = Config {
+        disable_force_detach_on_timeout: true,
+        ..cfg()
+    };
+    let never = reconcile(&d, &a, &nodes, t0 + Duration::from_secs(6000), &disabled);
+    assert!(detaches(&never).is_empty());
+    assert_eq!(next_deadline(&a, &cfg(), t0), Some(t0 + Duration::from_secs(60)));
+    assert_eq!(next_deadline(&a, &disabled, t0), None);
+    // A deadline already passed is no reason to wake again.
+    assert_eq!(next_deadline(&a, &cfg(), t0 + Duration::from_secs(61)), None);
+}
+
+#[test]
+fn out_of_service_and_deleted_nodes_detach_at_once() {
+    let t0 = Instant::now();
+    let mut a = Actual::default();
+    attach(&mut a, "v", "n1");
+    attach(&mut a, "w", "gone");
+    let mut n = node(true);
+    n.in_use.insert(vname("v"));
+    n.out_of_service = true;
+    let nodes = Nodes::from([("n1".to_string(), n)]);
+    let actions = reconcile(&Desired::default(), &a, &nodes, t0, &cfg());
+    let mut got = detaches(&actions);
+    got.sort();
+    let (v, w) = (vname("v"), vname("w"));
+    let mut want = vec![
+        (v.as_str(), "n1", Some(ForceReason::OutOfService)),
+        (w.as_str(), "gone", Some(ForceReason::NodeDeleted)),
+    ];
+    want.sort();
+    assert_eq!(got, want);
+}
+
+#[test]
+fn single_node_volume_waits_for_the_other_node_and_says_why_once() {
+    let mut d = Desired::default();
+    d.set_pod(pod(NS, "old"), "n1", vec![spec("v", false)]);
+    d.set_pod(pod("other", "foreign"), "n1", vec![spec("v", false)]);
+    d.set_pod(pod(NS, "new"), "n2", vec![spec("v", false)]);
+    let mut a = Actual::default();
+    attach(&mut a, "v", "n1");
+    let mut n1 = node(true);
+    n1.volumes_attached.insert(vname("v"), "/dev/v".into());
+    let nodes = Nodes::from([("n1".to_string(), n1), ("n2".to_string(), node(true))]);
+    let actions = reconcile(&d, &a, &nodes, Instant::now(), &cfg());
+    assert!(attaches(&actions).is_empty(), "{actions:?}");
+    let notes = actions
+        .iter()
+        .find_map(|x| match x {
+            Action::MultiAttachError { node, notes, .. } if node == "n2" => Some(notes.clone()),
+            _ => None,
+        })
+        .expect("multi-attach event");
+    assert_eq!(notes.len(), 1);
+    assert_eq!(notes[0].0.name, "new");
+    let note = &notes[0].1;
+    assert!(
+        note.starts_with("Multi-Attach error for volume \"pv-v\""),
+        "{note}"
+    );
+    assert!(note.contains("old"), "{note}");
+    assert!(
+        !note.contains("foreign"),
+        "names from other namespaces leak: {note}"
+    );
+    assert!(note.contains("1 pod(s) in other namespaces"), "{note}");
+
+    d.mark_multi_attach_reported(&vname("v"), "n2");
+    let again = reconcile(&d, &a, &nodes, Instant::now(), &cfg());
+    assert!(
+        again
+            .iter()
+            .all(|x| !matches!(x, Action::MultiAttachError { .. }))
+    );
+}
+
+#[test]
+fn shareable_volume_attaches_everywhere() {
+    let mut d = Desired::default();
+    d.set_pod(pod(NS, "a"), "n2", vec![spec("v", true)]);
+    let mut a = Actual::default();
+    attach(&mut a, "v", "n1");
+    let mut n1 = node(true);
+    n1.volumes_attached.insert(vname("v"), "/dev/v".into());
+    d.set_pod(pod(NS, "b"), "n1", vec![spec("v", true)]);
+    let nodes = Nodes::from([("n1".to_string(), n1), ("n2".to_string(), node(true))]);
+    let actions = reconcile(&d, &a, &nodes, Instant::now(), &cfg());
+    assert_eq!(attaches(&actions), vec![(vname("v").as_str(), "n2")]);
+}
+
+#[test]
+fn node_status_lists_confirmed_attachments_with_device_paths() {
+    let mut d = Desired::default();
+    d.set_pod(pod(NS, "p"), "n1", vec![spec("v", false), spec("w", false)]);
+    let mut a = Actual::default();
+    attach(&mut a, "v", "n1");
+    // Still attaching: not reported.
+    a.entry(&vname("w"), "n1", "d", "w").va = Some(VaState {
+        name: attachment_name("w", "d", "n1"),
+        ..Default::default()
+    });
+    let nodes = Nodes::from([("n1".to_string(), node(true))]);
+    let actions = reconcile(&d, &a, &nodes, Instant::now(), &cfg());
+    assert_eq!(
+        actions,
+        vec![Action::UpdateNodeStatus {
+            node: "n1".into(),
+            volumes: vec![(vname("v"), "/dev/v".into())]
+        }]
+    );
+    // Already so: nothing to write.
+    let mut n = node(true);
+    n.volumes_attached.insert(vname("v"), "/dev/v".into());
+    let nodes = Nodes::from([("n1".to_string(), n)]);
+    assert!(reconcile(&d, &a, &nodes, Instant::now(), &cfg()).is_empty());
+}
+
+#[test]
+fn attachments_carried_over_from_node_status_are_kept_while_wanted() {
+    let mut d = Desired::default();
+    d.set_pod(pod(NS, "p"), "n1", vec![spec("v", false)]);
+    let mut a = Actual::default();
+    a.entry(&vname("v"), "n1", "d", "v").reported = Some("/dev/x".into());
+    let mut n = node(true);
+    n.volumes_attached.insert(vname("v"), "/dev/x".into());
+    let nodes = Nodes::from([("n1".to_string(), n)]);
+    assert!(reconcile(&d, &a, &nodes, Instant::now(), &cfg()).is_empty());
+    // Not wanted any more: detached by the name upstream would have given it.
+    let actions = reconcile(&Desired::default(), &a, &nodes, Instant::now(), &cfg());
+    assert!(
+        actions.iter().any(
+            |x| matches!(x, Action::Detach { va_name, .. } if *va_name == attachment_name("v", "d", "n1"))
+        )
+    );
+}
+
+#[test]
+fn busy_and_backing_off_entries_are_skipped() {
+    let now = Instant::now();
+    let mut a = Actual::default();
+    attach(&mut a, "v", "n1").op = Some(Op::Detach);
+    attach(&mut a, "w", "n1").retry_at = Some(now + Duration::from_secs(1));
+    let nodes = Nodes::from([("n1".to_string(), node(true))]);
+    let actions = reconcile(&Desired::default(), &a, &nodes, now, &cfg());
+    assert!(detaches(&actions).is_empty(), "{actions:?}");
+}
+
+// ---- properties ----
+
+const VOLS: [&str; 3] = ["a", "b", "c"];
+const NODES: [&str; 3] = ["n0", "n1", "n2"];
+
+/// (volume, node, va attached, va deleting, reported only, op (true = attach), detach
+/// requested seconds ago, backing off)
+type Have = (usize, usize, bool, bool, bool, Option<bool>, Option<u64>, bool);
+
+#[derive(Debug, Clone)]
+struct World {
+    /// (volume index, node index, pod namespace index)
+    wants: Vec<(usize, usize, usize)>,
+    multi: [bool; 3],
+    have: Vec<Have>,
+    /// per node: (exists, ready, out of service, in-use mask, managed)
+    nodes: [(bool, bool, bool, u8, bool); 3],
+    disable: bool,
+}
+
+fn world() -> impl Strategy<Value = World> {
+    let want = (0..3usize, 0..3usize, 0..2usize);
+    let have = (
+        0..3usize,
+        0..3usize,
+        any::<bool>(),
+        any::<bool>(),
+        any::<bool>(),
+        proptest::option::of(any::<bool>()),
+        proptest::option::of(0..200u64),
+        any::<bool>(),
+    );
+    let node = (any::<bool>(), any::<bool>(), any::<bool>(), 0..8u8, any::<bool>());
+    (
+        proptest::collection::vec(want, 0..6),
+        [any::<bool>(), any::<bool>(), any::<bool>()],
+        proptest::collection::vec(have, 0..6),
+        [node.clone(), node.clone(), node],
+        any::<bool>(),
+    )
+        .prop_map(|(wants, multi, have, nodes, disable)| World {
+            wants,
+            multi,
+            have,
+            nodes,
+            disable,
+        })
+}
+
+fn build(w: &World, t0: Instant) -> (Desired, Actual, Nodes, Config) {
+    let mut d = Desired::default();
+    for (i, (v, n, ns)) in w.wants.iter().enumerate() {
+        let ns = ["ns", "other"][*ns];
+        d.set_pod(
+            pod(ns, &format!("p{i}")),
+            NODES[*n],
+            vec![spec(VOLS[*v], w.multi[*v])],
+        );
+    }
+    let mut a = Actual::default();
+    for (v, n, attached, deleting, reported, op, ago, backoff) in &w.have {
+        let e = a.entry(&vname(VOLS[*v]), NODES[*n], "d", VOLS[*v]);
+        if *reported {
+            e.reported = Some(String::new());
+        } else {
+            e.va = Some(VaState {
+                name: attachment_name(VOLS[*v], "d", NODES[*n]),
+                attached: *attached,
+                deleting: *deleting,
+                ..Default::default()
+            });
+        }
+        e.op = op.map(|attach| if attach { Op::Attach } else { Op::Detach });
+        e.detach_requested = ago.map(|s| t0 - Duration::from_secs(s));
+        e.retry_at = backoff.then(|| t0 + Duration::from_secs(1));
+    }
+    let mut nodes = Nodes::new();
+    for (i, (exists, ready, oos, mask, managed)) in w.nodes.iter().enumerate() {
+        if !exists {
+            continue;
+        }
+        let in_use = (0..3)
+            .filter(|b| mask & (1 << b) != 0)
+            .map(|b| vname(VOLS[b]))
+            .collect();
+        nodes.insert(
+            NODES[i].to_string(),
+            NodeInfo {
+                managed: *managed,
+                ready: *ready,
+                out_of_service: *oos,
+                in_use,
+                ..Default::default()
+            },
+        );
+    }
+    let config = Config {
+        max_wait_for_unmount: Duration::from_secs(100),
+        disable_force_detach_on_timeout: w.disable,
+        ..Default::default()
+    };
+    (d, a, nodes, config)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(2000))]
+
+    /// A volume the node still uses is detached only when the node is gone or out of service,
+    /// or not Ready with the max wait passed (and forcing allowed).
+    #[test]
+    fn never_detaches_a_volume_in_use_before_the_deadline(w in world()) {
+        // Far enough from the process start that subtracting durations cannot underflow.
+        let t0 = Instant::now() + Duration::from_secs(10_000);
+        let (d, a, nodes, config) = build(&w, t0);
+        let actions = reconcile(&d, &a, &nodes, t0, &config);
+        for act in &actions {
+            let Action::Detach { volume, node, forced, .. } = act else { continue };
+            prop_assert!(d.get(volume, node).is_none(), "detached a wanted volume");
+            let Some(n) = nodes.get(node) else {
+                prop_assert_eq!(*forced, Some(ForceReason::NodeDeleted));
+                continue;
+            };
+            if !n.in_use.contains(volume) {
+                prop_assert_eq!(*forced, None);
+                continue;
+            }
+            if n.out_of_service {
+                prop_assert_eq!(*forced, Some(ForceReason::OutOfService));
+                continue;
+            }
+            let requested = a.get(volume, node).and_then(|e| e.detach_requested);
+            let waited = requested.map(|t| t0 - t);
+            prop_assert!(!n.ready, "forced on a Ready node");
+            prop_assert!(!config.disable_force_detach_on_timeout, "forced although disabled");
+            prop_assert!(waited.is_some_and(|x| x >= config.max_wait_for_unmount), "forced before the deadline: {:?}", waited);
+            prop_assert_eq!(*forced, Some(ForceReason::Timeout));
+        }
+    }
+
+    /// A single-node volume is never handed to two nodes by one pass, nor to a node while it
+    /// is (or may be) attached to another.
+    #[test]
+    fn single_node_volumes_are_never_attached_twice(w in world()) {
+        let t0 = Instant::now() + Duration::from_secs(10_000);
+        let (d, a, nodes, config) = build(&w, t0);
+        let actions = reconcile(&d, &a, &nodes, t0, &config);
+        let mut seen: BTreeMap<String, String> = BTreeMap::new();
+        for (volume, node) in attaches(&actions) {
+            let multi = d.get(volume, node).expect("attach of an unwanted volume").spec.multi_attach;
+            prop_assert!(a.get(volume, node).is_none_or(|e| !e.exists()), "attach of an existing attachment");
+            if multi {
+                continue;
+            }
+            prop_assert!(a.other_nodes(volume, node).next().is_none(), "{} attached elsewhere", volume);
+            if let Some(prev) = seen.insert(volume.to_string(), node.to_string()) {
+                prop_assert_eq!(prev, node.to_string(), "two nodes in one pass");
+            }
+        }
+    }
+
+    /// Detaching and advertising never go together: a volume detached in a pass is not in the
+    /// node status that pass writes.
+    #[test]
+    fn detached_volumes_leave_node_status_first(w in world()) {
+        let t0 = Instant::now() + Duration::from_secs(10_000);
+        let (d, a, nodes, config) = build(&w, t0);
+        let actions = reconcile(&d, &a, &nodes, t0, &config);
+        for act in &actions {
+            let Action::UpdateNodeStatus { node, volumes } = act else { continue };
+            for (volume, detach_node, _) in detaches(&actions) {
+                prop_assert!(detach_node != node || volumes.iter().all(|(v, _)| v != volume));
+            }
+        }
+    }
+}
