@@ -3,7 +3,7 @@
 # mkfs.ext4/resize2fs (e2fsprogs), blkid. Go and Rust come with the machine image.
 set -euo pipefail
 missing=()
-for tool in losetup:util-linux mount:mount mkfs.ext4:e2fsprogs resize2fs:e2fsprogs blkid:util-linux findmnt:util-linux; do
+for tool in losetup:util-linux mount:mount mkfs.ext4:e2fsprogs resize2fs:e2fsprogs blkid:util-linux findmnt:util-linux curl:curl; do
   command -v "${tool%%:*}" >/dev/null 2>&1 || missing+=("${tool##*:}")
 done
 for tool in go cargo; do
