@@ -69,6 +69,13 @@ pub struct Args {
     /// Objects whose binder writes may be in flight at once.
     #[arg(long, default_value_t = 64)]
     pub binder_max_in_flight: usize,
+    /// How long a detach waits for a not-Ready node to unmount before it is forced.
+    #[arg(long, default_value = "6m", value_parser = humantime::parse_duration)]
+    pub max_wait_for_unmount: Duration,
+    /// Never force a detach because --max-wait-for-unmount passed (the out-of-service taint and
+    /// deleted nodes still detach at once).
+    #[arg(long, default_value_t = false)]
+    pub disable_force_detach_on_timeout: bool,
 }
 
 /// The selected controllers' metrics and settings, made once per process (metrics must be
@@ -77,6 +84,7 @@ pub struct Args {
 struct Wiring {
     binder: (stowage_binder::Metrics, stowage_binder::Config),
     protection: stowage_protection::Metrics,
+    attachdetach: (stowage_attachdetach::Metrics, stowage_attachdetach::Config),
 }
 
 impl Wiring {
@@ -91,6 +99,14 @@ impl Wiring {
                 },
             ),
             protection: stowage_protection::Metrics::new(registry),
+            attachdetach: (
+                stowage_attachdetach::Metrics::new(registry),
+                stowage_attachdetach::Config {
+                    max_wait_for_unmount: args.max_wait_for_unmount,
+                    disable_force_detach_on_timeout: args.disable_force_detach_on_timeout,
+                    ..Default::default()
+                },
+            ),
         }
     }
 }
@@ -227,6 +243,10 @@ async fn run_controllers(
             "pv-protection" => {
                 let m = wiring.protection.clone();
                 running.spawn(async move { (name, stowage_protection::run_pv_protection(cluster, m).await) });
+            }
+            "attachdetach" => {
+                let (m, c) = wiring.attachdetach.clone();
+                running.spawn(async move { (name, stowage_attachdetach::run(cluster, m, c).await) });
             }
             other => tracing::warn!(controller = other, "controller not available in this build"),
         }
