@@ -228,6 +228,20 @@ pub async fn bind_mount(src: &Path, target: &Path, read_only: bool) -> Result<()
     Ok(())
 }
 
+/// A forced check before an offline resize (resize2fs insists on it); exit 1 means "errors
+/// fixed", still fine to go on.
+pub async fn fsck_ext(dev: &str) -> Result<()> {
+    let out = run_raw("e2fsck", &["-f", "-p", dev]).await?;
+    match out.code {
+        Some(0) | Some(1) => Ok(()),
+        code => Err(SysError::Failed {
+            tool: format!("e2fsck -f -p {dev}"),
+            code,
+            stderr: out.stderr,
+        }),
+    }
+}
+
 pub async fn resize2fs(dev: &str) -> Result<()> {
     run("resize2fs", &[dev]).await.map(|_| ())
 }

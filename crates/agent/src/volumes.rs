@@ -431,10 +431,16 @@ impl Job {
         let result = match &op {
             Op::Mount {
                 uid, mount_device, ..
-            } => self.mount(uid, *mount_device).await,
+            } => match self.mount(uid, *mount_device).await {
+                Ok(done) => {
+                    expanded = done;
+                    Ok(())
+                }
+                Err(e) => Err(e),
+            },
             Op::Teardown { uid, block, .. } => self.teardown(op.pv(), uid, *block).await,
             Op::UnmountDevice { pv } => self.unmount_device(pv).await,
-            Op::Expand { pv } => match self.expand(pv).await {
+            Op::Expand { .. } => match self.expand().await {
                 Ok(done) => {
                     expanded = done;
                     Ok(())
@@ -464,14 +470,15 @@ impl Job {
         }
     }
 
-    async fn mount(&self, uid: &str, mount_device: bool) -> Result<(), StepError> {
-        let Some(dv) = &self.dv else { return Ok(()) };
+    /// Mounts; returns the claim whose expansion it finished on the way, if any.
+    async fn mount(&self, uid: &str, mount_device: bool) -> Result<Option<(String, String)>, StepError> {
+        let Some(dv) = &self.dv else { return Ok(None) };
         let Some(usage) = dv.pods.get(uid) else {
-            return Ok(());
+            return Ok(None);
         };
         let result = self.mount_inner(dv, uid, mount_device).await;
         match &result {
-            Ok(()) => {
+            Ok(_) => {
                 let gid = dv
                     .gid
                     .map(|g| format!(" (supplemental group {g} from pv.beta.kubernetes.io/gid)"))
@@ -492,10 +499,28 @@ impl Job {
                 self.pod_event(true, "FailedMount", note).await;
             }
         }
-        result
+        let grew = result?;
+        if !grew {
+            return Ok(None);
+        }
+        // Grown offline before the mount: finish the claim as an online expansion would.
+        let size = dv.resize_to.clone().unwrap_or_default();
+        let r = finish_claim_resize(&self.ctx, &dv.claim.namespace, &dv.claim.name, &size).await;
+        let r = r.map_err(|e| StepError {
+            step: "NodeExpandVolume",
+            message: e.to_string(),
+        });
+        self.resize_events(dv, r.as_ref().err()).await;
+        Ok(Some((dv.claim.uid.clone(), r?)))
     }
 
-    async fn mount_inner(&self, dv: &DesiredVolume, uid: &str, mount_device: bool) -> Result<(), StepError> {
+    /// Returns whether the file system was grown before it was mounted.
+    async fn mount_inner(
+        &self,
+        dv: &DesiredVolume,
+        uid: &str,
+        mount_device: bool,
+    ) -> Result<bool, StepError> {
         let ctx = &self.ctx;
         let usage = &dv.pods[uid];
         let Attachment::Attached { device } = &dv.attachment else {
@@ -530,14 +555,16 @@ impl Job {
                 .publish_block(&layout.pod_device(uid, &dv.pv), devno, usage.fs_group)
                 .await;
             ctx.metrics.record("setup", started, r.is_ok());
-            return r;
+            return r.map(|()| false);
         }
         let global = layout.global_mount(&dv.pv);
+        let mut grew = false;
         if mount_device {
             let started = std::time::Instant::now();
-            let r = mount_global(device, devno, &global, dv.pv_read_only).await;
+            let grow = dv.resize_to.is_some() && !dv.pv_read_only;
+            let r = mount_global(device, devno, &global, dv.pv_read_only, grow).await;
             ctx.metrics.record("mount_device", started, r.is_ok());
-            r?;
+            grew = r?;
         }
         let started = std::time::Instant::now();
         let r = self
@@ -550,7 +577,7 @@ impl Job {
             )
             .await;
         ctx.metrics.record("setup", started, r.is_ok());
-        r
+        r.map(|()| grew)
     }
 
     async fn publish_block(&self, path: &Path, devno: DevNo, fs_group: Option<u32>) -> Result<(), StepError> {
@@ -725,11 +752,18 @@ impl Job {
     }
 
     /// Online expansion; returns the claim (uid, resourceVersion) it finished.
-    async fn expand(&self, pv: &str) -> Result<Option<(String, String)>, StepError> {
+    async fn expand(&self) -> Result<Option<(String, String)>, StepError> {
         let Some(dv) = &self.dv else { return Ok(None) };
         let started = std::time::Instant::now();
         let r = self.expand_inner(dv).await;
         self.ctx.metrics.record("expand_fs", started, r.is_ok());
+        self.resize_events(dv, r.as_ref().err()).await;
+        r
+    }
+
+    /// FileSystemResizeSuccessful / FileSystemResizeFailed on the claim and its pods here.
+    async fn resize_events(&self, dv: &DesiredVolume, err: Option<&StepError>) {
+        let pv = &dv.pv;
         let claim_ref = ObjectReference {
             api_version: Some("v1".into()),
             kind: Some("PersistentVolumeClaim".into()),
@@ -738,13 +772,13 @@ impl Job {
             uid: Some(dv.claim.uid.clone()),
             ..Default::default()
         };
-        let (warning, reason, note) = match &r {
-            Ok(_) => (
+        let (warning, reason, note) = match err {
+            None => (
                 false,
                 "FileSystemResizeSuccessful",
                 format!("MountVolume.NodeExpandVolume succeeded for volume \"{pv}\""),
             ),
-            Err(e) => (
+            Some(e) => (
                 true,
                 "FileSystemResizeFailed",
                 format!(
@@ -754,14 +788,13 @@ impl Job {
             ),
         };
         let ev = &self.ctx.events;
-        for pod in std::iter::once(claim_ref).chain(dv.pods.values().map(|u| u.pod.reference())) {
+        for obj in std::iter::once(claim_ref).chain(dv.pods.values().map(|u| u.pod.reference())) {
             if warning {
-                ev.warning(&pod, reason, "Resize", note.clone()).await;
+                ev.warning(&obj, reason, "Resize", note.clone()).await;
             } else {
-                ev.normal(&pod, reason, "Resize", note.clone()).await;
+                ev.normal(&obj, reason, "Resize", note.clone()).await;
             }
         }
-        r
     }
 
     async fn expand_inner(&self, dv: &DesiredVolume) -> Result<Option<(String, String)>, StepError> {
@@ -785,8 +818,19 @@ impl Job {
             }
         }
         sys::loop_refresh(device).await.map_err(step(s))?;
-        if !dv.block {
-            sys::resize2fs(device).await.map_err(step(s))?;
+        if !dv.block
+            && let Err(e) = sys::resize2fs(device).await
+        {
+            let mut message = e.to_string();
+            if message.contains("Permission denied") {
+                // Online ext4 growth needs CAP_SYS_RESOURCE; without it the offline path on the
+                // next device mount still works.
+                message.push_str(
+                    "; online resize is not permitted here (CAP_SYS_RESOURCE missing), \
+                     the file system grows when the volume is next mounted on a node",
+                );
+            }
+            return Err(StepError { step: s, message });
         }
         let rv = finish_claim_resize(&self.ctx, &dv.claim.namespace, &dv.claim.name, new_size)
             .await
@@ -797,13 +841,21 @@ impl Job {
 }
 
 /// Mounts the device at the global path, formatting it first only when it holds nothing at all.
-async fn mount_global(device: &str, devno: DevNo, global: &Path, read_only: bool) -> Result<(), StepError> {
+/// With `grow`, an existing ext file system is grown to the device's size before the mount (the
+/// offline path, for volumes whose online expansion could not run). Returns whether it grew.
+async fn mount_global(
+    device: &str,
+    devno: DevNo,
+    global: &Path,
+    read_only: bool,
+    grow: bool,
+) -> Result<bool, StepError> {
     let s = "MountDevice";
     tokio::fs::create_dir_all(global).await.map_err(step(s))?;
     let existing = sys::mounts_at(global).await.map_err(step(s))?;
     if let Some(top) = existing.last() {
         if top.devno == devno && sys::stat_dev(global).await == Some(devno) {
-            return Ok(());
+            return Ok(false);
         }
         // A stale or foreign mount sits there; clear it first.
         sys::unmount(global).await.map_err(step(s))?;
@@ -819,11 +871,25 @@ async fn mount_global(device: &str, devno: DevNo, global: &Path, read_only: bool
             tracing::info!(device, "no file system found, formatting ext4");
             sys::mkfs_ext4(device).await.map_err(step(s))?;
         }
-        sys::Probe::Found(kind) => tracing::debug!(device, kind, "file system found, not formatting"),
+        sys::Probe::Found(kind) => {
+            tracing::debug!(device, kind, "file system found, not formatting");
+            if grow && kind.starts_with("ext") {
+                let s = "NodeExpandVolume";
+                sys::loop_refresh(device).await.map_err(step(s))?;
+                sys::fsck_ext(device).await.map_err(step(s))?;
+                sys::resize2fs(device).await.map_err(step(s))?;
+                tracing::info!(device, "file system grown before mounting");
+                sys::mount_device(device, global, read_only)
+                    .await
+                    .map_err(step("MountDevice"))?;
+                return Ok(true);
+            }
+        }
     }
     sys::mount_device(device, global, read_only)
         .await
-        .map_err(step(s))
+        .map_err(step(s))?;
+    Ok(false)
 }
 
 /// Finishes a node-side expansion in the claim's status the way the kubelet does: capacity is

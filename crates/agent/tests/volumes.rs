@@ -1,0 +1,645 @@
+//! The agent against the real apiserver, with real loop devices, ext4 and mounts. No controllers
+//! run: the tests create VolumeAttachments where the attach/detach controller would (and delete
+//! them only once the node no longer lists the volume in use, as it does).
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::{Node, PersistentVolume, PersistentVolumeClaim, Pod};
+use k8s_openapi::api::events::v1::Event;
+use k8s_openapi::api::storage::v1::{VolumeAttachment, VolumeAttachmentSource, VolumeAttachmentSpec};
+use kube::api::{DeleteParams, ListParams, ObjectMeta, Patch, PatchParams, PostParams};
+use kube::{Api, Client, ResourceExt};
+use stowage_agent::mountinfo::{self, MountEntry};
+use stowage_agent::paths::{DRIVER, Layout, unique_name, va_name};
+use stowage_testkit::binary::Running;
+use stowage_testkit::{builders, eventually, shared, unique};
+
+const LIMIT: Duration = Duration::from_secs(90);
+
+/// Unmounts everything under the test's base dir and frees the loop devices of its images, also
+/// when the test failed half-way. Declared before the agents so it runs after they are stopped.
+struct Cleanup {
+    base: PathBuf,
+    images: PathBuf,
+}
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        let table = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+        let mut points: Vec<PathBuf> = mountinfo::parse(&table)
+            .into_iter()
+            .map(|m| m.mount_point)
+            .filter(|p| p.starts_with(&self.base))
+            .collect();
+        // Deepest first, so bind mounts go before what they sit on.
+        points.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
+        for p in points {
+            let _ = std::process::Command::new("umount").arg("-l").arg(&p).status();
+        }
+        if let Ok(rd) = std::fs::read_dir(&self.images) {
+            for e in rd.flatten() {
+                let out = std::process::Command::new("losetup")
+                    .arg("-j")
+                    .arg(e.path())
+                    .output();
+                let text = out
+                    .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+                    .unwrap_or_default();
+                for dev in text.lines().filter_map(|l| l.split(':').next()) {
+                    let _ = std::process::Command::new("losetup").arg("-d").arg(dev).status();
+                }
+            }
+        }
+        let _ = std::fs::remove_dir_all(&self.base);
+    }
+}
+
+struct Env {
+    client: Client,
+    ns: String,
+    base: PathBuf,
+    images: PathBuf,
+    logs: PathBuf,
+}
+
+async fn env(prefix: &str) -> (Env, Cleanup) {
+    let client = shared().client().await;
+    let ns = unique(prefix);
+    let (n, sa) = builders::namespace(&ns);
+    Api::<k8s_openapi::api::core::v1::Namespace>::all(client.clone())
+        .create(&PostParams::default(), &n)
+        .await
+        .unwrap();
+    Api::namespaced(client.clone(), &ns)
+        .create(&PostParams::default(), &sa)
+        .await
+        .unwrap();
+    let base = std::env::temp_dir().join(unique(&format!("stowage-agent-{prefix}")));
+    let images = base.join("images");
+    std::fs::create_dir_all(&images).unwrap();
+    let base = std::fs::canonicalize(&base).unwrap();
+    let images = std::fs::canonicalize(&images).unwrap();
+    let logs = std::env::temp_dir().join("stowage-test-logs");
+    std::fs::create_dir_all(&logs).unwrap();
+    let guard = Cleanup {
+        base: base.clone(),
+        images: images.clone(),
+    };
+    (
+        Env {
+            client,
+            ns,
+            base,
+            images,
+            logs,
+        },
+        guard,
+    )
+}
+
+impl Env {
+    fn root(&self, node: &str) -> PathBuf {
+        self.base.join(format!("root-{node}"))
+    }
+
+    fn layout(&self, node: &str) -> Layout {
+        Layout::new(self.root(node))
+    }
+
+    fn agent(&self, node: &str, label: &str) -> Running {
+        let args = vec![
+            format!("--kubeconfig={}", shared().kubeconfig().display()),
+            format!("--node-name={node}"),
+            format!("--root-dir={}", self.root(node).display()),
+            format!("--image-dir={}", self.images.display()),
+            "--register-node".to_string(),
+        ];
+        Running::start(
+            Path::new(env!("CARGO_BIN_EXE_stowage-agent")),
+            &args,
+            &self.logs,
+            &format!("{label}-{node}"),
+        )
+        .unwrap()
+    }
+
+    fn image(&self, handle: &str) -> PathBuf {
+        let p = self.images.join(format!("{handle}.img"));
+        let st = std::process::Command::new("truncate")
+            .arg("-s")
+            .arg("64M")
+            .arg(&p)
+            .status()
+            .unwrap();
+        assert!(st.success());
+        p
+    }
+
+    /// A PV of the loop driver pre-bound to a claim, and the claim.
+    async fn volume(&self, pv: &str, claim: &str) {
+        let pvs: Api<PersistentVolume> = Api::all(self.client.clone());
+        pvs.create(
+            &PostParams::default(),
+            &builders::pv(pv)
+                .capacity("64Mi")
+                .access_modes(&["ReadWriteMany"])
+                .claim_ref(&self.ns, claim, "")
+                .build(),
+        )
+        .await
+        .unwrap();
+        let pvcs: Api<PersistentVolumeClaim> = Api::namespaced(self.client.clone(), &self.ns);
+        pvcs.create(
+            &PostParams::default(),
+            &builders::pvc(&self.ns, claim)
+                .request("64Mi")
+                .access_modes(&["ReadWriteMany"])
+                .class("")
+                .volume_name(pv)
+                .build(),
+        )
+        .await
+        .unwrap();
+    }
+
+    async fn pod(&self, name: &str, node: &str, claim: &str) -> String {
+        let pods: Api<Pod> = Api::namespaced(self.client.clone(), &self.ns);
+        let p = pods
+            .create(
+                &PostParams::default(),
+                &builders::pod(&self.ns, name)
+                    .claim("data", claim)
+                    .node(node)
+                    .build(),
+            )
+            .await
+            .unwrap();
+        p.uid().unwrap()
+    }
+
+    async fn delete_pod(&self, name: &str) {
+        let pods: Api<Pod> = Api::namespaced(self.client.clone(), &self.ns);
+        pods.delete(
+            name,
+            &DeleteParams {
+                grace_period_seconds: Some(0),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    }
+
+    /// What the attach/detach controller would create for (pv, node).
+    async fn attach(&self, pv: &str, node: &str) -> String {
+        let name = va_name(pv, node);
+        let va = VolumeAttachment {
+            metadata: ObjectMeta {
+                name: Some(name.clone()),
+                ..Default::default()
+            },
+            spec: VolumeAttachmentSpec {
+                attacher: DRIVER.into(),
+                node_name: node.into(),
+                source: VolumeAttachmentSource {
+                    persistent_volume_name: Some(pv.into()),
+                    ..Default::default()
+                },
+            },
+            status: None,
+        };
+        Api::<VolumeAttachment>::all(self.client.clone())
+            .create(&PostParams::default(), &va)
+            .await
+            .unwrap();
+        name
+    }
+
+    async fn wait_attached(&self, va: &str) -> String {
+        let api: Api<VolumeAttachment> = Api::all(self.client.clone());
+        eventually(LIMIT, || async {
+            let v = api.get(va).await.map_err(|e| e.to_string())?;
+            let st = v.status.ok_or("no status yet")?;
+            if !st.attached {
+                return Err(format!("not attached: {:?}", st.attach_error));
+            }
+            st.attachment_metadata
+                .and_then(|m| m.get("devicePath").cloned())
+                .ok_or("no devicePath".to_string())
+        })
+        .await
+    }
+
+    /// Deletes the attachment the way the controller does: once the node no longer lists the
+    /// volume as in use; then waits until the agent released it.
+    async fn detach(&self, va: &str, node: &str, pv: &str) {
+        self.wait_not_in_use(node, pv).await;
+        let api: Api<VolumeAttachment> = Api::all(self.client.clone());
+        api.delete(va, &DeleteParams::default()).await.unwrap();
+        eventually(LIMIT, || async {
+            match api.get_opt(va).await.map_err(|e| e.to_string())? {
+                None => Ok(()),
+                Some(v) => Err(format!("still there: {:?}", v.status)),
+            }
+        })
+        .await;
+    }
+
+    async fn in_use(&self, node: &str) -> Vec<String> {
+        let n = Api::<Node>::all(self.client.clone()).get(node).await.unwrap();
+        n.status.and_then(|s| s.volumes_in_use).unwrap_or_default()
+    }
+
+    async fn wait_in_use(&self, node: &str, pv: &str) {
+        let want = unique_name(pv);
+        eventually(LIMIT, || async {
+            let v = self.in_use(node).await;
+            if v.contains(&want) {
+                Ok(())
+            } else {
+                Err(format!("volumesInUse {v:?}"))
+            }
+        })
+        .await
+    }
+
+    async fn wait_not_in_use(&self, node: &str, pv: &str) {
+        let want = unique_name(pv);
+        eventually(LIMIT, || async {
+            let v = self.in_use(node).await;
+            if !v.contains(&want) {
+                Ok(())
+            } else {
+                Err(format!("volumesInUse {v:?}"))
+            }
+        })
+        .await
+    }
+
+    async fn events(&self, ns: &str, name: &str) -> Vec<(String, String)> {
+        let evs = Api::<Event>::namespaced(self.client.clone(), ns)
+            .list(&ListParams::default())
+            .await
+            .unwrap();
+        evs.items
+            .into_iter()
+            .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name))
+            .map(|e| (e.reason.unwrap_or_default(), e.note.unwrap_or_default()))
+            .collect()
+    }
+
+    async fn wait_event(&self, ns: &str, name: &str, reason: &str) -> String {
+        eventually(LIMIT, || async {
+            let evs = self.events(ns, name).await;
+            evs.iter()
+                .find(|(r, _)| r == reason)
+                .map(|(_, n)| n.clone())
+                .ok_or(format!("events of {name}: {evs:?}"))
+        })
+        .await
+    }
+}
+
+fn mounts_at(path: &Path) -> Vec<MountEntry> {
+    let table = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    mountinfo::parse(&table)
+        .into_iter()
+        .filter(|m| m.mount_point == path)
+        .collect()
+}
+
+async fn wait_mounted(path: &Path) -> MountEntry {
+    eventually(LIMIT, || async {
+        mounts_at(path)
+            .pop()
+            .ok_or(format!("{} is not mounted", path.display()))
+    })
+    .await
+}
+
+async fn wait_unmounted(path: &Path) {
+    eventually(LIMIT, || async {
+        if mounts_at(path).is_empty() {
+            Ok(())
+        } else {
+            Err(format!("{} is still mounted", path.display()))
+        }
+    })
+    .await
+}
+
+fn loops_of(image: &Path) -> String {
+    let out = std::process::Command::new("losetup")
+        .arg("-j")
+        .arg(image)
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
+#[tokio::test]
+async fn full_cycle_moves_data_between_two_agents() {
+    let (e, _guard) = env("cycle").await;
+    let (na, nb) = (unique("node-a"), unique("node-b"));
+    let _a = e.agent(&na, "cycle");
+    let _b = e.agent(&nb, "cycle");
+    let pv = unique("pv-cycle");
+    let image = e.image(&pv);
+    e.volume(&pv, "data").await;
+
+    let uid = e.pod("writer", &na, "data").await;
+    let va = e.attach(&pv, &na).await;
+    let dev = e.wait_attached(&va).await;
+    assert!(dev.starts_with("/dev/loop"), "{dev}");
+    let target = e.layout(&na).pod_mount(&uid, &pv);
+    let m = wait_mounted(&target).await;
+    assert_eq!(m.fstype, "ext4", "a blank image is formatted once");
+    e.wait_in_use(&na, &pv).await;
+    std::fs::write(target.join("hello.txt"), b"written on node a").unwrap();
+    e.wait_event(&e.ns, "writer", "SuccessfulMountVolume").await;
+    let global = e.layout(&na).global_mount(&pv);
+    assert_eq!(mounts_at(&global).len(), 1);
+
+    e.delete_pod("writer").await;
+    wait_unmounted(&target).await;
+    wait_unmounted(&global).await;
+    e.detach(&va, &na, &pv).await;
+    assert_eq!(loops_of(&image), "", "the loop device is released");
+
+    let uid2 = e.pod("reader", &nb, "data").await;
+    let va2 = e.attach(&pv, &nb).await;
+    e.wait_attached(&va2).await;
+    let target2 = e.layout(&nb).pod_mount(&uid2, &pv);
+    wait_mounted(&target2).await;
+    let text = std::fs::read_to_string(target2.join("hello.txt")).unwrap();
+    assert_eq!(
+        text, "written on node a",
+        "never reformatted: the data moved with the volume"
+    );
+
+    e.delete_pod("reader").await;
+    wait_unmounted(&target2).await;
+    e.detach(&va2, &nb, &pv).await;
+    assert_eq!(loops_of(&image), "");
+}
+
+#[tokio::test]
+async fn restart_while_mounted_neither_remounts_nor_forgets() {
+    let (e, _guard) = env("restart").await;
+    let node = unique("node-r");
+    let mut agent = e.agent(&node, "restart-1");
+    let pv = unique("pv-restart");
+    e.image(&pv);
+    e.volume(&pv, "data").await;
+    let uid = e.pod("app", &node, "data").await;
+    let va = e.attach(&pv, &node).await;
+    e.wait_attached(&va).await;
+    let target = e.layout(&node).pod_mount(&uid, &pv);
+    let global = e.layout(&node).global_mount(&pv);
+    wait_mounted(&target).await;
+    std::fs::write(target.join("keep.txt"), b"still here").unwrap();
+    let ids = |p: &Path| mounts_at(p).iter().map(|m| m.id).collect::<BTreeSet<_>>();
+    let before = (ids(&global), ids(&target));
+
+    agent.sigterm();
+    assert_eq!(agent.wait_exit(Duration::from_secs(60)), Some(0));
+    let agent = e.agent(&node, "restart-2");
+    // Wait until the new agent has looked at the node a few times and counts the mount.
+    eventually(LIMIT, || async {
+        let m = agent.metrics()?;
+        let passes = m
+            .samples
+            .get("stowage_agent_reconcile_passes_total")
+            .and_then(|s| {
+                s.iter()
+                    .find(|(l, _)| l.get("loop").map(String::as_str) == Some("volumes"))
+            })
+            .map_or(0.0, |(_, v)| *v);
+        let mounted = m
+            .samples
+            .get("stowage_agent_pod_volumes")
+            .and_then(|s| {
+                s.iter()
+                    .find(|(l, _)| l.get("state").map(String::as_str) == Some("actual"))
+            })
+            .map_or(0.0, |(_, v)| *v);
+        if passes >= 5.0 && mounted == 1.0 {
+            Ok(())
+        } else {
+            Err(format!("passes {passes}, mounted {mounted}"))
+        }
+    })
+    .await;
+    assert_eq!((ids(&global), ids(&target)), before, "same mounts, not new ones");
+    let m = agent.metrics().unwrap();
+    let ops = m
+        .samples
+        .get("stowage_agent_operations_total")
+        .cloned()
+        .unwrap_or_default();
+    let done: f64 = ops
+        .iter()
+        .filter(|(l, _)| {
+            ["mount_device", "setup"].contains(&l["operation"].as_str()) && l["status"] == "success"
+        })
+        .map(|(_, v)| v)
+        .sum();
+    assert_eq!(done, 0.0, "the restarted agent mounted nothing");
+    assert_eq!(
+        std::fs::read_to_string(target.join("keep.txt")).unwrap(),
+        "still here"
+    );
+    e.wait_in_use(&node, &pv).await;
+
+    // And it still cleans up what the previous run mounted.
+    e.delete_pod("app").await;
+    wait_unmounted(&target).await;
+    wait_unmounted(&global).await;
+    e.detach(&va, &node, &pv).await;
+}
+
+#[tokio::test]
+async fn missing_image_reports_attach_error_then_recovers() {
+    let (e, _guard) = env("noimage").await;
+    let node = unique("node-m");
+    let _agent = e.agent(&node, "noimage");
+    let pv = unique("pv-missing");
+    e.volume(&pv, "data").await;
+    let uid = e.pod("app", &node, "data").await;
+    let va = e.attach(&pv, &node).await;
+    let api: Api<VolumeAttachment> = Api::all(e.client.clone());
+    let msg = eventually(LIMIT, || async {
+        let v = api.get(&va).await.map_err(|e| e.to_string())?;
+        v.status
+            .and_then(|s| s.attach_error)
+            .and_then(|err| err.message)
+            .ok_or("no attachError yet".to_string())
+    })
+    .await;
+    assert!(msg.contains(&format!("{pv}.img")), "{msg}");
+    let note = e.wait_event("default", &va, "FailedAttach").await;
+    assert!(note.contains("img"), "{note}");
+    e.wait_event(&e.ns, "app", "FailedAttachVolume").await;
+
+    // The image appears (e.g. provisioning caught up): the retry attaches and mounts.
+    e.image(&pv);
+    e.wait_attached(&va).await;
+    let target = e.layout(&node).pod_mount(&uid, &pv);
+    wait_mounted(&target).await;
+    let v = api.get(&va).await.unwrap();
+    assert!(
+        v.status.unwrap().attach_error.is_none(),
+        "a success clears the error"
+    );
+
+    e.delete_pod("app").await;
+    wait_unmounted(&target).await;
+    e.detach(&va, &node, &pv).await;
+}
+
+#[tokio::test]
+async fn two_pods_share_one_device_mount() {
+    let (e, _guard) = env("shared").await;
+    let node = unique("node-s");
+    let _agent = e.agent(&node, "shared");
+    let pv = unique("pv-shared");
+    e.image(&pv);
+    e.volume(&pv, "data").await;
+    let u1 = e.pod("one", &node, "data").await;
+    let u2 = e.pod("two", &node, "data").await;
+    let va = e.attach(&pv, &node).await;
+    e.wait_attached(&va).await;
+    let l = e.layout(&node);
+    let (t1, t2, global) = (l.pod_mount(&u1, &pv), l.pod_mount(&u2, &pv), l.global_mount(&pv));
+    let m1 = wait_mounted(&t1).await;
+    let m2 = wait_mounted(&t2).await;
+    let g = mounts_at(&global);
+    assert_eq!(g.len(), 1, "one device mount per node");
+    assert_eq!(
+        (m1.devno, m2.devno),
+        (g[0].devno, g[0].devno),
+        "both pods see the same device"
+    );
+    std::fs::write(t1.join("shared.txt"), b"from one").unwrap();
+    assert_eq!(
+        std::fs::read_to_string(t2.join("shared.txt")).unwrap(),
+        "from one"
+    );
+
+    e.delete_pod("one").await;
+    wait_unmounted(&t1).await;
+    assert_eq!(
+        mounts_at(&global).len(),
+        1,
+        "the device stays while pod two uses it"
+    );
+    assert_eq!(mounts_at(&t2).len(), 1);
+    assert!(e.in_use(&node).await.contains(&unique_name(&pv)));
+
+    e.delete_pod("two").await;
+    wait_unmounted(&t2).await;
+    wait_unmounted(&global).await;
+    e.detach(&va, &node, &pv).await;
+}
+
+#[tokio::test]
+async fn resize_grows_the_file_system_and_finishes_the_claim() {
+    let (e, _guard) = env("resize").await;
+    let node = unique("node-x");
+    let _agent = e.agent(&node, "resize");
+    let pv = unique("pv-resize");
+    let image = e.image(&pv);
+    e.volume(&pv, "data").await;
+    let uid = e.pod("app", &node, "data").await;
+    let va = e.attach(&pv, &node).await;
+    e.wait_attached(&va).await;
+    let target = e.layout(&node).pod_mount(&uid, &pv);
+    wait_mounted(&target).await;
+    let size = |p: &Path| {
+        let out = std::process::Command::new("df")
+            .arg("-B1")
+            .arg("--output=size")
+            .arg(p)
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .nth(1)
+            .unwrap_or("0")
+            .trim()
+            .parse::<u64>()
+            .unwrap()
+    };
+    let before = size(&target);
+
+    // What the expand controller does: grow the image, then ask for the node step.
+    let st = std::process::Command::new("truncate")
+        .arg("-s")
+        .arg("128M")
+        .arg(&image)
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let pvcs: Api<PersistentVolumeClaim> = Api::namespaced(e.client.clone(), &e.ns);
+    let patch = serde_json::json!({ "status": {
+        "phase": "Bound",
+        "capacity": { "storage": "64Mi" },
+        "allocatedResources": { "storage": "128Mi" },
+        "allocatedResourceStatuses": { "storage": "NodeResizePending" },
+    }});
+    pvcs.patch_status("data", &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .unwrap();
+
+    let finished = || async {
+        let c = pvcs.get("data").await.map_err(|e| e.to_string())?;
+        let st = c.status.unwrap_or_default();
+        let cap = st.capacity.and_then(|c| c.get("storage").cloned()).map(|q| q.0);
+        let pending = st
+            .allocated_resource_statuses
+            .and_then(|m| m.get("storage").cloned());
+        if cap.as_deref() == Some("128Mi") && pending.is_none() {
+            Ok(())
+        } else {
+            Err(format!("capacity {cap:?}, resize status {pending:?}"))
+        }
+    };
+    let target = if can_resize_online() {
+        eventually(LIMIT, finished).await;
+        target
+    } else {
+        // Online ext4 growth needs CAP_SYS_RESOURCE, which this sandbox may lack: the agent
+        // says why, and grows the file system offline on the next device mount instead.
+        let note = e.wait_event(&e.ns, "data", "FileSystemResizeFailed").await;
+        assert!(note.contains("CAP_SYS_RESOURCE"), "{note}");
+        e.delete_pod("app").await;
+        wait_unmounted(&target).await;
+        wait_unmounted(&e.layout(&node).global_mount(&pv)).await;
+        let uid = e.pod("app2", &node, "data").await;
+        let target = e.layout(&node).pod_mount(&uid, &pv);
+        eventually(LIMIT, finished).await;
+        wait_mounted(&target).await;
+        target
+    };
+    assert!(size(&target) > before + 32 * 1024 * 1024, "the file system grew");
+    e.wait_event(&e.ns, "data", "FileSystemResizeSuccessful").await;
+    let pods: Api<Pod> = Api::namespaced(e.client.clone(), &e.ns);
+    for p in pods.list(&ListParams::default()).await.unwrap() {
+        e.delete_pod(&p.name_any()).await;
+    }
+    wait_unmounted(&target).await;
+    e.detach(&va, &node, &pv).await;
+}
+
+/// CAP_SYS_RESOURCE (bit 24) in this process's effective set: ext4 online resize needs it.
+fn can_resize_online() -> bool {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let eff = status
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .map(str::trim)
+        .unwrap_or("0");
+    u64::from_str_radix(eff, 16).is_ok_and(|c| c & (1 << 24) != 0)
+}
