@@ -360,31 +360,26 @@ pub fn explain(claim: &PersistentVolumeClaim, cache: &Cache, env: &Env) -> Strin
     let class = claim_class(claim).unwrap_or("");
     let want = claim_request(claim).unwrap_or(0);
     let node = ann(claim, ANN_SELECTED_NODE);
-    let mut near: Vec<(u128, String, Mismatch)> = Vec::new();
-    let mut total = 0usize;
-    for (_, size, name) in cache.index.free_in_class(class) {
-        total += 1;
-        let Some(pv) = cache.pvs.get(name) else { continue };
-        let why = if cache.reserved_for_other(name, &claim_key(claim)) {
-            Mismatch::Reserved
-        } else {
-            match check(pv, claim, env, node, Scope::Any) {
-                Ok(()) => continue,
-                Err(m) => m,
-            }
-        };
-        near.push((size.abs_diff(want), name.to_string(), why));
-        // Bounded work: the nearest few are what a user needs.
-        if near.len() > 64 {
-            near.sort_by(|a, b| (a.0, &a.1).cmp(&(b.0, &b.1)));
-            near.truncate(3);
-        }
-    }
-    near.sort_by(|a, b| (a.0, &a.1).cmp(&(b.0, &b.1)));
-    near.truncate(3);
+    let key = claim_key(claim);
+    // Bounded work whatever the number of volumes: only the neighbours of the requested size.
+    let (total, candidates) = cache.index.near(class, want, 4);
     if total == 0 {
         return format!("no available volumes in storage class {class:?}");
     }
+    let mut near: Vec<(u128, &str, Mismatch)> = candidates
+        .into_iter()
+        .filter_map(|(size, name)| {
+            let pv = cache.pvs.get(name)?;
+            let why = if cache.reserved_for_other(name, &key) {
+                Mismatch::Reserved
+            } else {
+                check(pv, claim, env, node, Scope::Any).err()?
+            };
+            Some((size.abs_diff(want), name, why))
+        })
+        .collect();
+    near.sort_by(|a, b| (a.0, a.1).cmp(&(b.0, b.1)));
+    near.truncate(3);
     let parts: Vec<String> = near.iter().map(|(_, n, why)| format!("{n}: {why}")).collect();
     format!(
         "{total} available volume(s) in storage class {class:?}, none fits; nearest: {}",

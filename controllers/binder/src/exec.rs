@@ -125,6 +125,12 @@ struct Brain {
     in_flight: HashSet<Key>,
     /// Keys that changed while their writes were in flight: synced again when those finish.
     dirty: HashSet<Key>,
+    /// Unbound claims (key → class) and the same by class, to wake the claims a freed volume
+    /// could satisfy without scanning every claim.
+    unbound: HashMap<String, String>,
+    unbound_by_class: HashMap<String, HashSet<String>>,
+    /// Classes whose unbound claims are to be woken at the next work pass.
+    woken: HashSet<String>,
     /// Last event per object, so a condition that persists is reported once, not every resync.
     last_event: HashMap<Target, (&'static str, String)>,
     cluster: Arc<Cluster>,
@@ -146,6 +152,9 @@ pub async fn run(cluster: Arc<Cluster>, metrics: Metrics, config: Config) -> any
         queue: WorkQueue::default(),
         in_flight: HashSet::new(),
         dirty: HashSet::new(),
+        unbound: HashMap::new(),
+        unbound_by_class: HashMap::new(),
+        woken: HashSet::new(),
         last_event: HashMap::new(),
         writer: Writer {
             pvs: Api::all(client.clone()),
@@ -184,7 +193,7 @@ pub async fn run(cluster: Arc<Cluster>, metrics: Metrics, config: Config) -> any
                 Err(broadcast::error::RecvError::Closed) => anyhow::bail!("storage class watch ended"),
             },
             _ = resync.tick() => brain.resync(),
-            _ = std::future::ready(()), if brain.queue.has_ready() => brain.work(Instant::now()),
+            _ = std::future::ready(()), if brain.queue.has_ready() || !brain.woken.is_empty() => brain.work(Instant::now()),
             _ = tokio::time::sleep_until(next_due.unwrap_or_else(Instant::now)), if next_due.is_some() => {
                 brain.work(Instant::now())
             }
@@ -248,8 +257,11 @@ impl Brain {
             self.cache.put_pv(pv);
         }
         for c in claims {
-            self.queue.add(Key::Claim(claim_key(&c)));
-            self.cache.put_claim(c);
+            let key = claim_key(&c);
+            self.queue.add(Key::Claim(key.clone()));
+            if self.cache.put_claim(c.clone()) {
+                self.track_claim(&key, Some(&c));
+            }
         }
     }
 
@@ -277,7 +289,8 @@ impl Brain {
 
     fn claim_seen(&mut self, c: Arc<PersistentVolumeClaim>) {
         let key = claim_key(&c);
-        if self.cache.put_claim(c) {
+        if self.cache.put_claim(c.clone()) {
+            self.track_claim(&key, Some(&c));
             self.queue.add(Key::Claim(key));
         }
     }
@@ -285,6 +298,7 @@ impl Brain {
     fn claim_gone(&mut self, c: &PersistentVolumeClaim) {
         let key = claim_key(c);
         self.cache.remove_claim(&key);
+        self.track_claim(&key, None);
         self.last_event.remove(&Target::Claim(key.clone()));
         let vol = claim_volume_name(c);
         if !vol.is_empty() {
@@ -297,36 +311,48 @@ impl Brain {
         }
     }
 
-    fn wake_claims_of_class(&mut self, class: String) {
-        let keys: Vec<String> = self
-            .cache
-            .claims
-            .iter()
-            .filter(|(_, c)| {
-                !has_ann(c.as_ref(), ANN_BIND_COMPLETED) && claim_class(c).unwrap_or("") == class
-            })
-            .map(|(k, _)| k.clone())
-            .collect();
-        for k in keys {
-            self.queue.add(Key::Claim(k));
+    /// Keeps the index of unbound claims by class in step with the cache.
+    fn track_claim(&mut self, key: &str, claim: Option<&PersistentVolumeClaim>) {
+        if let Some(old) = self.unbound.remove(key)
+            && let Some(set) = self.unbound_by_class.get_mut(&old)
+        {
+            set.remove(key);
+            if set.is_empty() {
+                self.unbound_by_class.remove(&old);
+            }
+        }
+        if let Some(c) = claim.filter(|c| !has_ann(*c, ANN_BIND_COMPLETED)) {
+            let class = claim_class(c).unwrap_or("").to_string();
+            self.unbound_by_class
+                .entry(class.clone())
+                .or_default()
+                .insert(key.to_string());
+            self.unbound.insert(key.to_string(), class);
         }
     }
 
+    /// Marks a class whose unbound claims should be synced; the wake-ups of a burst of freed
+    /// volumes are coalesced into one pass over the class's claims (`flush_wakeups`).
+    fn wake_claims_of_class(&mut self, class: String) {
+        self.woken.insert(class);
+    }
+
     fn wake_pending_claims(&mut self) {
-        let keys: Vec<String> = self
-            .cache
-            .claims
-            .iter()
-            .filter(|(_, c)| !has_ann(c.as_ref(), ANN_BIND_COMPLETED))
-            .map(|(k, _)| k.clone())
-            .collect();
-        for k in keys {
-            self.queue.add(Key::Claim(k));
+        let classes: Vec<String> = self.unbound_by_class.keys().cloned().collect();
+        self.woken.extend(classes);
+    }
+
+    fn flush_wakeups(&mut self) {
+        for class in std::mem::take(&mut self.woken) {
+            for key in self.unbound_by_class.get(&class).into_iter().flatten() {
+                self.queue.add(Key::Claim(key.clone()));
+            }
         }
     }
 
     /// Takes ready keys (a bounded batch, so results and watch events are not starved).
     fn work(&mut self, now: Instant) {
+        self.flush_wakeups();
         for _ in 0..256 {
             let Some(key) = self.queue.pop(now) else { return };
             self.sync(key);

@@ -135,19 +135,18 @@ impl VolumeIndex {
             .collect()
     }
 
-    /// Free volumes of a class, for explaining why a claim found nothing.
-    pub fn free_in_class(&self, class: &str) -> impl Iterator<Item = (&ModeSet, u128, &str)> {
-        self.free.get(class).into_iter().flat_map(|g| {
-            g.iter()
-                .flat_map(|(m, set)| set.iter().map(move |(s, n)| (m, *s, n.as_str())))
-        })
-    }
-
-    pub fn free_count(&self) -> usize {
-        self.entries
-            .values()
-            .filter(|e| matches!(e, Entry::Free { .. }))
-            .count()
+    /// For explaining why a claim found nothing: how many free volumes the class has, and, in
+    /// each access-mode group, up to `k` volumes just below `size` and `k` from `size` up.
+    pub fn near(&self, class: &str, size: u128, k: usize) -> (usize, Vec<(u128, &str)>) {
+        let mut total = 0;
+        let mut out = Vec::new();
+        for set in self.free.get(class).into_iter().flat_map(|g| g.values()) {
+            total += set.len();
+            let below = set.range(..(size, String::new())).rev().take(k);
+            let above = set.range((size, String::new())..).take(k);
+            out.extend(below.chain(above).map(|(s, n)| (*s, n.as_str())));
+        }
+        (total, out)
     }
 }
 

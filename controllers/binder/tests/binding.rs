@@ -227,6 +227,18 @@ async fn a_bound_claim_whose_volume_vanished_is_lost() {
 }
 
 #[tokio::test]
+async fn a_volume_bound_into_a_missing_namespace_is_released() {
+    let h = Harness::start().await;
+    h.create_pv(
+        pv("orphan")
+            .claim_ref("ghost-ns", "gone", "0f0f0f0f-0000-0000-0000-000000000000")
+            .build(),
+    )
+    .await;
+    h.volume_phase("orphan", "Released").await;
+}
+
+#[tokio::test]
 async fn a_recreated_claim_with_the_same_name_does_not_inherit_the_old_binding() {
     let h = Harness::start().await;
     h.namespace("app").await;
