@@ -117,7 +117,6 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         vas,
     });
 
-    node::prepare(&client, &args.node_name, args.register_node).await;
     tokio::join!(
         ctx.pods.ready(),
         ctx.pvcs.ready(),

@@ -158,6 +158,12 @@ pub async fn run(
     reported: watch::Sender<BTreeSet<String>>,
     mut stop: watch::Receiver<bool>,
 ) {
+    // Nothing is mounted before the Node lists the volume, so waiting here for the Node (made
+    // by a kubelet, or by us with --register-node) holds back exactly what must wait.
+    tokio::select! {
+        _ = prepare(&ctx.client, &ctx.node, register) => {}
+        _ = stop.changed() => return,
+    }
     let api: Api<Node> = Api::all(ctx.client.clone());
     let mut written: Option<BTreeSet<String>> = None;
     let mut next_beat = tokio::time::Instant::now() + HEARTBEAT;

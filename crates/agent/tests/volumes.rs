@@ -643,3 +643,118 @@ fn can_resize_online() -> bool {
         .unwrap_or("0");
     u64::from_str_radix(eff, 16).is_ok_and(|c| c & (1 << 24) != 0)
 }
+
+#[tokio::test]
+async fn block_volume_is_published_as_a_device_and_never_formatted() {
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    let (e, _guard) = env("block").await;
+    let node = unique("node-b");
+    let _agent = e.agent(&node, "block");
+    let pv = unique("pv-block");
+    let image = e.image(&pv);
+    let pvs: Api<PersistentVolume> = Api::all(e.client.clone());
+    pvs.create(
+        &PostParams::default(),
+        &builders::pv(&pv)
+            .capacity("64Mi")
+            .block()
+            .claim_ref(&e.ns, "raw", "")
+            .build(),
+    )
+    .await
+    .unwrap();
+    let pvcs: Api<PersistentVolumeClaim> = Api::namespaced(e.client.clone(), &e.ns);
+    pvcs.create(
+        &PostParams::default(),
+        &builders::pvc(&e.ns, "raw")
+            .request("64Mi")
+            .class("")
+            .block()
+            .volume_name(&pv)
+            .build(),
+    )
+    .await
+    .unwrap();
+    let pods: Api<Pod> = Api::namespaced(e.client.clone(), &e.ns);
+    let p = pods
+        .create(
+            &PostParams::default(),
+            &builders::pod(&e.ns, "dev")
+                .claim_device("raw", "raw")
+                .node(&node)
+                .fs_group(3456)
+                .build(),
+        )
+        .await
+        .unwrap();
+    let va = e.attach(&pv, &node).await;
+    let dev = e.wait_attached(&va).await;
+    let file = e.layout(&node).pod_device(&p.uid().unwrap(), &pv);
+    let want = std::fs::metadata(&dev).unwrap().rdev();
+    let meta = eventually(LIMIT, || async {
+        std::fs::symlink_metadata(&file).map_err(|e| format!("{}: {e}", file.display()))
+    })
+    .await;
+    assert!(meta.file_type().is_block_device());
+    assert_eq!(
+        meta.rdev(),
+        want,
+        "the pod's device file is the attached loop device"
+    );
+    assert_eq!(meta.gid(), 3456, "fsGroup owns the device");
+    let probe = std::process::Command::new("blkid")
+        .arg("-p")
+        .arg(&image)
+        .status()
+        .unwrap();
+    assert_eq!(probe.code(), Some(2), "a block volume is never formatted");
+
+    e.delete_pod("dev").await;
+    eventually(LIMIT, || async {
+        if file.exists() {
+            Err("device file still there".to_string())
+        } else {
+            Ok(())
+        }
+    })
+    .await;
+    e.detach(&va, &node, &pv).await;
+    assert_eq!(loops_of(&image), "");
+}
+
+#[tokio::test]
+async fn fs_group_owns_the_mounted_volume() {
+    use std::os::unix::fs::MetadataExt;
+    let (e, _guard) = env("fsgroup").await;
+    let node = unique("node-g");
+    let _agent = e.agent(&node, "fsgroup");
+    let pv = unique("pv-fsgroup");
+    e.image(&pv);
+    e.volume(&pv, "data").await;
+    let pods: Api<Pod> = Api::namespaced(e.client.clone(), &e.ns);
+    let p = pods
+        .create(
+            &PostParams::default(),
+            &builders::pod(&e.ns, "app")
+                .claim("data", "data")
+                .node(&node)
+                .fs_group(2345)
+                .build(),
+        )
+        .await
+        .unwrap();
+    let va = e.attach(&pv, &node).await;
+    e.wait_attached(&va).await;
+    let target = e.layout(&node).pod_mount(&p.uid().unwrap(), &pv);
+    wait_mounted(&target).await;
+    let m = std::fs::metadata(&target).unwrap();
+    assert_eq!(m.gid(), 2345);
+    assert_eq!(
+        m.mode() & 0o2070,
+        0o2070,
+        "group rwx and setgid on the volume root"
+    );
+    e.delete_pod("app").await;
+    wait_unmounted(&target).await;
+    e.detach(&va, &node, &pv).await;
+}

@@ -379,6 +379,28 @@ impl PodBuilder {
         self.spec().node_name = Some(node.into());
         self
     }
+    /// Uses claim `claim` as raw block volume `vol` at `/dev/<vol>` (`volumeDevices`).
+    pub fn claim_device(mut self, vol: &str, claim: &str) -> Self {
+        self.spec().volumes.get_or_insert_with(Vec::new).push(Volume {
+            name: vol.into(),
+            persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
+                claim_name: claim.into(),
+                read_only: None,
+            }),
+            ..Default::default()
+        });
+        let dev = k8s_openapi::api::core::v1::VolumeDevice {
+            name: vol.into(),
+            device_path: format!("/dev/{vol}"),
+        };
+        self.spec().containers[0].volume_devices.get_or_insert_with(Vec::new).push(dev);
+        self
+    }
+    /// The pod's `securityContext.fsGroup`.
+    pub fn fs_group(mut self, gid: i64) -> Self {
+        self.spec().security_context.get_or_insert_with(Default::default).fs_group = Some(gid);
+        self
+    }
     pub fn build(self) -> Pod {
         self.0
     }
