@@ -1,0 +1,91 @@
+{{/* Chart name, truncated to the 63 characters a label value allows. */}}
+{{- define "stowage.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Release-scoped base name; the release name alone when it already contains the chart name. */}}
+{{- define "stowage.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "stowage.controller.fullname" -}}
+{{- printf "%s-controller" (include "stowage.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "stowage.agent.fullname" -}}
+{{- printf "%s-agent" (include "stowage.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "stowage.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+app.kubernetes.io/name: {{ include "stowage.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{/* Selector labels must never change across upgrades (they are immutable on Deployments). */}}
+{{- define "stowage.controller.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "stowage.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: controller
+{{- end }}
+
+{{- define "stowage.agent.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "stowage.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: agent
+{{- end }}
+
+{{- define "stowage.controller.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "stowage.controller.fullname" .) .Values.serviceAccount.controllerName }}
+{{- else }}
+{{- required "serviceAccount.controllerName is required when serviceAccount.create is false" .Values.serviceAccount.controllerName }}
+{{- end }}
+{{- end }}
+
+{{- define "stowage.agent.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "stowage.agent.fullname" .) .Values.serviceAccount.agentName }}
+{{- else }}
+{{- required "serviceAccount.agentName is required when serviceAccount.create is false" .Values.serviceAccount.agentName }}
+{{- end }}
+{{- end }}
+
+{{- define "stowage.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{/* The image store volume, shared by the controller and the agents. */}}
+{{- define "stowage.imageStoreVolume" -}}
+- name: images
+{{- if eq .Values.imageStore.type "hostPath" }}
+  hostPath:
+    path: {{ .Values.imageStore.path }}
+    type: {{ .Values.imageStore.hostPathType }}
+{{- else if eq .Values.imageStore.type "pvc" }}
+  persistentVolumeClaim:
+    claimName: {{ required "imageStore.existingClaim is required when imageStore.type is pvc" .Values.imageStore.existingClaim }}
+{{- else }}
+{{- fail (printf "imageStore.type must be hostPath or pvc, not %q" .Values.imageStore.type) }}
+{{- end }}
+{{- end }}
+
+{{/* prometheus.io/* pod annotations for annotation-based scrape discovery. */}}
+{{- define "stowage.scrapeAnnotations" -}}
+{{- if .root.Values.metrics.podAnnotations }}
+prometheus.io/scrape: "true"
+prometheus.io/port: {{ .port | quote }}
+prometheus.io/path: /metrics
+{{- end }}
+{{- end }}
