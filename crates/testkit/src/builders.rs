@@ -393,12 +393,18 @@ impl PodBuilder {
             name: vol.into(),
             device_path: format!("/dev/{vol}"),
         };
-        self.spec().containers[0].volume_devices.get_or_insert_with(Vec::new).push(dev);
+        self.spec().containers[0]
+            .volume_devices
+            .get_or_insert_with(Vec::new)
+            .push(dev);
         self
     }
     /// The pod's `securityContext.fsGroup`.
     pub fn fs_group(mut self, gid: i64) -> Self {
-        self.spec().security_context.get_or_insert_with(Default::default).fs_group = Some(gid);
+        self.spec()
+            .security_context
+            .get_or_insert_with(Default::default)
+            .fs_group = Some(gid);
         self
     }
     pub fn build(self) -> Pod {
