@@ -1,0 +1,306 @@
+//! The expand controller against the real apiserver.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use kube::api::{Patch, PatchParams, PostParams};
+use stowage_testkit::builders::storage_class;
+use stowage_testkit::{eventually, unique};
+
+const LOOP: &str = "loop.stowage.dev";
+const MI: u64 = 1 << 20;
+
+async fn class(h: &Harness, provisioner: &str, allow: bool) -> String {
+    let name = unique("sc");
+    h.classes()
+        .create(
+            &PostParams::default(),
+            &storage_class(&name, provisioner).allow_expansion(allow).build(),
+        )
+        .await
+        .unwrap();
+    name
+}
+
+async fn set_allow(h: &Harness, class: &str, allow: bool) {
+    let patch = serde_json::json!({"allowVolumeExpansion": allow});
+    h.classes()
+        .patch(class, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .unwrap();
+}
+
+fn node_pending(c: &k8s_openapi::api::core::v1::PersistentVolumeClaim) -> bool {
+    status_entry(c).as_deref() == Some("NodeResizePending")
+}
+
+#[tokio::test]
+async fn a_bound_loop_volume_grows_and_is_then_left_alone() {
+    let h = Harness::start().await;
+    h.namespace("app").await;
+    let sc = class(&h, LOOP, true).await;
+    let pv = h.bound("app", "data", &sc, "64Mi", LOOP, false).await;
+    h.request("app", "data", "128Mi").await.unwrap();
+
+    let c = h
+        .claim_until("app", "data", "NodeResizePending", node_pending)
+        .await;
+    assert_eq!(allocated(&c).as_deref(), Some("128Mi"));
+    assert_eq!(
+        capacity(&c).as_deref(),
+        Some("64Mi"),
+        "the file system has not grown yet"
+    );
+    let conds = conditions(&c);
+    assert!(
+        conds.contains(&"FileSystemResizePending".to_string()),
+        "{conds:?}"
+    );
+    assert!(
+        !conds.contains(&"Resizing".to_string()),
+        "the controller's work is done: {conds:?}"
+    );
+    assert_eq!(h.image_size(&pv), 128 * MI);
+    let v = h.pvs().get(&pv).await.unwrap();
+    assert_eq!(pv_capacity(&v), "128Mi");
+    assert_eq!(
+        anns(&v)
+            .get("volume.alpha.kubernetes.io/pre-resize-capacity")
+            .map(String::as_str),
+        Some("64Mi")
+    );
+    h.event("app", "data", "Resizing").await;
+    h.event("app", "data", "FileSystemResizeRequired").await;
+
+    // The node's half, as the kubelet (or stowage-agent) does it.
+    h.node_finishes("app", "data").await;
+    let c = h
+        .claim_until("app", "data", "capacity 128Mi, no resize state", |c| {
+            capacity(c).as_deref() == Some("128Mi") && status_entry(c).is_none() && conditions(c).is_empty()
+        })
+        .await;
+    let v = eventually(WAIT, || async {
+        let v = h.pvs().get(&pv).await.map_err(|e| e.to_string())?;
+        if anns(&v).contains_key("volume.alpha.kubernetes.io/pre-resize-capacity") {
+            Err("pre-resize-capacity still on the PV".to_string())
+        } else {
+            Ok(v)
+        }
+    })
+    .await;
+    // Converged: a while later neither object has been written again.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let c2 = h.pvcs("app").get("data").await.unwrap();
+    let v2 = h.pvs().get(&pv).await.unwrap();
+    assert!(
+        c2.metadata.resource_version == c.metadata.resource_version || c2.status == c.status,
+        "claim rewritten after convergence"
+    );
+    assert_eq!(
+        v2.metadata.resource_version, v.metadata.resource_version,
+        "PV rewritten after convergence"
+    );
+    assert!(h.events("app", "data", "VolumeResizeFailed").await.is_empty());
+    let m = h.metrics_text();
+    assert!(
+        m.contains("stowage_expand_expansions_total{result=\"node_pending\"} 1"),
+        "{m}"
+    );
+    assert!(
+        m.contains("stowage_expand_expansion_duration_seconds_count{stage=\"total\"} 1"),
+        "{m}"
+    );
+}
+
+#[tokio::test]
+async fn a_class_without_allow_volume_expansion_gets_a_warning_and_nothing_changes() {
+    let mut h = Harness::new().await;
+    h.namespace("app").await;
+    let sc = class(&h, LOOP, false).await;
+    let pv = h.bound("app", "data", &sc, "64Mi", LOOP, false).await;
+    // What a user hits first: the apiserver's admission refuses the larger request.
+    let refused = h.request("app", "data", "128Mi").await.unwrap_err();
+    assert!(
+        matches!(&refused, kube::Error::Api(s) if s.code == 403),
+        "{refused:?}"
+    );
+    // What reaches the controller: the class allowed it when the user asked, and an admin
+    // turned expansion off before the controller acted (here: before it runs).
+    set_allow(&h, &sc, true).await;
+    h.request("app", "data", "128Mi").await.unwrap();
+    set_allow(&h, &sc, false).await;
+    h.run_controller().await;
+    let note = h.event("app", "data", "VolumeExpansionNotAllowed").await;
+    assert!(note.contains("allowVolumeExpansion"), "{note}");
+    let c = h.pvcs("app").get("data").await.unwrap();
+    assert_eq!(allocated(&c), None);
+    assert_eq!(status_entry(&c), None);
+    assert_eq!(capacity(&c).as_deref(), Some("64Mi"));
+    assert_eq!(pv_capacity(&h.pvs().get(&pv).await.unwrap()), "64Mi");
+    assert_eq!(h.image_size(&pv), 64 * MI);
+    let warnings = h.events("app", "data", "VolumeExpansionNotAllowed").await;
+    assert_eq!(warnings.len(), 1, "reported once, not every sync");
+
+    // Allowing it again lets the expansion go ahead.
+    set_allow(&h, &sc, true).await;
+    h.claim_until("app", "data", "NodeResizePending", node_pending)
+        .await;
+    assert_eq!(h.image_size(&pv), 128 * MI);
+}
+
+#[tokio::test]
+async fn a_failure_mid_way_is_reported_and_the_retry_completes_after_the_fix() {
+    let h = Harness::start().await;
+    h.namespace("app").await;
+    let sc = class(&h, LOOP, true).await;
+    let pv = h.bound("app", "data", &sc, "64Mi", LOOP, false).await;
+    let lock = Immutable::set(&h.image(&pv));
+    h.request("app", "data", "128Mi").await.unwrap();
+
+    let note = h.event("app", "data", "VolumeResizeFailed").await;
+    assert!(note.contains("128Mi"), "{note}");
+    let c = h
+        .claim_until("app", "data", "ControllerResizeError", |c| {
+            conditions(c).contains(&"ControllerResizeError".to_string())
+        })
+        .await;
+    assert_eq!(status_entry(&c).as_deref(), Some("ControllerResizeInProgress"));
+    assert_eq!(allocated(&c).as_deref(), Some("128Mi"));
+    assert_eq!(
+        pv_capacity(&h.pvs().get(&pv).await.unwrap()),
+        "64Mi",
+        "nothing recorded that did not happen"
+    );
+
+    drop(lock); // the fix
+    let c = h
+        .claim_until("app", "data", "NodeResizePending", node_pending)
+        .await;
+    assert!(!conditions(&c).contains(&"ControllerResizeError".to_string()));
+    assert_eq!(h.image_size(&pv), 128 * MI);
+    h.node_finishes("app", "data").await;
+    h.claim_until("app", "data", "capacity 128Mi", |c| {
+        capacity(c).as_deref() == Some("128Mi") && conditions(c).is_empty()
+    })
+    .await;
+    assert!(h.events("app", "data", "VolumeResizeSuccessful").await.is_empty());
+    let m = h.metrics_text();
+    assert!(
+        m.contains("stowage_expand_failures_total{reason=\"ImageError\"}"),
+        "{m}"
+    );
+}
+
+#[tokio::test]
+async fn two_expansions_in_quick_succession_end_at_the_larger_size() {
+    let h = Harness::start().await;
+    h.namespace("app").await;
+    let sc = class(&h, LOOP, true).await;
+    let pv = h.bound("app", "data", &sc, "64Mi", LOOP, false).await;
+    h.request("app", "data", "128Mi").await.unwrap();
+    h.request("app", "data", "192Mi").await.unwrap();
+    // Play the node whenever it is its turn, until the claim has the larger size.
+    eventually(WAIT, || async {
+        let c = h.pvcs("app").get("data").await.map_err(|e| e.to_string())?;
+        if node_pending(&c) {
+            h.node_finishes("app", "data").await;
+        }
+        if capacity(&c).as_deref() == Some("192Mi") && status_entry(&c).is_none() {
+            Ok(())
+        } else {
+            Err(format!("claim at {:?}, {:?}", capacity(&c), status_entry(&c)))
+        }
+    })
+    .await;
+    assert_eq!(h.image_size(&pv), 192 * MI);
+    assert_eq!(pv_capacity(&h.pvs().get(&pv).await.unwrap()), "192Mi");
+}
+
+#[tokio::test]
+async fn lowering_the_request_after_an_infeasible_expansion_recovers() {
+    let h = Harness::start().await;
+    h.namespace("app").await;
+    let sc = class(&h, LOOP, true).await;
+    let pv = h.bound("app", "data", &sc, "64Mi", LOOP, false).await;
+    // A typo no file system can hold (ext4 files end at 16Ti): EFBIG, infeasible.
+    h.request("app", "data", "20Ti").await.unwrap();
+    let note = h.event("app", "data", "VolumeResizeFailed").await;
+    assert!(note.contains("20Ti"), "{note}");
+    let c = h
+        .claim_until("app", "data", "ControllerResizeInfeasible", |c| {
+            status_entry(c).as_deref() == Some("ControllerResizeInfeasible")
+        })
+        .await;
+    assert_eq!(allocated(&c).as_deref(), Some("20Ti"));
+    assert!(conditions(&c).contains(&"ControllerResizeError".to_string()));
+    assert_eq!(pv_capacity(&h.pvs().get(&pv).await.unwrap()), "64Mi");
+    assert_eq!(h.image_size(&pv), 64 * MI);
+
+    // RecoverVolumeExpansionFailure: the apiserver lets the user lower the request, though
+    // only to a size above status.capacity; back to 64Mi itself is refused.
+    assert!(h.request("app", "data", "64Mi").await.is_err());
+    h.request("app", "data", "128Mi").await.unwrap();
+    let c = h
+        .claim_until("app", "data", "NodeResizePending", node_pending)
+        .await;
+    assert_eq!(
+        allocated(&c).as_deref(),
+        Some("128Mi"),
+        "the allocation follows the lowered request"
+    );
+    assert!(!conditions(&c).contains(&"ControllerResizeError".to_string()));
+    h.node_finishes("app", "data").await;
+    h.claim_until("app", "data", "capacity 128Mi, no resize state", |c| {
+        capacity(c).as_deref() == Some("128Mi") && status_entry(c).is_none() && conditions(c).is_empty()
+    })
+    .await;
+    assert_eq!(h.image_size(&pv), 128 * MI);
+    assert!(h.events("app", "data", "VolumeResizeSuccessful").await.is_empty());
+    let m = h.metrics_text();
+    assert!(
+        m.contains("stowage_expand_failures_total{reason=\"Infeasible\"} 1"),
+        "{m}"
+    );
+}
+
+#[tokio::test]
+async fn other_drivers_are_handed_to_their_external_resizer() {
+    let h = Harness::start().await;
+    h.namespace("app").await;
+    let driver = "disk.vendor.example.com";
+    let sc = class(&h, driver, true).await;
+    let pv = h.bound("app", "data", &sc, "1Gi", driver, false).await;
+    h.request("app", "data", "2Gi").await.unwrap();
+    let c = h
+        .claim_until("app", "data", "storage-resizer annotation", |c| {
+            anns(c)
+                .get("volume.kubernetes.io/storage-resizer")
+                .map(String::as_str)
+                == Some(driver)
+        })
+        .await;
+    h.event("app", "data", "ExternalExpanding").await;
+    assert_eq!(status_entry(&c), None);
+    assert_eq!(allocated(&c), None);
+    assert_eq!(pv_capacity(&h.pvs().get(&pv).await.unwrap()), "1Gi");
+}
+
+#[tokio::test]
+async fn an_unattached_block_volume_finishes_without_a_node_step() {
+    let h = Harness::start().await;
+    h.namespace("app").await;
+    let sc = class(&h, LOOP, true).await;
+    let pv = h.bound("app", "raw", &sc, "64Mi", LOOP, true).await;
+    h.request("app", "raw", "128Mi").await.unwrap();
+    let c = h
+        .claim_until("app", "raw", "capacity 128Mi", |c| {
+            capacity(c).as_deref() == Some("128Mi")
+        })
+        .await;
+    assert_eq!(status_entry(&c), None);
+    assert!(conditions(&c).is_empty());
+    assert_eq!(h.image_size(&pv), 128 * MI);
+    h.event("app", "raw", "VolumeResizeSuccessful").await;
+}
