@@ -42,8 +42,9 @@ wait_for() { # wait_for <what> <seconds> <command...>
     if "$@" >/dev/null 2>&1; then return 0; fi
     sleep 0.5
   done
-  echo "demo: timed out waiting for $what" >&2
-  return 1
+  echo "demo: timed out waiting for $what; logs are in $demo/*.log:" >&2
+  tail -n 5 "$demo"/*.log >&2
+  exit 1
 }
 
 [ "$(id -u)" = 0 ] || { echo "demo: loop devices and mounts need root" >&2; exit 1; }
@@ -99,13 +100,29 @@ web_mnt=$(findmnt -rn -o TARGET | grep "^$demo/node-a/pods/" | head -n1)
 echo "hello from stowage" >"$web_mnt/index.html"
 echo "wrote $web_mnt/index.html"
 
-say "growing db-data from 64Mi to 128Mi (allowVolumeExpansion: true)"
-k patch pvc -n demo db-data --type=merge -p '{"spec":{"resources":{"requests":{"storage":"128Mi"}}}}'
-wait_for "db-data to reach 128Mi" 120 sh -c "'$kubectl' get pvc -n demo db-data -o jsonpath='{.status.capacity.storage}' | grep -q 128Mi"
-k get pvc -n demo db-data
+say "growing cache-data from 64Mi to 128Mi (allowVolumeExpansion: true; no pod uses it yet)"
+k patch pvc -n demo cache-data --type=merge -p '{"spec":{"resources":{"requests":{"storage":"128Mi"}}}}'
+wait_for "the controller half of the expansion" 120 sh -c "'$kubectl' get pvc -n demo cache-data -o jsonpath='{.status.allocatedResourceStatuses.storage}' | grep -q NodeResizePending"
+k get pvc -n demo cache-data -o jsonpath='{"image grown, PV capacity "}{.status.allocatedResources.storage}{", waiting for the node: "}{.status.conditions[*].type}{"\n"}'
+say "a pod starts on node-a with cache-data: the agent grows the file system as it mounts the volume"
+cat <<YAML | k apply -f -
+apiVersion: v1
+kind: Pod
+metadata: {name: cache, namespace: demo}
+spec:
+  nodeName: node-a
+  containers: [{name: cache, image: redis, volumeMounts: [{name: data, mountPath: /data}]}]
+  volumes: [{name: data, persistentVolumeClaim: {claimName: cache-data}}]
+YAML
+wait_for "cache-data to reach 128Mi" 120 sh -c "'$kubectl' get pvc -n demo cache-data -o jsonpath='{.status.capacity.storage}' | grep -q 128Mi"
+k get pvc -n demo cache-data
+cache_uid=$(k get pod -n demo cache -o jsonpath='{.metadata.uid}')
+df -h "$(findmnt -rn -o TARGET | grep "^$demo/node-a/pods/$cache_uid/" | head -n1)" | sed 's/^/  /'
 
 say "releasing: deleting pod db and claim db-data (Delete policy) and pod web and claim web-data (Retain)"
-k delete pod -n demo db web --wait=false
+# No kubelet runs here to finish a graceful pod deletion, so the demo deletes at once, as a
+# kubelet would after its containers stopped; the agents then unmount and the VAs go.
+k delete pod -n demo db web --grace-period=0 --force
 k delete pvc -n demo db-data web-data --wait=false
 wait_for "web-data's volume to be Released" 120 sh -c "'$kubectl' get pv static-small -o jsonpath='{.status.phase}' | grep -q Released"
 db_pv=$(k get pv -o jsonpath='{range .items[?(@.spec.claimRef.name=="db-data")]}{.metadata.name}{end}')

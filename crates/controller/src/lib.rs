@@ -85,6 +85,7 @@ struct Wiring {
     binder: (stowage_binder::Metrics, stowage_binder::Config),
     protection: stowage_protection::Metrics,
     attachdetach: (stowage_attachdetach::Metrics, stowage_attachdetach::Config),
+    expand: (stowage_expand::Metrics, stowage_expand::Config),
 }
 
 impl Wiring {
@@ -104,6 +105,13 @@ impl Wiring {
                 stowage_attachdetach::Config {
                     max_wait_for_unmount: args.max_wait_for_unmount,
                     disable_force_detach_on_timeout: args.disable_force_detach_on_timeout,
+                    ..Default::default()
+                },
+            ),
+            expand: (
+                stowage_expand::Metrics::new(registry),
+                stowage_expand::Config {
+                    image_dir: args.image_dir.clone(),
                     ..Default::default()
                 },
             ),
@@ -248,7 +256,11 @@ async fn run_controllers(
                 let (m, c) = wiring.attachdetach.clone();
                 running.spawn(async move { (name, stowage_attachdetach::run(cluster, m, c).await) });
             }
-            other => tracing::warn!(controller = other, "controller not available in this build"),
+            "expand" => {
+                let (m, c) = wiring.expand.clone();
+                running.spawn(async move { (name, stowage_expand::run(cluster, m, c).await) });
+            }
+            other => unreachable!("resolve_controllers only returns known names, got {other}"),
         }
     }
     if running.is_empty() {
