@@ -18,43 +18,7 @@ use stowage_testkit::{builders, eventually, shared, unique};
 
 const LIMIT: Duration = Duration::from_secs(90);
 
-/// Unmounts everything under the test's base dir and frees the loop devices of its images, also
-/// when the test failed half-way. Declared before the agents so it runs after they are stopped.
-struct Cleanup {
-    base: PathBuf,
-    images: PathBuf,
-}
-
-impl Drop for Cleanup {
-    fn drop(&mut self) {
-        let table = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
-        let mut points: Vec<PathBuf> = mountinfo::parse(&table)
-            .into_iter()
-            .map(|m| m.mount_point)
-            .filter(|p| p.starts_with(&self.base))
-            .collect();
-        // Deepest first, so bind mounts go before what they sit on.
-        points.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
-        for p in points {
-            let _ = std::process::Command::new("umount").arg("-l").arg(&p).status();
-        }
-        if let Ok(rd) = std::fs::read_dir(&self.images) {
-            for e in rd.flatten() {
-                let out = std::process::Command::new("losetup")
-                    .arg("-j")
-                    .arg(e.path())
-                    .output();
-                let text = out
-                    .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
-                    .unwrap_or_default();
-                for dev in text.lines().filter_map(|l| l.split(':').next()) {
-                    let _ = std::process::Command::new("losetup").arg("-d").arg(dev).status();
-                }
-            }
-        }
-        let _ = std::fs::remove_dir_all(&self.base);
-    }
-}
+use stowage_testkit::host::Cleanup;
 
 struct Env {
     client: Client,

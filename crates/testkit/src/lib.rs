@@ -4,6 +4,7 @@
 pub mod binary;
 pub mod builders;
 pub mod controlplane;
+pub mod host;
 pub mod process;
 pub mod scrape;
 pub mod wait;

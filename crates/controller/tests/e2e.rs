@@ -1,0 +1,408 @@
+//! The end-to-end suite a user would run: the demo's scenario (docs/examples/) on a real control
+//! plane with stowage-controller and two stowage-agents, asserted through real `kubectl` output,
+//! then both binaries' /metrics checked against the metrics reference (docs/metrics.md).
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use stowage_testkit::binary::Running;
+use stowage_testkit::host::{Cleanup, mounts_under};
+use stowage_testkit::scrape::Metrics;
+use stowage_testkit::{ControlPlane, eventually};
+
+const LIMIT: Duration = Duration::from_secs(120);
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// The agent binary, built next to this package's binary (cargo builds every package's binaries
+/// for a workspace test run; a lone `cargo test -p stowage-controller` builds it here).
+fn agent_bin() -> PathBuf {
+    let bin = Path::new(env!("CARGO_BIN_EXE_stowage-controller")).with_file_name("stowage-agent");
+    if !bin.exists() {
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let ok = Command::new(cargo)
+            .args(["build", "-p", "stowage-agent", "--bin", "stowage-agent"])
+            .status();
+        assert!(
+            ok.map(|s| s.success()).unwrap_or(false),
+            "cannot build stowage-agent"
+        );
+    }
+    bin
+}
+
+struct Kubectl(PathBuf);
+
+impl Kubectl {
+    fn run(&self, args: &[&str]) -> Result<String, String> {
+        let out = Command::new(repo().join("e2e/bin/kubectl"))
+            .env("KUBECONFIG", &self.0)
+            .args(args)
+            .output()
+            .map_err(|e| e.to_string())?;
+        if out.status.success() {
+            Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+        } else {
+            Err(format!(
+                "kubectl {}: {}",
+                args.join(" "),
+                String::from_utf8_lossy(&out.stderr)
+            ))
+        }
+    }
+
+    fn must(&self, args: &[&str]) -> String {
+        self.run(args).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// Waits until `kubectl args` prints exactly `want` (trimmed).
+    async fn until(&self, args: &[&str], want: &str) {
+        eventually(LIMIT, || async {
+            let got = self.run(args)?;
+            if got.trim() == want {
+                Ok(())
+            } else {
+                Err(format!(
+                    "kubectl {} printed {got:?}, want {want:?}",
+                    args.join(" ")
+                ))
+            }
+        })
+        .await
+    }
+}
+
+/// Metric family names listed in docs/metrics.md under `## <binary>` (first cell of table rows).
+fn documented(binary: &str) -> BTreeSet<String> {
+    let doc = std::fs::read_to_string(repo().join("docs/metrics.md")).expect("docs/metrics.md");
+    let mut out = BTreeSet::new();
+    let mut inside = false;
+    for line in doc.lines() {
+        if let Some(h) = line.strip_prefix("## ") {
+            inside = h.trim() == binary;
+            continue;
+        }
+        if inside
+            && let Some(cell) = line.strip_prefix("| `")
+            && let Some((name, _)) = cell.split_once('`')
+        {
+            out.insert(name.to_string());
+        }
+    }
+    assert!(
+        !out.is_empty(),
+        "docs/metrics.md documents no metric for {binary}"
+    );
+    out
+}
+
+fn families(m: &Metrics) -> BTreeSet<String> {
+    m.types.keys().cloned().collect()
+}
+
+/// Every family a binary exports is documented; every documented family is exported, except
+/// labelled error/failure families that a clean run never touches (a labelled family has no
+/// series, and so no exposition, until its first observation).
+fn check_against_docs(binary: &str, m: &Metrics) {
+    let docs = documented(binary);
+    let seen = families(m);
+    let undocumented: Vec<_> = seen
+        .iter()
+        .filter(|n| !docs.contains(*n) && !n.starts_with("process_"))
+        .collect();
+    assert!(
+        undocumented.is_empty(),
+        "{binary} exports undocumented metrics: {undocumented:?}"
+    );
+    let quiet = [
+        "error",
+        "fail",
+        "forced",
+        "conflict",
+        "retr",
+        "timeout",
+        "waiting",
+        "cancel",
+        "infeasible",
+    ];
+    let missing: Vec<_> = docs
+        .iter()
+        .filter(|n| !seen.contains(*n) && !n.starts_with("process_") && !quiet.iter().any(|q| n.contains(q)))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "{binary} does not export documented metrics: {missing:?}"
+    );
+}
+
+fn nonzero(m: &Metrics, name: &str) {
+    assert!(m.sum(name) > 0.0, "{name} is zero or missing");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_demo_scenario_through_kubectl_and_metrics() {
+    let cp = tokio::task::spawn_blocking(ControlPlane::start)
+        .await
+        .unwrap()
+        .unwrap();
+    let base = std::env::temp_dir().join(stowage_testkit::unique("stowage-e2e"));
+    let images = base.join("images");
+    std::fs::create_dir_all(&images).unwrap();
+    // Dropped last: after the processes below have stopped.
+    let _cleanup = Cleanup {
+        base: base.clone(),
+        images: images.clone(),
+    };
+    let kc = cp.kubeconfig();
+    let ctl = Running::start(
+        Path::new(env!("CARGO_BIN_EXE_stowage-controller")),
+        &[
+            format!("--kubeconfig={}", kc.display()),
+            "--leader-elect-resource-namespace=default".into(),
+            format!("--image-dir={}", images.display()),
+        ],
+        &base,
+        "controller",
+    )
+    .unwrap();
+    let mut agents = Vec::new();
+    for n in ["node-a", "node-b"] {
+        agents.push(
+            Running::start(
+                &agent_bin(),
+                &[
+                    format!("--kubeconfig={}", kc.display()),
+                    format!("--node-name={n}"),
+                    format!("--root-dir={}", base.join(n).display()),
+                    format!("--image-dir={}", images.display()),
+                    "--register-node".into(),
+                ],
+                &base,
+                n,
+            )
+            .unwrap(),
+        );
+    }
+    let k = Kubectl(kc.clone());
+    k.until(
+        &["get", "nodes", "-o", "jsonpath={.items[*].metadata.name}"],
+        "node-a node-b",
+    )
+    .await;
+
+    // The administrator's part of the static volumes: their images.
+    for (name, size) in [("static-small", 64u64 << 20), ("static-large", 128 << 20)] {
+        let f = std::fs::File::create(images.join(format!("{name}.img"))).unwrap();
+        f.set_len(size).unwrap();
+    }
+    k.must(&["apply", "-f", &repo().join("docs/examples").display().to_string()]);
+
+    let claims = [
+        "get",
+        "pvc",
+        "-n",
+        "demo",
+        "-o",
+        "custom-columns=N:.metadata.name,S:.status.phase",
+        "--no-headers",
+        "--sort-by=.metadata.name",
+    ];
+    k.until(
+        &claims,
+        "cache-data   Bound\ndb-data      Bound\nweb-data     Bound",
+    )
+    .await;
+    k.until(
+        &[
+            "get",
+            "pvc",
+            "-n",
+            "demo",
+            "web-data",
+            "-o",
+            "jsonpath={.spec.volumeName}",
+        ],
+        "static-small",
+    )
+    .await;
+    k.until(
+        &["get", "pv", "static-large", "-o", "jsonpath={.status.phase}"],
+        "Available",
+    )
+    .await;
+
+    // Pods get attached, formatted, mounted volumes on their nodes.
+    let vas = [
+        "get",
+        "volumeattachments",
+        "-o",
+        "custom-columns=NODE:.spec.nodeName,ATTACHED:.status.attached",
+        "--no-headers",
+        "--sort-by=.spec.nodeName",
+    ];
+    k.until(&vas, "node-a   true\nnode-b   true").await;
+    for (pod, node) in [("web", "node-a"), ("db", "node-b")] {
+        let uid = k.must(&["get", "pod", "-n", "demo", pod, "-o", "jsonpath={.metadata.uid}"]);
+        let dir = base.join(node).join("pods").join(uid.trim()).join("volumes");
+        eventually(LIMIT, || async {
+            if mounts_under(&dir).is_empty() {
+                Err(format!("no mount under {}", dir.display()))
+            } else {
+                Ok(())
+            }
+        })
+        .await;
+    }
+    let node_status = k.must(&[
+        "get",
+        "node",
+        "node-a",
+        "-o",
+        "jsonpath={.status.volumesInUse[*]} {.status.volumesAttached[*].name}",
+    ]);
+    assert!(
+        node_status.contains("kubernetes.io/csi/loop.stowage.dev^static-small"),
+        "{node_status}"
+    );
+
+    // Growing a claim: the controller half, then the node half when a pod mounts it.
+    k.must(&[
+        "patch",
+        "pvc",
+        "-n",
+        "demo",
+        "cache-data",
+        "--type=merge",
+        "-p",
+        r#"{"spec":{"resources":{"requests":{"storage":"128Mi"}}}}"#,
+    ]);
+    k.until(
+        &[
+            "get",
+            "pvc",
+            "-n",
+            "demo",
+            "cache-data",
+            "-o",
+            "jsonpath={.status.allocatedResourceStatuses.storage}",
+        ],
+        "NodeResizePending",
+    )
+    .await;
+    let pod = r#"{"apiVersion":"v1","kind":"Pod","metadata":{"name":"cache","namespace":"demo"},"spec":{"nodeName":"node-a","containers":[{"name":"c","image":"redis","volumeMounts":[{"name":"d","mountPath":"/data"}]}],"volumes":[{"name":"d","persistentVolumeClaim":{"claimName":"cache-data"}}]}}"#;
+    let file = base.join("cache-pod.json");
+    std::fs::write(&file, pod).unwrap();
+    k.must(&["apply", "-f", &file.display().to_string()]);
+    k.until(
+        &[
+            "get",
+            "pvc",
+            "-n",
+            "demo",
+            "cache-data",
+            "-o",
+            "jsonpath={.status.capacity.storage}",
+        ],
+        "128Mi",
+    )
+    .await;
+
+    // Release: Retain keeps the volume (Released) and its image; Delete removes both.
+    let db_pv = k.must(&[
+        "get",
+        "pvc",
+        "-n",
+        "demo",
+        "db-data",
+        "-o",
+        "jsonpath={.spec.volumeName}",
+    ]);
+    k.must(&[
+        "delete",
+        "pod",
+        "-n",
+        "demo",
+        "web",
+        "db",
+        "--grace-period=0",
+        "--force",
+    ]);
+    k.must(&[
+        "delete",
+        "pvc",
+        "-n",
+        "demo",
+        "web-data",
+        "db-data",
+        "--wait=false",
+    ]);
+    k.until(
+        &["get", "pv", "static-small", "-o", "jsonpath={.status.phase}"],
+        "Released",
+    )
+    .await;
+    k.until(
+        &[
+            "get",
+            "pv",
+            "-o",
+            "jsonpath={.items[*].metadata.name}",
+            "--sort-by=.metadata.name",
+        ],
+        &{
+            let mut left = [
+                k.must(&[
+                    "get",
+                    "pvc",
+                    "-n",
+                    "demo",
+                    "cache-data",
+                    "-o",
+                    "jsonpath={.spec.volumeName}",
+                ]),
+                "static-large".into(),
+                "static-small".into(),
+            ];
+            left.sort();
+            left.join(" ")
+        },
+    )
+    .await;
+    assert!(images.join("static-small.img").exists(), "Retain keeps the image");
+    assert!(
+        !images.join(format!("{}.img", db_pv.trim())).exists(),
+        "Delete removes the image"
+    );
+    k.until(
+        &[
+            "get",
+            "volumeattachments",
+            "-o",
+            "jsonpath={.items[*].spec.nodeName}",
+        ],
+        "node-a",
+    )
+    .await;
+
+    // Metrics: parseable, documented, and every controller and agent actually reconciled.
+    let cm = ctl.metrics().unwrap();
+    assert_eq!(cm.value("stowage_leader"), Some(1.0));
+    check_against_docs("stowage-controller", &cm);
+    for name in [
+        "stowage_binder_reconcile_total",
+        "stowage_attachdetach_reconcile_total",
+        "stowage_expand_reconcile_total",
+        "stowage_protection_reconcile_total",
+    ] {
+        nonzero(&cm, name);
+    }
+    for a in &agents {
+        let am = a.metrics().unwrap();
+        check_against_docs("stowage-agent", &am);
+        nonzero(&am, "stowage_agent_operations_total");
+    }
+}
