@@ -23,7 +23,8 @@ use crate::core::{self, Action, Cache, Env, Event, Target};
 use crate::loopdev;
 use crate::metrics::Metrics;
 use crate::objects::*;
-use crate::queue::WorkQueue;
+use stowage_common::queue::WorkQueue;
+use stowage_common::writes::{Writes, is_conflict, is_not_found};
 
 /// Binder settings.
 #[derive(Debug, Clone)]
@@ -98,14 +99,11 @@ impl WriteError {
 }
 
 fn api_err(e: kube::Error) -> WriteError {
-    match &e {
-        kube::Error::Api(s) if s.code == 409 => WriteError::Conflict,
-        _ => WriteError::Api(e),
+    if is_conflict(&e) {
+        WriteError::Conflict
+    } else {
+        WriteError::Api(e)
     }
-}
-
-fn not_found(e: &kube::Error) -> bool {
-    matches!(e, kube::Error::Api(s) if s.code == 404)
 }
 
 /// Everything a write task needs; cheap to clone.
@@ -632,6 +630,10 @@ impl Writer {
         self.metrics.writes.with_label_values(&[op]).inc();
     }
 
+    fn writes(&self) -> Writes {
+        Writes::new(self.client.clone(), self.metrics.writes.clone())
+    }
+
     /// The newest copy of a PV within this batch (an earlier write may have returned it).
     fn pv(snap: &Snapshot, done: &Done, name: &str) -> Option<PersistentVolume> {
         done.pvs
@@ -652,11 +654,7 @@ impl Writer {
     }
 
     async fn replace_pv(&self, pv: &PersistentVolume, op: &str) -> Result<PersistentVolume, WriteError> {
-        self.count(op);
-        self.pvs
-            .replace(&pv.name_any(), &PostParams::default(), pv)
-            .await
-            .map_err(api_err)
+        self.writes().replace_pv(pv, op).await.map_err(api_err)
     }
 
     async fn replace_pv_status(
@@ -664,11 +662,7 @@ impl Writer {
         pv: &PersistentVolume,
         op: &str,
     ) -> Result<PersistentVolume, WriteError> {
-        self.count(op);
-        self.pvs
-            .replace_status(&pv.name_any(), &PostParams::default(), pv)
-            .await
-            .map_err(api_err)
+        self.writes().replace_pv_status(pv, op).await.map_err(api_err)
     }
 
     async fn replace_claim(
@@ -676,11 +670,7 @@ impl Writer {
         c: &PersistentVolumeClaim,
         op: &str,
     ) -> Result<PersistentVolumeClaim, WriteError> {
-        self.count(op);
-        self.claims(&c.namespace().unwrap_or_default())
-            .replace(&c.name_any(), &PostParams::default(), c)
-            .await
-            .map_err(api_err)
+        self.writes().replace_claim(c, op).await.map_err(api_err)
     }
 
     async fn replace_claim_status(
@@ -688,11 +678,7 @@ impl Writer {
         c: &PersistentVolumeClaim,
         op: &str,
     ) -> Result<PersistentVolumeClaim, WriteError> {
-        self.count(op);
-        self.claims(&c.namespace().unwrap_or_default())
-            .replace_status(&c.name_any(), &PostParams::default(), c)
-            .await
-            .map_err(api_err)
+        self.writes().replace_claim_status(c, op).await.map_err(api_err)
     }
 
     async fn event_on(&self, target: ObjectReference, warning: bool, reason: &str, note: String) {
@@ -991,7 +977,7 @@ impl Writer {
         self.count("delete_volume");
         match self.pvs.delete(pv, &DeleteParams::default()).await {
             Ok(_) => {}
-            Err(e) if not_found(&e) => {}
+            Err(e) if is_not_found(&e) => {}
             Err(e) => return Err(api_err(e)),
         }
         self.metrics.deletions.with_label_values(&["succeeded"]).inc();

@@ -10,7 +10,7 @@ pub mod loopdev;
 pub mod metrics;
 pub mod objects;
 pub mod quantity;
-pub mod queue;
+
 pub mod selector;
 
 #[cfg(test)]

@@ -10,15 +10,15 @@ use std::time::Duration;
 use k8s_openapi::api::core::v1::{ObjectReference, PersistentVolume, PersistentVolumeClaim};
 use k8s_openapi::api::storage::v1::VolumeAttachment;
 use k8s_openapi::jiff::Timestamp;
-use kube::api::PostParams;
 use kube::runtime::reflector::{ObjectRef, Store};
-use kube::{Api, Client, ResourceExt};
+use kube::{Client, ResourceExt};
 use stowage_binder::loopdev::{self, ImageError};
 use stowage_binder::objects::{claim_class, claim_key, claim_ref, claim_volume_name, pv_block};
-use stowage_binder::queue::WorkQueue;
 use stowage_common::cluster::Cluster;
 use stowage_common::events::Events;
 use stowage_common::informer::{Change, is_newer};
+use stowage_common::queue::WorkQueue;
+use stowage_common::writes::{Writes, is_conflict};
 use tokio::sync::{Semaphore, broadcast, mpsc};
 use tokio::time::Instant;
 
@@ -74,9 +74,10 @@ impl WorkError {
 }
 
 fn api_err(e: kube::Error) -> WorkError {
-    match &e {
-        kube::Error::Api(s) if s.code == 409 => WorkError::Conflict,
-        _ => WorkError::Api(e),
+    if is_conflict(&e) {
+        WorkError::Conflict
+    } else {
+        WorkError::Api(e)
     }
 }
 
@@ -478,12 +479,8 @@ fn reference(c: &PersistentVolumeClaim) -> ObjectReference {
 }
 
 impl Worker {
-    fn claims(&self, ns: &str) -> Api<PersistentVolumeClaim> {
-        Api::namespaced(self.client.clone(), ns)
-    }
-
-    fn count(&self, op: &str) {
-        self.metrics.writes.with_label_values(&[op]).inc();
+    fn writes(&self) -> Writes {
+        Writes::new(self.client.clone(), self.metrics.writes.clone())
     }
 
     async fn replace_claim_status(
@@ -491,11 +488,7 @@ impl Worker {
         c: &PersistentVolumeClaim,
         op: &str,
     ) -> Result<PersistentVolumeClaim, WorkError> {
-        self.count(op);
-        self.claims(&c.namespace().unwrap_or_default())
-            .replace_status(&c.name_any(), &PostParams::default(), c)
-            .await
-            .map_err(api_err)
+        self.writes().replace_claim_status(c, op).await.map_err(api_err)
     }
 
     async fn replace_claim(
@@ -503,19 +496,11 @@ impl Worker {
         c: &PersistentVolumeClaim,
         op: &str,
     ) -> Result<PersistentVolumeClaim, WorkError> {
-        self.count(op);
-        self.claims(&c.namespace().unwrap_or_default())
-            .replace(&c.name_any(), &PostParams::default(), c)
-            .await
-            .map_err(api_err)
+        self.writes().replace_claim(c, op).await.map_err(api_err)
     }
 
     async fn replace_pv(&self, v: &PersistentVolume, op: &str) -> Result<PersistentVolume, WorkError> {
-        self.count(op);
-        Api::<PersistentVolume>::all(self.client.clone())
-            .replace(&v.name_any(), &PostParams::default(), v)
-            .await
-            .map_err(api_err)
+        self.writes().replace_pv(v, op).await.map_err(api_err)
     }
 
     /// Publishes an event; with `once`, only when it differs from the last one on this claim.

@@ -2,7 +2,7 @@
 //! apiserver's StorageObjectInUseProtection admission puts on every claim and volume, once nothing
 //! uses the object any more, and put them back on objects that lack them. See docs/protection.md.
 //!
-//! `core` decides (pure), `index` finds a claim's pods, `queue` orders the work, `write` makes
+//! `core` decides (pure), `index` finds a claim's pods, `stowage_common::queue` orders the work, `write` makes
 //! guarded patches, and `pvc`/`pv` are the thin async layers over the shared stores.
 
 pub mod core;
@@ -10,7 +10,7 @@ pub mod index;
 pub mod metrics;
 mod pv;
 mod pvc;
-pub mod queue;
+
 pub mod write;
 
 pub use metrics::Metrics;

@@ -15,8 +15,8 @@ use tokio::time::Instant;
 use crate::core::{Action, PV_FINALIZER, decide_pv};
 use crate::metrics::{self, Metrics};
 use crate::pvc::{Feed, feed, try_feed};
-use crate::queue::WorkQueue;
 use crate::write::{self, WriteError};
+use stowage_common::queue::WorkQueue;
 
 struct PvProtection {
     cluster: Arc<Cluster>,
@@ -37,7 +37,11 @@ pub async fn run_pv_protection(cluster: Arc<Cluster>, metrics: Metrics) -> anyho
     let mut c = PvProtection {
         cluster,
         metrics,
-        queue: WorkQueue::default(),
+        // Finalizer writes retry more patiently than binds: 10 ms doubling to 2 min.
+        queue: WorkQueue::with_backoff(
+            std::time::Duration::from_millis(10),
+            std::time::Duration::from_secs(120),
+        ),
         waiting: HashSet::new(),
     };
     c.resync();

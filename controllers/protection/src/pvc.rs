@@ -19,8 +19,8 @@ use tokio::time::Instant;
 use crate::core::{Action, PVC_FINALIZER, PodRef, decide_pvc, pvc_needs_sync, users, waiting_note};
 use crate::index::{Key, PodsByClaim, key_of};
 use crate::metrics::{self, Metrics};
-use crate::queue::WorkQueue;
 use crate::write::{self, WriteError};
+use stowage_common::queue::WorkQueue;
 
 /// Reason of the event on a claim whose deletion waits for pods.
 pub const REASON_CLAIM_IN_USE: &str = "ClaimInUse";
@@ -68,7 +68,11 @@ pub async fn run_pvc_protection(cluster: Arc<Cluster>, metrics: Metrics) -> anyh
     let mut c = PvcProtection {
         cluster,
         metrics,
-        queue: WorkQueue::default(),
+        // Finalizer writes retry more patiently than binds: 10 ms doubling to 2 min.
+        queue: WorkQueue::with_backoff(
+            std::time::Duration::from_millis(10),
+            std::time::Duration::from_secs(120),
+        ),
         index: PodsByClaim::default(),
         waiting: HashMap::new(),
     };

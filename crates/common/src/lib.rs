@@ -7,6 +7,8 @@ pub mod informer;
 pub mod leader;
 pub mod logging;
 pub mod metrics;
+pub mod queue;
 pub mod ratelimit;
 pub mod serve;
 pub mod shutdown;
+pub mod writes;

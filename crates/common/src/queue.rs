@@ -1,6 +1,7 @@
-//! A de-duplicating work queue with per-key exponential backoff, owned by one task (no locks).
-//! A key is at most once in the queue; a failed key comes back after 5 ms × 2^failures, capped,
-//! and a success forgets its failures (client-go's per-item limiter has the same shape).
+//! A de-duplicating work queue with per-key exponential backoff, owned by one task (no locks),
+//! shared by every controller. A key is at most once in the queue; a failed key comes back after
+//! base × 2^failures, capped, and a success forgets its failures (client-go's per-item limiter has
+//! the same shape), so one object that keeps conflicting neither spins nor holds back the others.
 
 use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::hash::Hash;
@@ -18,6 +19,8 @@ pub struct WorkQueue<K: Clone + Eq + Hash + Ord> {
     delayed: BTreeSet<(Instant, K)>,
     due: HashMap<K, Instant>,
     failures: HashMap<K, u32>,
+    base: Duration,
+    cap: Duration,
 }
 
 impl<K: Clone + Eq + Hash + Ord> Default for WorkQueue<K> {
@@ -28,11 +31,22 @@ impl<K: Clone + Eq + Hash + Ord> Default for WorkQueue<K> {
             delayed: BTreeSet::new(),
             due: HashMap::new(),
             failures: HashMap::new(),
+            base: BASE,
+            cap: CAP,
         }
     }
 }
 
 impl<K: Clone + Eq + Hash + Ord> WorkQueue<K> {
+    /// A queue whose retries start at `base` and double up to `cap`.
+    pub fn with_backoff(base: Duration, cap: Duration) -> Self {
+        Self {
+            base,
+            cap,
+            ..Self::default()
+        }
+    }
+
     /// Queues `key` now (a delayed key is brought forward).
     pub fn add(&mut self, key: K) {
         if let Some(at) = self.due.remove(&key) {
@@ -62,7 +76,7 @@ impl<K: Clone + Eq + Hash + Ord> WorkQueue<K> {
     /// Queues `key` after its next backoff step.
     pub fn retry(&mut self, key: K, now: Instant) -> Duration {
         let n = self.failures.entry(key.clone()).or_insert(0);
-        let delay = BASE.saturating_mul(1u32 << (*n).min(20)).min(CAP);
+        let delay = self.base.saturating_mul(1u32 << (*n).min(20)).min(self.cap);
         *n = n.saturating_add(1);
         self.add_at(key, now + delay);
         delay
