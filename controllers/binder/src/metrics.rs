@@ -123,6 +123,14 @@ impl Metrics {
         register(registry, m.bind_latency.clone());
         register(registry, m.provisioning.clone());
         register(registry, m.deletions.clone());
+        // Known outcomes start at zero, so the families are visible from the first scrape.
+        for result in ["succeeded", "failed"] {
+            m.provisioning.with_label_values(&[result]);
+            m.deletions.with_label_values(&[result]);
+        }
+        for kind in ["claim", "volume"] {
+            m.reconciles.with_label_values(&[kind]);
+        }
         registry
             .register(Box::new(Inventory {
                 stores: m.stores.clone(),

@@ -101,6 +101,10 @@ impl Metrics {
         register(registry, m.failures.clone());
         register(registry, m.writes.clone());
         register(registry, m.queue_depth.clone());
+        // Known outcomes start at zero, so the family is visible from the first scrape.
+        for outcome in ["finished", "node_pending", "handed_off", "failed", "canceled"] {
+            m.expansions.with_label_values(&[outcome]);
+        }
         m
     }
 }

@@ -44,7 +44,7 @@ impl Metrics {
                 IntGauge::new(name, help).expect("static metric definition"),
             )
         };
-        Self {
+        let m = Self {
             finalizers_added: counter(
                 "stowage_protection_finalizers_added_total",
                 "Protection finalizers added to objects that lacked them, by kind.",
@@ -106,6 +106,13 @@ impl Metrics {
                 "ClaimInUse events recorded (one per change of the set of pods a deleted claim waits for).",
                 &["type"],
             ),
+        };
+        // Known label values start at zero, so every family is visible from the first scrape.
+        for kind in [PVC, PV] {
+            m.finalizers_added.with_label_values(&[kind]);
+            m.finalizers_removed.with_label_values(&[kind]);
         }
+        m.in_use_events.with_label_values(&["Normal"]);
+        m
     }
 }
