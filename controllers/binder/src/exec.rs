@@ -17,6 +17,7 @@ use stowage_common::cluster::Cluster;
 use stowage_common::events::Events;
 use stowage_common::informer::Change;
 use tokio::sync::{Semaphore, broadcast, mpsc};
+use tokio::task::JoinSet;
 use tokio::time::Instant;
 
 use crate::core::{self, Action, Cache, Env, Event, Target};
@@ -118,6 +119,9 @@ struct Writer {
 
 /// The single decision task's state.
 struct Brain {
+    /// Write and event tasks: dropped (aborted) with the controller when leadership ends, so
+    /// a former leader stops writing at once.
+    tasks: JoinSet<()>,
     cache: Cache,
     queue: WorkQueue<Key>,
     in_flight: HashSet<Key>,
@@ -146,6 +150,7 @@ pub async fn run(cluster: Arc<Cluster>, metrics: Metrics, config: Config) -> any
     let (done_tx, mut done_rx) = mpsc::unbounded_channel();
     let client = cluster.client.clone();
     let mut brain = Brain {
+        tasks: JoinSet::new(),
         cache: Cache::default(),
         queue: WorkQueue::default(),
         in_flight: HashSet::new(),
@@ -173,6 +178,7 @@ pub async fn run(cluster: Arc<Cluster>, metrics: Metrics, config: Config) -> any
         tokio::select! {
             biased;
             Some(done) = done_rx.recv() => brain.finish(done),
+            Some(_) = brain.tasks.join_next(), if !brain.tasks.is_empty() => {}
             r = pv_feed.recv() => match r {
                 Ok(Change::Applied(pv)) => brain.pv_seen(pv),
                 Ok(Change::Deleted(pv)) => brain.pv_gone(&pv),
@@ -438,7 +444,7 @@ impl Brain {
         let writer = self.writer.clone();
         let permits = self.permits.clone();
         let tx = self.done_tx.clone();
-        tokio::spawn(async move {
+        self.tasks.spawn(async move {
             let _permit = permits.acquire_owned().await;
             let timer = writer
                 .metrics
@@ -476,7 +482,7 @@ impl Brain {
         };
         self.last_event.insert(e.target.clone(), key);
         let events = self.writer.events.clone();
-        tokio::spawn(async move {
+        self.tasks.spawn(async move {
             if e.warning {
                 events.warning(&reference, e.reason, "Binding", e.note).await;
             } else {

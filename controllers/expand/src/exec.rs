@@ -20,6 +20,7 @@ use stowage_common::informer::{Change, is_newer};
 use stowage_common::queue::WorkQueue;
 use stowage_common::writes::{Writes, is_conflict};
 use tokio::sync::{Semaphore, broadcast, mpsc};
+use tokio::task::JoinSet;
 use tokio::time::Instant;
 
 use crate::core::{self, Action, Size};
@@ -116,6 +117,9 @@ struct Worker {
 }
 
 struct Brain {
+    /// Write and event tasks: dropped (aborted) with the controller when leadership ends, so
+    /// a former leader stops writing at once.
+    tasks: JoinSet<()>,
     cluster: Arc<Cluster>,
     queue: WorkQueue<String>,
     in_flight: HashSet<String>,
@@ -139,6 +143,7 @@ pub async fn run(cluster: Arc<Cluster>, metrics: Metrics, config: Config) -> any
     let (done_tx, mut done_rx) = mpsc::unbounded_channel();
     let client = cluster.client.clone();
     let mut brain = Brain {
+        tasks: JoinSet::new(),
         queue: WorkQueue::default(),
         in_flight: HashSet::new(),
         dirty: HashSet::new(),
@@ -166,6 +171,7 @@ pub async fn run(cluster: Arc<Cluster>, metrics: Metrics, config: Config) -> any
         tokio::select! {
             biased;
             Some(done) = done_rx.recv() => brain.finish(done),
+            Some(_) = brain.tasks.join_next(), if !brain.tasks.is_empty() => {}
             r = pvc_feed.recv() => match r {
                 Ok(Change::Applied(c)) => brain.claim_seen(&c),
                 Ok(Change::Deleted(c)) => brain.claim_gone(&c),
@@ -387,7 +393,7 @@ impl Brain {
         let worker = self.worker.clone();
         let permits = self.permits.clone();
         let tx = self.done_tx.clone();
-        tokio::spawn(async move {
+        self.tasks.spawn(async move {
             let _permit = permits.acquire_owned().await;
             let timer = worker
                 .metrics

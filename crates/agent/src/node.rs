@@ -7,6 +7,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::paths::unique_name;
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::api::core::v1::{Node, NodeCondition};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, OwnerReference, Time};
@@ -150,6 +151,39 @@ async fn renew_lease(client: Client, node: &str, node_uid: Option<&str>) -> anyh
     Ok(())
 }
 
+/// The node's `volumesInUse` with this driver's entries replaced by `ours`; other drivers'
+/// entries (a kubelet's) are kept as they are.
+pub fn merge_in_use(current: &[String], ours: &BTreeSet<String>) -> Vec<String> {
+    let prefix = unique_name("");
+    let mut out: BTreeSet<String> = current
+        .iter()
+        .filter(|v| !v.starts_with(&prefix))
+        .cloned()
+        .collect();
+    out.extend(ours.iter().cloned());
+    out.into_iter().collect()
+}
+
+/// Writes our part of `volumesInUse`, guarded by the resourceVersion read, so an entry someone
+/// else wrote in between is never dropped (a conflict is retried by the caller).
+async fn write_in_use(api: &Api<Node>, node: &str, ours: &BTreeSet<String>) -> kube::Result<Node> {
+    let current = api.get_status(node).await?;
+    let list = merge_in_use(
+        current
+            .status
+            .as_ref()
+            .and_then(|s| s.volumes_in_use.as_deref())
+            .unwrap_or_default(),
+        ours,
+    );
+    let patch = serde_json::json!({
+        "metadata": { "resourceVersion": current.metadata.resource_version },
+        "status": { "volumesInUse": if list.is_empty() { None } else { Some(list) } },
+    });
+    api.patch_status(node, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+}
+
 /// Keeps `volumesInUse` equal to what the volume manager asks for, and the heartbeat fresh.
 pub async fn run(
     ctx: Arc<Ctx>,
@@ -173,12 +207,7 @@ pub async fn run(
         if let Some(want) = want
             && written.as_ref() != Some(&want)
         {
-            let list: Vec<&String> = want.iter().collect();
-            let patch = serde_json::json!({ "status": { "volumesInUse": if list.is_empty() { None } else { Some(list) } } });
-            match api
-                .patch_status(&ctx.node, &PatchParams::default(), &Patch::Merge(&patch))
-                .await
-            {
+            match write_in_use(&api, &ctx.node, &want).await {
                 Ok(_) => {
                     tracing::debug!(volumes = want.len(), "volumesInUse updated");
                     reported.send_replace(want.clone());
@@ -228,6 +257,31 @@ mod tests {
         assert_eq!(
             ready_condition(Some(&not_ready), t1).last_transition_time,
             Some(Time(t1))
+        );
+    }
+}
+
+#[cfg(test)]
+mod merge_tests {
+    use super::*;
+
+    #[test]
+    fn other_drivers_entries_survive_and_ours_are_replaced() {
+        let current = vec![
+            "kubernetes.io/csi/other.example.com^v1".to_string(),
+            unique_name("old"),
+        ];
+        let ours: BTreeSet<String> = [unique_name("new")].into();
+        assert_eq!(
+            merge_in_use(&current, &ours),
+            vec![
+                "kubernetes.io/csi/loop.stowage.dev^new".to_string(),
+                "kubernetes.io/csi/other.example.com^v1".to_string()
+            ]
+        );
+        assert_eq!(
+            merge_in_use(&current, &BTreeSet::new()),
+            vec!["kubernetes.io/csi/other.example.com^v1".to_string()]
         );
     }
 }

@@ -43,13 +43,20 @@ impl ApiArgs {
 
     /// A client with the rate limit in its stack, checked against the apiserver before returning.
     pub async fn client(&self) -> anyhow::Result<Client> {
+        Ok(self.clients().await?.0)
+    }
+
+    /// The rate-limited client for the work, and one without the limit for leader election, so
+    /// a busy controller's own traffic can never delay its lease renewals (kube-controller-manager
+    /// uses a separate client for the same reason).
+    pub async fn clients(&self) -> anyhow::Result<(Client, Client)> {
         let config = self.config().await?;
         let url = config.cluster_url.clone();
-        let client = build(config, self.kube_api_qps, self.kube_api_burst)?;
+        let client = build(config.clone(), self.kube_api_qps, self.kube_api_burst)?;
         wait_reachable(&client, Duration::from_secs(10))
             .await
             .with_context(|| format!("apiserver {url} is not reachable"))?;
-        Ok(client)
+        Ok((client, build(config, 0.0, 0)?))
     }
 }
 

@@ -28,6 +28,29 @@ pub struct Timings {
     pub retry_period: Duration,
 }
 
+impl Timings {
+    /// client-go's rule: lease duration > renew deadline > retry period (with jitter), or a
+    /// standby could take over while the leader still believes it leads.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.lease_duration <= self.renew_deadline {
+            return Err(format!(
+                "--leader-elect-lease-duration ({:?}) must be greater than --leader-elect-renew-deadline ({:?})",
+                self.lease_duration, self.renew_deadline
+            ));
+        }
+        if self.renew_deadline <= self.retry_period.mul_f64(1.2) {
+            return Err(format!(
+                "--leader-elect-renew-deadline ({:?}) must be greater than 1.2 × --leader-elect-retry-period ({:?})",
+                self.renew_deadline, self.retry_period
+            ));
+        }
+        if self.retry_period.is_zero() {
+            return Err("--leader-elect-retry-period must be positive".into());
+        }
+        Ok(())
+    }
+}
+
 impl Default for Timings {
     fn default() -> Self {
         Self {
@@ -260,7 +283,16 @@ impl Elector {
         let mut last_renewed = Instant::now();
         loop {
             tokio::time::sleep(self.timings.retry_period).await;
-            match self.try_acquire_or_renew().await {
+            // An apiserver that never answers must not keep us leading past the deadline.
+            let deadline = last_renewed + self.timings.renew_deadline;
+            let attempt = match tokio::time::timeout_at(deadline, self.try_acquire_or_renew()).await {
+                Ok(r) => r,
+                Err(_) => {
+                    tracing::error!(lease = %self.name, "renewal did not answer within the renew deadline");
+                    return;
+                }
+            };
+            match attempt {
                 Ok(true) => last_renewed = Instant::now(),
                 Ok(false) => {
                     if self
@@ -341,6 +373,21 @@ mod tests {
             renew_time: Some(Timestamp::UNIX_EPOCH),
             transitions,
         }
+    }
+
+    #[test]
+    fn timings_must_nest() {
+        assert!(Timings::default().validate().is_ok());
+        let bad = Timings {
+            renew_deadline: Duration::from_secs(20),
+            ..Timings::default()
+        };
+        assert!(bad.validate().unwrap_err().contains("lease-duration"));
+        let bad = Timings {
+            retry_period: Duration::from_secs(9),
+            ..Timings::default()
+        };
+        assert!(bad.validate().unwrap_err().contains("retry-period"));
     }
 
     #[test]

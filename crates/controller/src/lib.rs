@@ -163,7 +163,15 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let wiring = Wiring::new(&args, &registry);
     let health = Health::new(registry.clone());
     serve::spawn(args.metrics_bind_address, health.clone()).await?;
-    let client = args.api.client().await?;
+    let timings = Timings {
+        lease_duration: args.leader_elect_lease_duration,
+        renew_deadline: args.leader_elect_renew_deadline,
+        retry_period: args.leader_elect_retry_period,
+    };
+    if args.leader_elect {
+        timings.validate().map_err(anyhow::Error::msg)?;
+    }
+    let (client, election_client) = args.api.clients().await?;
     health.ready.store(true, Ordering::Relaxed);
     tracing::info!(controllers = ?controllers, "starting");
 
@@ -181,13 +189,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         .leader_elect_identity
         .clone()
         .unwrap_or_else(default_identity);
-    let timings = Timings {
-        lease_duration: args.leader_elect_lease_duration,
-        renew_deadline: args.leader_elect_renew_deadline,
-        retry_period: args.leader_elect_retry_period,
-    };
     let elector = Elector::new(
-        client.clone(),
+        election_client,
         &args.leader_elect_resource_namespace,
         &args.leader_elect_resource_name,
         &identity,
