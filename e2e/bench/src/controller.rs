@@ -1,0 +1,125 @@
+//! Starting and stopping the two implementations as real processes.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use stowage_testkit::process::{free_port, spawn_tied, stop};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Impl {
+    Upstream,
+    Stowage,
+}
+
+impl Impl {
+    pub fn name(self) -> &'static str {
+        match self {
+            Impl::Upstream => "upstream",
+            Impl::Stowage => "stowage",
+        }
+    }
+}
+
+/// Binaries and the shared settings of every run.
+pub struct Setup {
+    pub kcm_bin: PathBuf,
+    pub stowage_bin: PathBuf,
+    pub kubeconfig: PathBuf,
+    pub log_dir: PathBuf,
+    pub image_dir: PathBuf,
+}
+
+pub struct Controller {
+    child: Child,
+    pub pid: u32,
+    pub log: PathBuf,
+    pub started: Instant,
+    controllers: String,
+}
+
+impl Controller {
+    /// Starts `which` with only `controllers` enabled; `limits` = None leaves the client rate
+    /// limits at the implementation's own defaults.
+    pub fn start(
+        setup: &Setup,
+        which: Impl,
+        controllers: &str,
+        limits: Option<(f32, u32)>,
+        label: &str,
+    ) -> anyhow::Result<Self> {
+        let log = setup.log_dir.join(format!("{label}.log"));
+        let out = std::fs::File::create(&log).with_context(|| format!("create {}", log.display()))?;
+        let kubeconfig = format!("--kubeconfig={}", setup.kubeconfig.display());
+        let mut cmd = match which {
+            Impl::Upstream => {
+                let mut c = Command::new(&setup.kcm_bin);
+                c.args([
+                    kubeconfig.as_str(),
+                    "--leader-elect=false",
+                    "--use-service-account-credentials=false",
+                    // No serving endpoint: nothing scrapes it, and it would need authn/authz wiring.
+                    "--secure-port=0",
+                ])
+                .arg(format!("--controllers={controllers}"));
+                c
+            }
+            Impl::Stowage => {
+                let mut c = Command::new(&setup.stowage_bin);
+                c.args([kubeconfig.as_str(), "--leader-elect=false"])
+                    .arg(format!("--controllers={controllers}"))
+                    .arg(format!("--image-dir={}", setup.image_dir.display()))
+                    .arg(format!("--metrics-bind-address=127.0.0.1:{}", free_port()));
+                // The operator's default log level, whatever the bench itself runs with.
+                c.env_remove("RUST_LOG");
+                c
+            }
+        };
+        if let Some((qps, burst)) = limits {
+            cmd.arg(format!("--kube-api-qps={qps}"))
+                .arg(format!("--kube-api-burst={burst}"));
+        }
+        cmd.stdin(Stdio::null()).stdout(out.try_clone()?).stderr(out);
+        let started = Instant::now();
+        let child = spawn_tied(cmd).with_context(|| format!("start {}", which.name()))?;
+        Ok(Self {
+            pid: child.id(),
+            child,
+            log,
+            started,
+            controllers: controllers.to_string(),
+        })
+    }
+
+    /// Why the process is no longer usable for this run, if it is not.
+    pub fn failure(&mut self) -> Option<String> {
+        if let Ok(Some(st)) = self.child.try_wait() {
+            return Some(format!("controller exited ({st}); see {}", self.log.display()));
+        }
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        // stowage-controller logs this and idles when a selected controller is not built in yet.
+        text.contains("controller not available in this build").then(|| {
+            format!(
+                "this stowage-controller build has no `{}` controller (its log says `controller not available in this build`)",
+                self.controllers
+            )
+        })
+    }
+
+    /// SIGTERM, a grace period, SIGKILL; the process is gone when this returns.
+    pub fn stop(self) {
+        drop(self);
+    }
+}
+
+impl Drop for Controller {
+    fn drop(&mut self) {
+        tokio::task::block_in_place(|| stop(&mut self.child, Duration::from_secs(10)));
+    }
+}
+
+pub fn default_bin(rel: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..").join(rel)
+}

@@ -1,0 +1,615 @@
+//! The workloads and one measured run of one of them against one implementation.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::{Event, PersistentVolume, PersistentVolumeClaim, Pod};
+use k8s_openapi::api::storage::v1::{StorageClass, VolumeAttachment};
+use kube::ResourceExt;
+use kube::api::{Api, Patch, PatchParams, PostParams};
+use kube::runtime::watcher;
+use serde_json::json;
+use stowage_testkit::builders;
+use tokio::task::JoinHandle;
+
+use crate::apiserver::Writes;
+use crate::controller::{Controller, Impl, Setup};
+use crate::objects::{Objects, Pair, RUN_LABEL, label, pod};
+use crate::procstat;
+use crate::report::RunResult;
+use crate::tracker::{Tracker, percentile_ms, watch};
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Workload {
+    /// N unbound PV/PVC pairs created before the controller starts.
+    Static { n: usize },
+    /// N claims created at full speed against N Available volumes, controller running.
+    Burst { n: usize },
+    /// N pods with bound claims, spread over `nodes` nodes, created with `nodeName` set.
+    Attach { pods: usize, nodes: usize },
+    /// N bound claims whose request grows, controller running.
+    Expand { n: usize },
+}
+
+impl Workload {
+    pub fn name(&self) -> String {
+        match self {
+            Workload::Static { n } => format!("static-{n}"),
+            Workload::Burst { n } => format!("burst-{n}"),
+            Workload::Attach { pods, nodes } => format!("attach-{pods}x{nodes}"),
+            Workload::Expand { n } => format!("expand-{n}"),
+        }
+    }
+
+    pub fn size(&self) -> usize {
+        match self {
+            Workload::Static { n } | Workload::Burst { n } | Workload::Expand { n } => *n,
+            Workload::Attach { pods, .. } => *pods,
+        }
+    }
+
+    /// What is timed, for the table's caption.
+    pub fn describe(&self) -> String {
+        match self {
+            Workload::Static { n } => format!(
+                "{n} unbound PV/PVC pairs (sizes 1–10Gi, one class, volumes Available) exist before the \
+                 controller starts. Window: process start → every claim `Bound` (includes the initial \
+                 list). Latency: process start → that claim seen `Bound`."
+            ),
+            Workload::Burst { n } => format!(
+                "{n} Available volumes exist; once the controller has bound a warm-up claim, {n} claims \
+                 are created 64 at a time. Latency: create request sent → claim seen `Bound`."
+            ),
+            Workload::Attach { pods, nodes } => format!(
+                "{pods} pods, each with its own bound claim of an attachable CSI driver, created with \
+                 `nodeName` set over {nodes} Ready nodes (controller-managed attach) after a warm-up pod \
+                 got its attachment. Latency: pod create sent → its VolumeAttachment seen."
+            ),
+            Workload::Expand { n } => format!(
+                "{n} bound claims of an external CSI driver (class allows expansion) grow 1Gi → 2Gi after a \
+                 warm-up claim did. Upstream hands CSI expansion to external-resizer and only reacts \
+                 (ExternalExpanding event); so the target is the controller's first reaction on the claim: \
+                 an event on it, the `volume.kubernetes.io/storage-resizer` annotation, or a resize \
+                 condition. Latency: patch sent → reaction seen."
+            ),
+        }
+    }
+
+    fn controllers(&self, which: Impl) -> &'static str {
+        match (self, which) {
+            (Workload::Static { .. } | Workload::Burst { .. }, Impl::Upstream) => {
+                "persistentvolume-binder-controller"
+            }
+            (Workload::Static { .. } | Workload::Burst { .. }, Impl::Stowage) => "binder",
+            (Workload::Attach { .. }, Impl::Upstream) => "persistentvolume-attach-detach-controller",
+            (Workload::Attach { .. }, Impl::Stowage) => "attachdetach",
+            (Workload::Expand { .. }, Impl::Upstream) => "persistentvolume-expander-controller",
+            (Workload::Expand { .. }, Impl::Stowage) => "expand",
+        }
+    }
+}
+
+pub struct Env {
+    pub objects: Objects,
+    pub setup: Setup,
+    pub stall: Duration,
+    pub timeout: Duration,
+}
+
+pub struct Spec<'a> {
+    pub workload: &'a Workload,
+    pub which: Impl,
+    pub mode: &'a str,
+    /// Flags passed; None = the implementation's defaults.
+    pub limits: Option<(f32, u32)>,
+    /// Limits in effect.
+    pub effective: (f32, u32),
+}
+
+const WARM: &str = "warm";
+
+/// Runs the workload once on fresh objects and removes them afterwards, whatever happened.
+pub async fn run_one(env: &Env, spec: &Spec<'_>) -> anyhow::Result<RunResult> {
+    let run = format!("b{:06x}", rand::random::<u32>() & 0xff_ffff);
+    let label = format!(
+        "{}-{}-{}-{run}",
+        spec.workload.name(),
+        spec.mode,
+        spec.which.name()
+    );
+    let result = measure(env, spec, &run, &label).await;
+    eprintln!("  {label}: cleaning up");
+    env.objects
+        .cleanup(&run, &run, &format!("{run}-pv-"))
+        .await
+        .context("cleanup")?;
+    result
+}
+
+/// Everything a measured window needs to know when it ends.
+struct Window {
+    ctrl: Controller,
+    start: Instant,
+    cpu0: f64,
+    writes0: Writes,
+}
+
+async fn measure(env: &Env, spec: &Spec<'_>, run: &str, tag: &str) -> anyhow::Result<RunResult> {
+    let o = &env.objects;
+    let client = o.client.clone();
+    let ns = run;
+    let n = spec.workload.size();
+    let pv_name = |i: usize| format!("{run}-pv-{i:05}");
+    let claim_name = |i: usize| format!("claim-{i:05}");
+    let by_label = watcher::Config::default().labels(&format!("{RUN_LABEL}={run}"));
+    o.namespace(ns, run).await?;
+    let pvcs: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), ns);
+    let classes: Api<StorageClass> = Api::all(client.clone());
+    let pp = PostParams::default();
+    let mut watches: Vec<JoinHandle<()>> = Vec::new();
+    let start_ctrl = || {
+        Controller::start(
+            &env.setup,
+            spec.which,
+            spec.workload.controllers(spec.which),
+            spec.limits,
+            tag,
+        )
+    };
+    let bound = |c: &PersistentVolumeClaim| {
+        (c.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Bound")).then(|| c.name_any())
+    };
+    eprintln!("  {tag}: creating {n} objects");
+
+    let (tracker, window, trigger): (Arc<Tracker>, Result<Window, String>, Trigger) = match spec.workload {
+        Workload::Static { n } => {
+            let n = *n;
+            let class = label(
+                builders::storage_class(run, "kubernetes.io/no-provisioner").build(),
+                run,
+            );
+            classes.create(&pp, &class).await?;
+            let size = |i: usize| format!("{}Gi", 1 + i % 10);
+            o.available_pvs(
+                (0..n)
+                    .map(|i| {
+                        label(
+                            builders::pv(&pv_name(i)).capacity(&size(i)).class(run).build(),
+                            run,
+                        )
+                    })
+                    .collect(),
+            )
+            .await?;
+            o.create_all(
+                &pvcs,
+                (0..n)
+                    .map(|i| {
+                        label(
+                            builders::pvc(ns, &claim_name(i))
+                                .request(&size(i))
+                                .class(run)
+                                .build(),
+                            run,
+                        )
+                    })
+                    .collect(),
+            )
+            .await?;
+            let tracker = Tracker::new((0..n).map(claim_name), []);
+            watches.push(watch(pvcs.clone(), by_label.clone(), tracker.clone(), bound).await?);
+            let writes0 = Writes::scrape(&client).await?;
+            let ctrl = start_ctrl()?;
+            tracker.set_default_start(ctrl.started);
+            let start = ctrl.started;
+            (
+                tracker,
+                Ok(Window {
+                    ctrl,
+                    start,
+                    cpu0: 0.0,
+                    writes0,
+                }),
+                Trigger::None,
+            )
+        }
+        Workload::Burst { n } => {
+            let n = *n;
+            let class = label(
+                builders::storage_class(run, "kubernetes.io/no-provisioner").build(),
+                run,
+            );
+            classes.create(&pp, &class).await?;
+            let size = |i: usize| format!("{}Gi", 1 + i % 10);
+            // The warm-up pair is larger than any other, so it cannot take a measured volume.
+            let mut vols: Vec<PersistentVolume> = (0..n)
+                .map(|i| {
+                    label(
+                        builders::pv(&pv_name(i)).capacity(&size(i)).class(run).build(),
+                        run,
+                    )
+                })
+                .collect();
+            vols.push(label(
+                builders::pv(&format!("{run}-pv-warm"))
+                    .capacity("100Gi")
+                    .class(run)
+                    .build(),
+                run,
+            ));
+            o.available_pvs(vols).await?;
+            let tracker = Tracker::new((0..n).map(claim_name), [WARM.to_string()]);
+            watches.push(watch(pvcs.clone(), by_label.clone(), tracker.clone(), bound).await?);
+            let ctrl = start_ctrl()?;
+            let warm = label(builders::pvc(ns, WARM).request("100Gi").class(run).build(), run);
+            pvcs.create(&pp, &warm).await?;
+            let window = warm_up(env, tag, &tracker, ctrl, &client).await;
+            let claims = (0..n)
+                .map(|i| {
+                    label(
+                        builders::pvc(ns, &claim_name(i))
+                            .request(&size(i))
+                            .class(run)
+                            .build(),
+                        run,
+                    )
+                })
+                .collect();
+            (tracker, window, Trigger::CreateClaims(claims))
+        }
+        Workload::Attach { pods, nodes } => {
+            let (n, nodes) = (*pods, (*nodes).max(1));
+            let driver = format!("{run}.attach.bench.stowage.dev");
+            o.create_all(
+                &Api::all(client.clone()),
+                vec![label(builders::csi_driver(&driver, true), run)],
+            )
+            .await?;
+            let node_names: Vec<String> = (0..nodes).map(|j| format!("{run}-node-{j:03}")).collect();
+            o.nodes(&node_names, run).await?;
+            let mut pairs: Vec<Pair> = (0..n)
+                .map(|i| Pair {
+                    pv: pv_name(i),
+                    claim: claim_name(i),
+                })
+                .collect();
+            pairs.push(Pair {
+                pv: format!("{run}-pv-warm"),
+                claim: WARM.into(),
+            });
+            o.bound_pairs(ns, run, pairs, run, &driver, "1Gi").await?;
+            let tracker = Tracker::new((0..n).map(pv_name), [format!("{run}-pv-warm")]);
+            let drv = driver.clone();
+            let va_key = move |va: &VolumeAttachment| {
+                (va.spec.attacher == drv)
+                    .then(|| va.spec.source.persistent_volume_name.clone())
+                    .flatten()
+            };
+            let vas: Api<VolumeAttachment> = Api::all(client.clone());
+            watches.push(watch(vas, watcher::Config::default(), tracker.clone(), va_key).await?);
+            let ctrl = start_ctrl()?;
+            let pods_api: Api<Pod> = Api::namespaced(client.clone(), ns);
+            pods_api
+                .create(&pp, &pod(ns, "pod-warm", WARM, &node_names[0], run))
+                .await?;
+            let window = warm_up_key(env, tag, &tracker, ctrl, &client, &format!("{run}-pv-warm")).await;
+            let pods = (0..n)
+                .map(|i| {
+                    (
+                        pv_name(i),
+                        pod(
+                            ns,
+                            &format!("pod-{i:05}"),
+                            &claim_name(i),
+                            &node_names[i % nodes],
+                            run,
+                        ),
+                    )
+                })
+                .collect();
+            (tracker, window, Trigger::CreatePods(pods))
+        }
+        Workload::Expand { n } => {
+            let n = *n;
+            let driver = format!("{run}.expand.bench.example.com");
+            let class = label(
+                builders::storage_class(run, &driver)
+                    .allow_expansion(true)
+                    .build(),
+                run,
+            );
+            classes.create(&pp, &class).await?;
+            let mut pairs: Vec<Pair> = (0..n)
+                .map(|i| Pair {
+                    pv: pv_name(i),
+                    claim: claim_name(i),
+                })
+                .collect();
+            pairs.push(Pair {
+                pv: format!("{run}-pv-warm"),
+                claim: WARM.into(),
+            });
+            o.bound_pairs(ns, run, pairs, run, &driver, "1Gi").await?;
+            let tracker = Tracker::new((0..n).map(claim_name), [WARM.to_string()]);
+            let events: Api<Event> = Api::namespaced(client.clone(), ns);
+            let ev_cfg = watcher::Config::default().fields("involvedObject.kind=PersistentVolumeClaim");
+            watches.push(
+                watch(events, ev_cfg, tracker.clone(), |e: &Event| {
+                    e.involved_object.name.clone()
+                })
+                .await?,
+            );
+            watches.push(watch(pvcs.clone(), by_label.clone(), tracker.clone(), resize_reaction).await?);
+            let ctrl = start_ctrl()?;
+            pvcs.patch(WARM, &PatchParams::default(), &Patch::Merge(grow("2Gi")))
+                .await?;
+            let window = warm_up(env, tag, &tracker, ctrl, &client).await;
+            (
+                tracker,
+                window,
+                Trigger::GrowClaims((0..n).map(claim_name).collect()),
+            )
+        }
+    };
+
+    let mut base = RunResult {
+        workload: spec.workload.name(),
+        mode: spec.mode.into(),
+        implementation: spec.which.name().into(),
+        qps: spec.effective.0,
+        burst: spec.effective.1,
+        objects: n,
+        done: 0,
+        converged: false,
+        note: None,
+        wall_s: 0.0,
+        throughput_per_s: 0.0,
+        p50_ms: None,
+        p99_ms: None,
+        max_ms: None,
+        cpu_s: 0.0,
+        cpu_total_s: 0.0,
+        peak_rss_mib: 0.0,
+        writes: 0.0,
+        writes_per_object: 0.0,
+        conflicts: 0.0,
+        writes_by_resource: Default::default(),
+        controller_log: String::new(),
+    };
+    let mut w = match window {
+        Ok(w) => w,
+        Err(note) => {
+            watches.iter().for_each(JoinHandle::abort);
+            base.note = Some(format!("warm-up failed: {note}"));
+            return Ok(base);
+        }
+    };
+    base.controller_log = w.ctrl.log.display().to_string();
+
+    o.own_writes.store(0, Ordering::Relaxed);
+    let failure = {
+        let fire = trigger.fire(o, &tracker, &pvcs, ns);
+        let wait = wait_for(env, tag, "done", || tracker.progress(), &mut w.ctrl, w.start);
+        let (fired, failure) = tokio::join!(fire, wait);
+        fired?;
+        failure
+    };
+    let end_cpu = procstat::cpu_seconds(w.ctrl.pid).unwrap_or(0.0);
+    let rss = procstat::peak_rss_bytes(w.ctrl.pid).unwrap_or(0);
+    // Trailing writes (an event after the last status) still belong to the run.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let delta = Writes::scrape(&client).await?.since(&w.writes0);
+    w.ctrl.stop();
+    watches.iter().for_each(JoinHandle::abort);
+
+    let (lat, last) = tracker.latencies();
+    let (done, total) = tracker.progress();
+    let wall = last.map_or(0.0, |l| l.saturating_duration_since(w.start).as_secs_f64());
+    let writes = (delta.controller_writes() - o.own_writes.load(Ordering::Relaxed) as f64).max(0.0);
+    Ok(RunResult {
+        done,
+        converged: failure.is_none() && done == total,
+        note: failure,
+        wall_s: wall,
+        throughput_per_s: if wall > 0.0 { done as f64 / wall } else { 0.0 },
+        p50_ms: percentile_ms(&lat, 50.0),
+        p99_ms: percentile_ms(&lat, 99.0),
+        max_ms: percentile_ms(&lat, 100.0),
+        cpu_s: end_cpu - w.cpu0,
+        cpu_total_s: end_cpu,
+        peak_rss_mib: rss as f64 / 1024.0 / 1024.0,
+        writes,
+        writes_per_object: if done > 0 { writes / done as f64 } else { 0.0 },
+        conflicts: delta.conflicts(),
+        writes_by_resource: delta.0,
+        ..base
+    })
+}
+
+fn grow(size: &str) -> serde_json::Value {
+    json!({"spec": {"resources": {"requests": {"storage": size}}}})
+}
+
+/// A controller's visible reaction to a grown claim, other than an event.
+fn resize_reaction(c: &PersistentVolumeClaim) -> Option<String> {
+    let annotated = c
+        .annotations()
+        .contains_key("volume.kubernetes.io/storage-resizer");
+    let conditioned = c
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .is_some_and(|cs| {
+            cs.iter().any(|c| {
+                matches!(
+                    c.type_.as_str(),
+                    "Resizing" | "FileSystemResizePending" | "ControllerResizeError"
+                )
+            })
+        });
+    (annotated || conditioned).then(|| c.name_any())
+}
+
+/// What starts the measured objects' clocks once the controller is warm.
+enum Trigger {
+    None,
+    CreateClaims(Vec<PersistentVolumeClaim>),
+    /// (tracked key = the pod's volume, pod)
+    CreatePods(Vec<(String, Pod)>),
+    GrowClaims(Vec<String>),
+}
+
+impl Trigger {
+    async fn fire(
+        self,
+        o: &Objects,
+        tracker: &Tracker,
+        pvcs: &Api<PersistentVolumeClaim>,
+        ns: &str,
+    ) -> anyhow::Result<()> {
+        let pp = PostParams::default();
+        match self {
+            Trigger::None => Ok(()),
+            Trigger::CreateClaims(claims) => {
+                each(o.concurrency, claims, |c| {
+                    let pp = &pp;
+                    async move {
+                        let name = c.name_any();
+                        tracker.start(&name);
+                        o.count_own_write();
+                        pvcs.create(pp, &c)
+                            .await
+                            .map(|_| ())
+                            .with_context(|| format!("create {name}"))
+                    }
+                })
+                .await
+            }
+            Trigger::CreatePods(pods) => {
+                let api: Api<Pod> = Api::namespaced(o.client.clone(), ns);
+                each(o.concurrency, pods, |(key, p)| {
+                    let (api, pp) = (&api, &pp);
+                    async move {
+                        tracker.start(&key);
+                        o.count_own_write();
+                        api.create(pp, &p).await.map(|_| ()).context("create pod")
+                    }
+                })
+                .await
+            }
+            Trigger::GrowClaims(names) => {
+                let patch = grow("2Gi");
+                each(o.concurrency, names, |name| {
+                    let patch = &patch;
+                    async move {
+                        tracker.start(&name);
+                        o.count_own_write();
+                        pvcs.patch(&name, &PatchParams::default(), &Patch::Merge(patch))
+                            .await
+                            .map(|_| ())
+                            .with_context(|| format!("grow {name}"))
+                    }
+                })
+                .await
+            }
+        }
+    }
+}
+
+async fn each<T, F, Fut>(concurrency: usize, items: Vec<T>, f: F) -> anyhow::Result<()>
+where
+    F: Fn(T) -> Fut,
+    Fut: Future<Output = anyhow::Result<()>>,
+{
+    let mut s = futures::stream::iter(items).map(f).buffer_unordered(concurrency);
+    while let Some(r) = s.next().await {
+        r?;
+    }
+    Ok(())
+}
+
+async fn warm_up(
+    env: &Env,
+    label: &str,
+    tracker: &Tracker,
+    ctrl: Controller,
+    client: &kube::Client,
+) -> Result<Window, String> {
+    warm_up_key(env, label, tracker, ctrl, client, WARM).await
+}
+
+/// Waits until the controller has handled the warm-up object (so its caches are synced and it is
+/// working), then opens the measured window.
+async fn warm_up_key(
+    env: &Env,
+    label: &str,
+    tracker: &Tracker,
+    mut ctrl: Controller,
+    client: &kube::Client,
+    key: &str,
+) -> Result<Window, String> {
+    let started = ctrl.started;
+    let progress = || (usize::from(tracker.is_done(key)), 1);
+    if let Some(why) = wait_for(env, label, "warm-up", progress, &mut ctrl, started).await {
+        return Err(why);
+    }
+    let writes0 = Writes::scrape(client).await.map_err(|e| format!("{e:#}"))?;
+    let cpu0 = procstat::cpu_seconds(ctrl.pid).unwrap_or(0.0);
+    Ok(Window {
+        ctrl,
+        start: Instant::now(),
+        cpu0,
+        writes0,
+    })
+}
+
+/// Polls `progress` until done == total; prints a progress line every 2 s. Returns why it gave
+/// up, if it did: no progress for the stall timeout, the overall timeout, or a dead controller.
+async fn wait_for(
+    env: &Env,
+    label: &str,
+    phase: &str,
+    progress: impl Fn() -> (usize, usize),
+    ctrl: &mut Controller,
+    since: Instant,
+) -> Option<String> {
+    let mut last_done = usize::MAX;
+    let mut last_change = Instant::now();
+    let mut last_print = Instant::now();
+    loop {
+        let (done, total) = progress();
+        if done >= total {
+            return None;
+        }
+        let now = Instant::now();
+        if done != last_done {
+            last_done = done;
+            last_change = now;
+        }
+        if now.duration_since(last_change) > env.stall {
+            return Some(format!("{phase}: stalled at {done}/{total} for {:?}", env.stall));
+        }
+        if now.duration_since(since) > env.timeout {
+            return Some(format!(
+                "{phase}: {done}/{total} after the {:?} timeout",
+                env.timeout
+            ));
+        }
+        if let Some(why) = ctrl.failure() {
+            return Some(format!("{phase}: {why}"));
+        }
+        if now.duration_since(last_print) >= Duration::from_secs(2) {
+            last_print = now;
+            eprintln!(
+                "  {label}: {phase} {done}/{total} after {:.1} s (controller CPU {:.1} s)",
+                now.duration_since(since).as_secs_f64(),
+                procstat::cpu_seconds(ctrl.pid).unwrap_or(0.0)
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}

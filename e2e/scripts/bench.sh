@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# make bench: stowage-controller side by side with upstream kube-controller-manager on one real
+# kube-apiserver + etcd, same workloads, one implementation at a time. Markdown on stdout (also
+# e2e/results/latest.md), JSON and controller logs in e2e/results/ (gitignored).
+#
+# Environment (all optional; the binary's --help lists the same settings as flags):
+#   BENCH_SIZES=full|small     full = the issue's sizes (static 1,000 + 10,000 pairs, burst 10,000,
+#                              1,000 pods over 50 nodes, 500 expansions); small = N 200 (10 nodes)
+#   BENCH_WORKLOADS=static,burst,attach,expand
+#   BENCH_IMPLS=upstream,stowage     BENCH_MODES=equal,defaults
+#   BENCH_QPS=50 BENCH_BURST=100     client limits of both in mode `equal`
+#   BENCH_STATIC_SIZES=1000,10000 BENCH_BURST_SIZE BENCH_ATTACH_PODS BENCH_ATTACH_NODES BENCH_EXPAND_SIZE
+#   BENCH_STALL_TIMEOUT=120s   a run gives up when nothing progresses for this long
+set -euo pipefail
+top=$(cd "$(dirname "$0")/../.." && pwd)
+cd "$top"
+bench="$top/target/release/stowage-bench"
+controller="$top/target/release/stowage-controller"
+if [ ! -x "$bench" ] || [ ! -x "$controller" ]; then
+  echo "==> building the release binaries (stowage-bench, stowage-controller)" >&2
+  cargo build --release -p stowage-bench -p stowage-controller >&2
+fi
+if [ ! -x "$top/e2e/bin/kube-controller-manager" ]; then
+  echo "e2e/bin/kube-controller-manager not found: run \`make controlplane\` first" >&2
+  exit 1
+fi
+# Both implementations share the machine with the apiserver and etcd: a busy machine skews every
+# number, so say so up front rather than after an hour.
+load=$(cut -d' ' -f1 /proc/loadavg)
+if awk -v l="$load" 'BEGIN { exit !(l >= 1.0) }'; then
+  echo "warning: load average is $load; numbers will be noisy (an idle machine is best)" >&2
+fi
+export BENCH_SIZES="${BENCH_SIZES:-full}"
+mkdir -p e2e/results
+echo "==> stowage-bench (sizes: $BENCH_SIZES); progress on stderr, table on stdout" >&2
+"$bench" "$@" | tee e2e/results/latest.md
