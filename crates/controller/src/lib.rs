@@ -66,8 +66,8 @@ pub struct Args {
     /// Period of the binder's full resync (kube-controller-manager's --pvclaimbinder-sync-period).
     #[arg(long, default_value = "15s", value_parser = humantime::parse_duration)]
     pub pvclaimbinder_sync_period: Duration,
-    /// Objects whose binder writes may be in flight at once.
-    #[arg(long, default_value_t = 64)]
+    /// Objects whose binder writes may be in flight at once; 0 derives it from --kube-api-qps.
+    #[arg(long, default_value_t = 0)]
     pub binder_max_in_flight: usize,
     /// How long a detach waits for a not-Ready node to unmount before it is forced.
     #[arg(long, default_value = "6m", value_parser = humantime::parse_duration)]
@@ -96,7 +96,10 @@ impl Wiring {
                 stowage_binder::Config {
                     resync: args.pvclaimbinder_sync_period,
                     image_dir: args.image_dir.clone(),
-                    max_in_flight: args.binder_max_in_flight,
+                    max_in_flight: match args.binder_max_in_flight {
+                        0 => auto_in_flight(args.api.kube_api_qps),
+                        n => n,
+                    },
                 },
             ),
             protection: stowage_protection::Metrics::new(registry),
@@ -147,6 +150,18 @@ pub fn resolve_controllers(spec: &[String]) -> anyhow::Result<Vec<&'static str>>
         .map(|(n, _)| *n)
         .filter(|n| on.contains(n) && !off.contains(n))
         .collect())
+}
+
+/// Concurrency that saturates the client's token bucket without more: a bind is 4 writes of a
+/// few milliseconds each, so a handful of binds in flight already use a limited bucket fully, and
+/// more would only interleave every claim's writes with everyone else's and raise each claim's
+/// latency (measured in `make bench`). Unlimited clients get the full width.
+pub fn auto_in_flight(qps: f32) -> usize {
+    if qps <= 0.0 {
+        return 64;
+    }
+    // Truncation is fine: the value is clamped to a small range right after.
+    ((qps / 8.0).ceil() as usize).clamp(2, 64)
 }
 
 fn default_identity() -> String {
@@ -300,6 +315,15 @@ mod tests {
             resolve_controllers(&s(&["expand", "binder"])).unwrap(),
             vec!["binder", "expand"]
         );
+    }
+
+    #[test]
+    fn in_flight_follows_the_rate_limit() {
+        assert_eq!(auto_in_flight(0.0), 64);
+        assert_eq!(auto_in_flight(20.0), 3);
+        assert_eq!(auto_in_flight(50.0), 7);
+        assert_eq!(auto_in_flight(5000.0), 64);
+        assert_eq!(auto_in_flight(1.0), 2);
     }
 
     #[test]
