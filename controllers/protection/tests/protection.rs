@@ -7,8 +7,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{
-    EphemeralVolumeSource, Namespace, PersistentVolume, PersistentVolumeClaim, PersistentVolumeClaimSpec,
-    PersistentVolumeClaimTemplate, Pod, ServiceAccount, Volume, VolumeResourceRequirements,
+    EphemeralVolumeSource, PersistentVolume, PersistentVolumeClaim, PersistentVolumeClaimSpec,
+    PersistentVolumeClaimTemplate, Pod, Volume, VolumeResourceRequirements,
 };
 use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
@@ -70,15 +70,7 @@ async fn start(which: Which) -> Env {
 
 impl Env {
     async fn namespace(&self, name: &str) {
-        let (ns, sa) = builders::namespace(name);
-        Api::<Namespace>::all(self.client.clone())
-            .create(&PostParams::default(), &ns)
-            .await
-            .unwrap();
-        Api::<ServiceAccount>::namespaced(self.client.clone(), name)
-            .create(&PostParams::default(), &sa)
-            .await
-            .unwrap();
+        builders::create_namespace(&self.client, name).await;
     }
 
     /// The value of a metric, summed over series matching `label` (if given).

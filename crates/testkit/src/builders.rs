@@ -411,3 +411,19 @@ impl PodBuilder {
         self.0
     }
 }
+
+/// Creates a namespace with its `default` ServiceAccount (see [`namespace`]); panics on failure,
+/// as a test cannot go on without it.
+pub async fn create_namespace(client: &kube::Client, name: &str) {
+    use kube::Api;
+    use kube::api::PostParams;
+    let (ns, sa) = namespace(name);
+    Api::<Namespace>::all(client.clone())
+        .create(&PostParams::default(), &ns)
+        .await
+        .unwrap_or_else(|e| panic!("create namespace {name}: {e}"));
+    Api::<ServiceAccount>::namespaced(client.clone(), name)
+        .create(&PostParams::default(), &sa)
+        .await
+        .unwrap_or_else(|e| panic!("create the default ServiceAccount of {name}: {e}"));
+}

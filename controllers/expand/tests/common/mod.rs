@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{Namespace, PersistentVolume, PersistentVolumeClaim, ServiceAccount};
+use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
 use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::api::storage::v1::StorageClass;
 use kube::api::{ListParams, Patch, PatchParams, PostParams};
@@ -67,15 +67,7 @@ impl Harness {
     }
 
     pub async fn namespace(&self, name: &str) {
-        let (ns, sa) = builders::namespace(name);
-        Api::<Namespace>::all(self.client.clone())
-            .create(&PostParams::default(), &ns)
-            .await
-            .unwrap();
-        Api::<ServiceAccount>::namespaced(self.client.clone(), name)
-            .create(&PostParams::default(), &sa)
-            .await
-            .unwrap();
+        builders::create_namespace(&self.client, name).await;
     }
 
     pub fn pvs(&self) -> Api<PersistentVolume> {
