@@ -225,8 +225,11 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             r = leading.wait_for(|l| !*l) => { let _ = r; }
             r = run_controllers(client.clone(), &controllers, &registry, &wiring) => {
                 if let Err(e) = r {
-                    tracing::error!(error = %format!("{e:#}"), "controllers failed");
+                    // /healthz turns red so an orchestrator restarts us; until then, retry
+                    // slowly rather than spin on a failure that returns at once.
+                    tracing::error!(error = %format!("{e:#}"), "controllers failed; restarting them in 5s");
                     health.alive.store(false, Ordering::Relaxed);
+                    tokio::time::sleep(Duration::from_secs(5)).await;
                 }
             }
         }
