@@ -142,6 +142,16 @@ pub async fn run(ctx: Arc<Ctx>, mut stop: watch::Receiver<bool>) {
     .await;
 }
 
+/// The device an attachment reported before an Attach: only an attached VA with a device path is
+/// attached again, and then only because that device stopped backing the image.
+pub fn lost_device(va: &VolumeAttachment) -> Option<&str> {
+    let st = va.status.as_ref().filter(|s| s.attached)?;
+    st.attachment_metadata
+        .as_ref()?
+        .get("devicePath")
+        .map(String::as_str)
+}
+
 /// For an attached VA: does the device in its status still back its image?
 async fn device_ok(ctx: &Ctx, va: &VolumeAttachment) -> Option<bool> {
     let st = va.status.as_ref().filter(|s| s.attached)?;
@@ -220,6 +230,17 @@ async fn execute(ctx: &Ctx, va: &VolumeAttachment, action: VaAction) -> bool {
             let patch = match &r {
                 Ok((dev, handle)) => {
                     tracing::info!(va = %name, device = %dev, "attached");
+                    // A re-attach means the device went away under the volume: say so where the
+                    // user looks, the mounts on it are broken until they are made again.
+                    if let Some(old) = lost_device(va) {
+                        let note = format!(
+                            "device {old} no longer backs volume {handle} (freed or reused outside the agent); attached again as {dev}"
+                        );
+                        tracing::warn!(va = %name, "{note}");
+                        ctx.events
+                            .warning(&reference(va), "DeviceLost", "Attach", note)
+                            .await;
+                    }
                     serde_json::json!({ "status": {
                         "attached": true,
                         "attachmentMetadata": { "devicePath": dev, "volumeHandle": handle },
@@ -479,6 +500,15 @@ mod tests {
             decide(&va("n", true, true, false), "n", Some(false)),
             Some(VaAction::Attach)
         );
+    }
+
+    #[test]
+    fn only_a_reattach_reports_a_lost_device() {
+        assert_eq!(lost_device(&va("n", true, true, false)), Some("/dev/loop1"));
+        assert_eq!(lost_device(&va("n", true, false, false)), None);
+        let mut no_path = va("n", true, true, false);
+        no_path.status.as_mut().unwrap().attachment_metadata = None;
+        assert_eq!(lost_device(&no_path), None);
     }
 
     #[test]

@@ -654,6 +654,15 @@ impl Job {
         let r = self.teardown_inner(pv, uid, block).await;
         ctx.metrics.record("teardown", started, r.is_ok());
         match &r {
+            Ok(()) if still_wanted(self.dv.as_ref(), uid) => {
+                // Only a broken mount is torn down under a pod that still wants it: tell the
+                // user, who may have seen I/O errors, that it is being mounted again.
+                let note = format!(
+                    "the mount of volume \"{pv}\" failed its health check (stat, device numbers or device node); unmounted, mounting it again"
+                );
+                tracing::warn!(pv, pod_uid = uid, "{note}");
+                self.pod_event(true, "VolumeMountBroken", note).await;
+            }
             Ok(()) => tracing::info!(pv, pod_uid = uid, "pod volume unmounted"),
             Err(e) => {
                 let note = format!(
@@ -838,6 +847,11 @@ impl Job {
         tracing::info!(pv = %dv.pv, size = %new_size, "file system expanded");
         Ok(Some((dv.claim.uid.clone(), rv)))
     }
+}
+
+/// Does a live pod still want this volume (so a teardown of it is a repair, not a goodbye)?
+fn still_wanted(dv: Option<&DesiredVolume>, uid: &str) -> bool {
+    dv.is_some_and(|dv| dv.pods.contains_key(uid))
 }
 
 /// Mounts the device at the global path, formatting it first only when it holds nothing at all.
