@@ -16,7 +16,7 @@ use kube::{Api, Client, ResourceExt};
 use stowage_common::cluster::Cluster;
 use stowage_common::events::Events;
 use stowage_common::informer::Change;
-use tokio::sync::{Semaphore, broadcast, mpsc};
+use tokio::sync::{Semaphore, mpsc};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
@@ -144,9 +144,9 @@ struct Brain {
 pub async fn run(cluster: Arc<Cluster>, metrics: Metrics, config: Config) -> anyhow::Result<()> {
     metrics.attach(cluster.pvs.store().clone(), cluster.pvcs.store().clone());
     // Subscribe before reading the stores so nothing falls between the two.
-    let mut pv_feed = cluster.pvs.subscribe();
-    let mut pvc_feed = cluster.pvcs.subscribe();
-    let mut class_feed = cluster.classes.subscribe();
+    let mut pv_feed = cluster.pvs.feed();
+    let mut pvc_feed = cluster.pvcs.feed();
+    let mut class_feed = cluster.classes.feed();
     let (done_tx, mut done_rx) = mpsc::unbounded_channel();
     let client = cluster.client.clone();
     let mut brain = Brain {
@@ -179,23 +179,18 @@ pub async fn run(cluster: Arc<Cluster>, metrics: Metrics, config: Config) -> any
             biased;
             Some(done) = done_rx.recv() => brain.finish(done),
             Some(_) = brain.tasks.join_next(), if !brain.tasks.is_empty() => {}
-            r = pv_feed.recv() => match r {
-                Ok(Change::Applied(pv)) => brain.pv_seen(pv),
-                Ok(Change::Deleted(pv)) => brain.pv_gone(&pv),
-                Ok(Change::Resynced) | Err(broadcast::error::RecvError::Lagged(_)) => brain.resync(),
-                Err(broadcast::error::RecvError::Closed) => anyhow::bail!("volume watch ended"),
+            r = pv_feed.next() => match r? {
+                Change::Applied(pv) => brain.pv_seen(pv),
+                Change::Deleted(pv) => brain.pv_gone(&pv),
+                Change::Resynced => brain.resync(),
             },
-            r = pvc_feed.recv() => match r {
-                Ok(Change::Applied(c)) => brain.claim_seen(c),
-                Ok(Change::Deleted(c)) => brain.claim_gone(&c),
-                Ok(Change::Resynced) | Err(broadcast::error::RecvError::Lagged(_)) => brain.resync(),
-                Err(broadcast::error::RecvError::Closed) => anyhow::bail!("claim watch ended"),
+            r = pvc_feed.next() => match r? {
+                Change::Applied(c) => brain.claim_seen(c),
+                Change::Deleted(c) => brain.claim_gone(&c),
+                Change::Resynced => brain.resync(),
             },
-            r = class_feed.recv() => match r {
-                // A new or changed class can unblock claims waiting for it.
-                Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => brain.wake_pending_claims(),
-                Err(broadcast::error::RecvError::Closed) => anyhow::bail!("storage class watch ended"),
-            },
+            // A new or changed class can unblock claims waiting for it.
+            r = class_feed.next() => { r?; brain.wake_pending_claims() }
             _ = resync.tick() => brain.resync(),
             _ = std::future::ready(()), if brain.queue.has_ready() || !brain.woken.is_empty() => brain.work(Instant::now()),
             _ = tokio::time::sleep_until(next_due.unwrap_or_else(Instant::now)), if next_due.is_some() => {
@@ -567,6 +562,21 @@ impl Brain {
     }
 }
 
+/// The last copy of object `key` written in this batch, else the one the batch started from.
+fn newest<K: Clone>(
+    written: &[K],
+    start: &HashMap<String, Arc<K>>,
+    key: &str,
+    key_of: impl Fn(&K) -> String,
+) -> Option<K> {
+    written
+        .iter()
+        .rev()
+        .find(|o| key_of(o) == key)
+        .cloned()
+        .or_else(|| start.get(key).map(|o| (**o).clone()))
+}
+
 /// A volume offered to any claim of its class.
 fn is_free(pv: &PersistentVolume) -> bool {
     claim_ref(pv).is_none() && pv_phase(pv) == "Available" && !being_deleted(pv)
@@ -642,21 +652,11 @@ impl Writer {
 
     /// The newest copy of a PV within this batch (an earlier write may have returned it).
     fn pv(snap: &Snapshot, done: &Done, name: &str) -> Option<PersistentVolume> {
-        done.pvs
-            .iter()
-            .rev()
-            .find(|p| p.name_any() == name)
-            .cloned()
-            .or_else(|| snap.pvs.get(name).map(|p| (**p).clone()))
+        newest(&done.pvs, &snap.pvs, name, |p| p.name_any())
     }
 
     fn claim(snap: &Snapshot, done: &Done, key: &str) -> Option<PersistentVolumeClaim> {
-        done.claims
-            .iter()
-            .rev()
-            .find(|c| claim_key(c) == key)
-            .cloned()
-            .or_else(|| snap.claims.get(key).map(|c| (**c).clone()))
+        newest(&done.claims, &snap.claims, key, claim_key)
     }
 
     async fn replace_pv(&self, pv: &PersistentVolume, op: &str) -> Result<PersistentVolume, WriteError> {

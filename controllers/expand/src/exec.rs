@@ -19,7 +19,7 @@ use stowage_common::events::Events;
 use stowage_common::informer::{Change, is_newer};
 use stowage_common::queue::WorkQueue;
 use stowage_common::writes::{Writes, is_conflict};
-use tokio::sync::{Semaphore, broadcast, mpsc};
+use tokio::sync::{Semaphore, mpsc};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
@@ -137,9 +137,9 @@ struct Brain {
 
 pub async fn run(cluster: Arc<Cluster>, metrics: Metrics, config: Config) -> anyhow::Result<()> {
     // Subscribe before reading the stores so nothing falls between the two.
-    let mut pvc_feed = cluster.pvcs.subscribe();
-    let mut pv_feed = cluster.pvs.subscribe();
-    let mut class_feed = cluster.classes.subscribe();
+    let mut pvc_feed = cluster.pvcs.feed();
+    let mut pv_feed = cluster.pvs.feed();
+    let mut class_feed = cluster.classes.feed();
     let (done_tx, mut done_rx) = mpsc::unbounded_channel();
     let client = cluster.client.clone();
     let mut brain = Brain {
@@ -172,26 +172,23 @@ pub async fn run(cluster: Arc<Cluster>, metrics: Metrics, config: Config) -> any
             biased;
             Some(done) = done_rx.recv() => brain.finish(done),
             Some(_) = brain.tasks.join_next(), if !brain.tasks.is_empty() => {}
-            r = pvc_feed.recv() => match r {
-                Ok(Change::Applied(c)) => brain.claim_seen(&c),
-                Ok(Change::Deleted(c)) => brain.claim_gone(&c),
-                Ok(Change::Resynced) | Err(broadcast::error::RecvError::Lagged(_)) => brain.resync(),
-                Err(broadcast::error::RecvError::Closed) => anyhow::bail!("claim watch ended"),
+            r = pvc_feed.next() => match r? {
+                Change::Applied(c) => brain.claim_seen(&c),
+                Change::Deleted(c) => brain.claim_gone(&c),
+                Change::Resynced => brain.resync(),
             },
-            r = pv_feed.recv() => match r {
-                Ok(Change::Applied(pv)) => brain.pv_seen(&pv),
-                Ok(Change::Deleted(pv)) => {
+            r = pv_feed.next() => match r? {
+                Change::Applied(pv) => brain.pv_seen(&pv),
+                Change::Deleted(pv) => {
                     brain.pvs.remove(&pv.name_any());
                     brain.queue_claim_of(&pv);
                 }
-                Ok(Change::Resynced) | Err(broadcast::error::RecvError::Lagged(_)) => brain.resync(),
-                Err(broadcast::error::RecvError::Closed) => anyhow::bail!("volume watch ended"),
+                Change::Resynced => brain.resync(),
             },
-            r = class_feed.recv() => match r {
+            r = class_feed.next() => match r? {
                 // A class that now allows expansion unblocks its claims (and a refusal is news).
-                Ok(Change::Applied(sc) | Change::Deleted(sc)) => brain.wake_class(&sc.name_any()),
-                Ok(Change::Resynced) | Err(broadcast::error::RecvError::Lagged(_)) => brain.resync(),
-                Err(broadcast::error::RecvError::Closed) => anyhow::bail!("storage class watch ended"),
+                Change::Applied(sc) | Change::Deleted(sc) => brain.wake_class(&sc.name_any()),
+                Change::Resynced => brain.resync(),
             },
             _ = resync.tick() => brain.resync(),
             _ = std::future::ready(()), if brain.queue.has_ready() => brain.work(Instant::now()),

@@ -101,6 +101,14 @@ where
         self.tx.subscribe()
     }
 
+    /// A feed of changes from now on, with lag folded into `Resynced`.
+    pub fn feed(&self) -> Feed<K> {
+        Feed {
+            rx: self.tx.subscribe(),
+            kind: K::kind(&()).to_string(),
+        }
+    }
+
     /// Waits until the first full list is in the store.
     pub async fn ready(&self) {
         // The writer lives as long as the watch task; an error only means the task ended.
@@ -123,5 +131,23 @@ pub fn is_newer(candidate: Option<&str>, known: Option<&str>) -> bool {
         (Some(c), Some(k)) => c > k,
         (Some(_), None) => true,
         _ => false,
+    }
+}
+
+/// A change feed for a controller's event loop: a subscriber that fell behind gets `Resynced`
+/// (it must re-read the stores either way), and a feed whose watch task ended is an error that
+/// names the resource.
+pub struct Feed<K> {
+    rx: broadcast::Receiver<Change<K>>,
+    kind: String,
+}
+
+impl<K: Clone> Feed<K> {
+    pub async fn next(&mut self) -> anyhow::Result<Change<K>> {
+        match self.rx.recv().await {
+            Ok(c) => Ok(c),
+            Err(broadcast::error::RecvError::Lagged(_)) => Ok(Change::Resynced),
+            Err(broadcast::error::RecvError::Closed) => Err(anyhow::anyhow!("the {} watch ended", self.kind)),
+        }
     }
 }
