@@ -71,7 +71,14 @@ pub fn decide(va: &VolumeAttachment, node: &str, device_ok: Option<bool>) -> Opt
 struct Done {
     key: OpKey,
     kind: &'static str,
-    ok: bool,
+    /// The resourceVersion a successful op wrote; None when it failed.
+    wrote: Option<String>,
+}
+
+/// Is the cached VA older than what our last op wrote? Deciding on it would repeat that op with
+/// a stale resourceVersion (a 409) or attach and write the status twice.
+pub fn cache_behind(cached: Option<&str>, written: &str) -> bool {
+    stowage_common::informer::is_newer(Some(written), cached)
 }
 
 pub async fn run(ctx: Arc<Ctx>, mut stop: watch::Receiver<bool>) {
@@ -81,6 +88,8 @@ pub async fn run(ctx: Arc<Ctx>, mut stop: watch::Receiver<bool>) {
     let (tx, mut rx) = mpsc::unbounded_channel::<Done>();
     let mut tracker = Tracker::default();
     let mut tasks = JoinSet::new();
+    // VA name → resourceVersion our last op on it wrote, until the cache has caught up.
+    let mut written: std::collections::HashMap<String, String> = std::collections::HashMap::new();
     let mut last_verify = Instant::now() - VERIFY_PERIOD;
     tracing::info!("attacher started");
     loop {
@@ -95,6 +104,13 @@ pub async fn run(ctx: Arc<Ctx>, mut stop: watch::Receiver<bool>) {
                 continue;
             }
             let key = OpKey::volume(&va.name_any());
+            if let Some(rv) = written.get(&va.name_any()) {
+                if cache_behind(va.metadata.resource_version.as_deref(), rv) {
+                    wanted.insert(key);
+                    continue;
+                }
+                written.remove(&va.name_any());
+            }
             let device_ok = if verify && !tracker.is_running(&key) {
                 device_ok(&ctx, &va).await
             } else {
@@ -110,15 +126,18 @@ pub async fn run(ctx: Arc<Ctx>, mut stop: watch::Receiver<bool>) {
             tracker.start(key.clone());
             let (ctx, tx) = (ctx.clone(), tx.clone());
             tasks.spawn(async move {
-                let ok = execute(&ctx, &va, action).await;
+                let wrote = execute(&ctx, &va, action).await;
                 let _ = tx.send(Done {
                     key,
                     kind: action.kind(),
-                    ok,
+                    wrote,
                 });
             });
         }
         tracker.retain(|k| wanted.contains(k));
+        let names: std::collections::HashSet<String> =
+            ctx.vas.store().state().iter().map(|v| v.name_any()).collect();
+        written.retain(|n, _| names.contains(n));
         ctx.metrics.passes.with_label_values(&["attacher"]).inc();
         let wake = tracker
             .next_expiry(now)
@@ -126,12 +145,12 @@ pub async fn run(ctx: Arc<Ctx>, mut stop: watch::Receiver<bool>) {
         tokio::select! {
             _ = vas_rx.recv() => {}
             _ = pvs_rx.recv() => {}
-            Some(d) = rx.recv() => tracker.finish(&d.key, d.kind, d.ok, Instant::now()),
+            Some(d) = rx.recv() => finish(&mut tracker, &mut written, d),
             _ = tokio::time::sleep_until(wake) => {}
             _ = stop.changed() => break,
         }
         while let Ok(d) = rx.try_recv() {
-            tracker.finish(&d.key, d.kind, d.ok, Instant::now());
+            finish(&mut tracker, &mut written, d);
         }
         crate::volumes::drain(&mut vas_rx);
         crate::volumes::drain(&mut pvs_rx);
@@ -140,6 +159,13 @@ pub async fn run(ctx: Arc<Ctx>, mut stop: watch::Receiver<bool>) {
         while tasks.join_next().await.is_some() {}
     })
     .await;
+}
+
+fn finish(tracker: &mut Tracker, written: &mut std::collections::HashMap<String, String>, d: Done) {
+    tracker.finish(&d.key, d.kind, d.wrote.is_some(), Instant::now());
+    if let (Some(rv), Some(name)) = (d.wrote, Some(d.key.volume.as_str())) {
+        written.insert(name.to_string(), rv);
+    }
 }
 
 /// The device an attachment reported before an Attach: only an attached VA with a device path is
@@ -202,7 +228,8 @@ fn now_time() -> serde_json::Value {
     serde_json::to_value(Time(Timestamp::now())).unwrap_or(serde_json::Value::Null)
 }
 
-async fn execute(ctx: &Ctx, va: &VolumeAttachment, action: VaAction) -> bool {
+/// Returns the resourceVersion written when the action succeeded.
+async fn execute(ctx: &Ctx, va: &VolumeAttachment, action: VaAction) -> Option<String> {
     let api: Api<VolumeAttachment> = Api::all(ctx.client.clone());
     let name = va.name_any();
     match action {
@@ -216,10 +243,10 @@ async fn execute(ctx: &Ctx, va: &VolumeAttachment, action: VaAction) -> bool {
                 .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
                 .await
             {
-                Ok(_) => true,
+                Ok(v) => Some(v.resource_version().unwrap_or_default()),
                 Err(e) => {
                     tracing::info!(va = %name, error = %e, "cannot add finalizer, will retry");
-                    false
+                    None
                 }
             }
         }
@@ -262,10 +289,10 @@ async fn execute(ctx: &Ctx, va: &VolumeAttachment, action: VaAction) -> bool {
                 .patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
                 .await
             {
-                Ok(_) => r.is_ok(),
+                Ok(v) => r.is_ok().then(|| v.resource_version().unwrap_or_default()),
                 Err(e) => {
                     tracing::warn!(va = %name, error = %e, "cannot write attachment status");
-                    false
+                    None
                 }
             }
         }
@@ -296,14 +323,15 @@ async fn execute(ctx: &Ctx, va: &VolumeAttachment, action: VaAction) -> bool {
                         .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
                         .await
                     {
-                        Ok(_) => {
+                        Ok(v) => {
                             tracing::info!(va = %name, "detached");
-                            true
+                            Some(v.resource_version().unwrap_or_default())
                         }
-                        Err(e) if is_not_found(&e) => true,
+                        // Gone: nothing of it is left to go stale.
+                        Err(e) if is_not_found(&e) => Some(String::new()),
                         Err(e) => {
                             tracing::warn!(va = %name, error = %e, "cannot remove finalizer");
-                            false
+                            None
                         }
                     }
                 }
@@ -318,7 +346,7 @@ async fn execute(ctx: &Ctx, va: &VolumeAttachment, action: VaAction) -> bool {
                     let _ = api
                         .patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
                         .await;
-                    false
+                    None
                 }
             }
         }
@@ -509,6 +537,18 @@ mod tests {
         let mut no_path = va("n", true, true, false);
         no_path.status.as_mut().unwrap().attachment_metadata = None;
         assert_eq!(lost_device(&no_path), None);
+    }
+
+    #[test]
+    fn a_cache_older_than_our_write_is_not_decided_on() {
+        assert!(
+            cache_behind(Some("10"), "11"),
+            "our patch is not in the cache yet"
+        );
+        assert!(!cache_behind(Some("11"), "11"), "the cache shows our write");
+        assert!(!cache_behind(Some("12"), "11"), "and anything after it");
+        // Unknown versions never hold a decision back.
+        assert!(!cache_behind(Some("10"), ""));
     }
 
     #[test]

@@ -3,6 +3,7 @@
 //! other on fresh objects, once with equal client rate limits and once with each one's defaults.
 //! Prints a Markdown table per workload and writes JSON into `e2e/results/`.
 
+mod agent;
 mod apiserver;
 mod controller;
 mod objects;
@@ -47,7 +48,8 @@ enum Mode {
 #[derive(Debug, Parser)]
 #[command(about = "Side-by-side benchmark of stowage-controller and upstream kube-controller-manager.")]
 struct Args {
-    /// Workloads to run: static, burst, attach, expand.
+    /// Workloads to run: static, burst, attach, expand, agent (not in the default list: it needs
+    /// root for loop devices and mounts, and has no upstream counterpart).
     #[arg(
         long,
         env = "BENCH_WORKLOADS",
@@ -107,6 +109,12 @@ struct Args {
     stowage_bin: Option<PathBuf>,
     #[arg(long, env = "BENCH_KCM_BIN")]
     kcm_bin: Option<PathBuf>,
+    /// Volumes (and pods) of workload `agent`.
+    #[arg(long, env = "BENCH_AGENT_VOLUMES", default_value_t = 200)]
+    agent_volumes: usize,
+    /// stowage-agent binary of workload `agent` (default target/release/stowage-agent).
+    #[arg(long, env = "BENCH_AGENT_BIN")]
+    agent_bin: Option<PathBuf>,
 }
 
 /// stowage-controller's own client defaults, read from its flag definitions so they cannot drift.
@@ -144,7 +152,9 @@ impl Args {
                 "expand" => out.push(Workload::Expand {
                     n: pick(self.expand_size, 500),
                 }),
-                other => bail!("unknown workload {other:?} (known: static, burst, attach, expand)"),
+                // Run on its own after the side-by-side workloads (see `agent.rs`).
+                "agent" => {}
+                other => bail!("unknown workload {other:?} (known: static, burst, attach, expand, agent)"),
             }
         }
         Ok(out)
@@ -175,10 +185,26 @@ async fn run(args: Args) -> anyhow::Result<()> {
         .kcm_bin
         .clone()
         .unwrap_or_else(|| stowage_testkit::controlplane::bin_dir().join("kube-controller-manager"));
-    for (b, what) in [
-        (&stowage_bin, "cargo build --release"),
-        (&kcm_bin, "make controlplane"),
-    ] {
+    let agent_n = args
+        .workloads
+        .iter()
+        .any(|w| w.trim() == "agent")
+        .then_some(args.agent_volumes);
+    let agent_bin = args
+        .agent_bin
+        .clone()
+        .unwrap_or_else(|| default_bin("target/release/stowage-agent"));
+    let mut bins = Vec::new();
+    if agent_n.is_some() {
+        bins.push((&agent_bin, "cargo build --release"));
+    }
+    if !workloads.is_empty() {
+        bins.extend([
+            (&stowage_bin, "cargo build --release"),
+            (&kcm_bin, "make controlplane"),
+        ]);
+    }
+    for (b, what) in bins {
         if !b.is_file() {
             bail!("{} not found: run `{what}` first", b.display());
         }
@@ -258,6 +284,24 @@ async fn run(args: Args) -> anyhow::Result<()> {
         }
     }
 
+    let mut described: Vec<(String, String)> = workloads.iter().map(|w| (w.name(), w.describe())).collect();
+    if let Some(n) = agent_n {
+        eprintln!("stowage-bench: {} / stowage-agent", agent::name(n));
+        let r = agent::run(&env, n, &agent_bin).await?;
+        eprintln!(
+            "stowage-bench: {}: {}/{} in {:.1} s, CPU {:.2} s, peak RSS {:.0} MiB{}",
+            r.workload,
+            r.done,
+            r.objects,
+            r.wall_s,
+            r.cpu_s,
+            r.peak_rss_mib,
+            r.note.as_deref().map(|n| format!(" ({n})")).unwrap_or_default()
+        );
+        described.push((r.workload.clone(), agent::describe(n)));
+        results.push(r);
+    }
+
     let report = Report {
         started_unix: stamp,
         machine,
@@ -266,7 +310,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
             "upstream_defaults": UPSTREAM_DEFAULTS, "stowage_defaults": sdef,
             "concurrency": args.concurrency, "stall_timeout_s": args.stall_timeout.as_secs(),
         }),
-        workloads: workloads.iter().map(|w| (w.name(), w.describe())).collect(),
+        workloads: described,
         results,
     };
     let md = report.markdown();
