@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use futures::StreamExt;
 use kube::runtime::WatchStreamExt;
-use kube::runtime::reflector::{self, Store};
+use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::watcher::{self, Event};
 use kube::{Api, Resource};
 use serde::de::DeserializeOwned;
@@ -46,7 +46,8 @@ impl<K: Resource<DynamicType = ()> + 'static> Clone for Informer<K> {
 }
 
 /// How many changes a slow subscriber may fall behind before it gets `Lagged` (and resyncs).
-const FEED_CAPACITY: usize = 16 * 1024;
+/// The ring buffer keeps that many changes alive (old versions included), so it stays modest.
+const FEED_CAPACITY: usize = 4 * 1024;
 
 impl<K> Informer<K>
 where
@@ -57,6 +58,7 @@ where
     /// fields), to keep memory proportional to what controllers read.
     pub fn spawn(api: Api<K>, config: watcher::Config, strip: fn(&mut K), tasks: &mut JoinSet<()>) -> Self {
         let (store, mut writer) = reflector::store();
+        let reader = store.clone();
         let (tx, _) = broadcast::channel(FEED_CAPACITY);
         let feed = tx.clone();
         let kind = K::kind(&()).to_string();
@@ -77,10 +79,17 @@ where
                 writer.apply_watcher_event(&ev);
                 // Send errors only mean nobody subscribes yet.
                 let _ = match ev {
-                    Event::Apply(o) | Event::InitApply(o) => feed.send(Change::Applied(Arc::new(o))),
+                    // Hand out the store's own Arc: one copy of each object in memory, however
+                    // many controllers cache it.
+                    Event::Apply(o) => {
+                        let shared = reader.get(&ObjectRef::from_obj(&o)).unwrap_or_else(|| Arc::new(o));
+                        feed.send(Change::Applied(shared))
+                    }
                     Event::Delete(o) => feed.send(Change::Deleted(Arc::new(o))),
+                    // A relist is announced once, when the store holds it; subscribers re-read
+                    // the store rather than receive a second copy of every object.
                     Event::InitDone => feed.send(Change::Resynced),
-                    Event::Init => Ok(0),
+                    Event::Init | Event::InitApply(_) => Ok(0),
                 };
             }
         });
