@@ -6,7 +6,7 @@
 # Environment (all optional; the binary's --help lists the same settings as flags):
 #   BENCH_SIZES=full|small     full = the sizes (static 1,000 + 10,000 pairs, burst 10,000,
 #                              1,000 pods over 50 nodes, 500 expansions); small = N 200 (10 nodes)
-#   BENCH_WORKLOADS=static,burst,attach,expand
+#   BENCH_WORKLOADS=static,burst,attach,expand,agent   (agent: loop devices, needs root)
 #   BENCH_IMPLS=upstream,stowage     BENCH_MODES=equal,defaults
 #   BENCH_QPS=50 BENCH_BURST=100     client limits of both in mode `equal`
 #   BENCH_STATIC_SIZES=1000,10000 BENCH_BURST_SIZE BENCH_ATTACH_PODS BENCH_ATTACH_NODES BENCH_EXPAND_SIZE
@@ -16,9 +16,10 @@ top=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$top"
 bench="$top/target/release/stowage-bench"
 controller="$top/target/release/stowage-controller"
-if [ ! -x "$bench" ] || [ ! -x "$controller" ]; then
-  echo "==> building the release binaries (stowage-bench, stowage-controller)" >&2
-  cargo build --release -p stowage-bench -p stowage-controller >&2
+agent="$top/target/release/stowage-agent"
+if [ ! -x "$bench" ] || [ ! -x "$controller" ] || [ ! -x "$agent" ]; then
+  echo "==> building the release binaries (stowage-bench, stowage-controller, stowage-agent)" >&2
+  cargo build --release -p stowage-bench -p stowage-controller -p stowage-agent >&2
 fi
 if [ ! -x "$top/e2e/bin/kube-controller-manager" ]; then
   echo "e2e/bin/kube-controller-manager not found: run \`make controlplane\` first" >&2

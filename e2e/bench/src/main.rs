@@ -54,7 +54,7 @@ struct Args {
         long,
         env = "BENCH_WORKLOADS",
         value_delimiter = ',',
-        default_value = "static,burst,attach,expand"
+        default_value = "static,burst,attach,expand,agent"
     )]
     workloads: Vec<String>,
     /// Implementations to run, in this order.
