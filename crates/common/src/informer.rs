@@ -82,7 +82,9 @@ where
                     // Hand out the store's own Arc: one copy of each object in memory, however
                     // many controllers cache it.
                     Event::Apply(o) => {
-                        let shared = reader.get(&ObjectRef::from_obj(&o)).unwrap_or_else(|| Arc::new(o));
+                        let shared = reader
+                            .get(&ObjectRef::from_obj(&o))
+                            .unwrap_or_else(|| Arc::new(o));
                         feed.send(Change::Applied(shared))
                     }
                     Event::Delete(o) => feed.send(Change::Deleted(Arc::new(o))),
