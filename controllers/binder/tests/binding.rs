@@ -367,6 +367,8 @@ async fn a_no_provisioner_class_waits_for_a_static_volume() {
         .await;
     h.create_pv(pv("small").class("local").capacity("1Gi").build())
         .await;
+    // The claim must meet the volume in the controller's cache, or the note names no candidate.
+    h.volume_phase("small", "Available").await;
     h.create_pvc(pvc("app", "c").class("local").request("2Gi").build())
         .await;
     let note = h.event("c", "ProvisioningFailed").await;
@@ -472,6 +474,11 @@ async fn selectors_modes_and_attribute_classes_are_matched() {
     .await;
     h.create_pv(pv("vac").attributes_class("fast").capacity("5Gi").build())
         .await;
+    // Every candidate must be in the controller's cache before the claims, so the failure note
+    // below is about the attributes class and not about an empty cache.
+    for v in ["plain", "gold", "blk", "rwx", "vac"] {
+        h.volume_phase(v, "Available").await;
+    }
     h.create_pvc(pvc("app", "sel").class("").selector("tier", "gold").build())
         .await;
     h.create_pvc(pvc("app", "block").class("").block().build()).await;
