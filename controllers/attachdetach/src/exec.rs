@@ -980,7 +980,6 @@ impl Ctrl {
     }
 
     fn pod_event(&self, pod: &PodRef, warning: bool, reason: &'static str, note: String) {
-        let events = self.writer.events.clone();
         let on = ObjectReference {
             api_version: Some("v1".into()),
             kind: Some("Pod".into()),
@@ -989,14 +988,12 @@ impl Ctrl {
             uid: Some(pod.uid.clone()),
             ..Default::default()
         };
-        // Events never hold up the reconciler.
-        tokio::spawn(async move {
-            if warning {
-                events.warning(&on, reason, "Attach", note).await;
-            } else {
-                events.normal(&on, reason, "Attach", note).await;
-            }
-        });
+        // Queued: events never hold up the reconciler.
+        if warning {
+            self.writer.events.warning(&on, reason, "Attach", note);
+        } else {
+            self.writer.events.normal(&on, reason, "Attach", note);
+        }
     }
 }
 

@@ -15,8 +15,8 @@ use kube::runtime::reflector::ObjectRef;
 use kube::{Api, Client, ResourceExt};
 use stowage_common::cluster::Cluster;
 use stowage_common::events::Events;
-use stowage_common::informer::Change;
-use tokio::sync::{Semaphore, mpsc};
+use stowage_common::informer::{Change, strip_managed_fields};
+use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
@@ -137,7 +137,10 @@ struct Brain {
     last_event: HashMap<Target, (&'static str, String)>,
     cluster: Arc<Cluster>,
     writer: Writer,
-    permits: Arc<Semaphore>,
+    /// Write batches allowed in flight. Keys are only decided while there is room, so a burst
+    /// of claims waits in the queue as keys (bytes), not as thousands of parked write tasks
+    /// holding snapshots, and each decision is made on the freshest cache.
+    max_in_flight: usize,
     done_tx: mpsc::UnboundedSender<Done>,
 }
 
@@ -167,7 +170,7 @@ pub async fn run(cluster: Arc<Cluster>, metrics: Metrics, config: Config) -> any
             image_dir: config.image_dir.clone(),
         },
         cluster,
-        permits: Arc::new(Semaphore::new(config.max_in_flight.max(1))),
+        max_in_flight: config.max_in_flight.max(1),
         done_tx,
     };
     brain.resync();
@@ -192,8 +195,11 @@ pub async fn run(cluster: Arc<Cluster>, metrics: Metrics, config: Config) -> any
             // A new or changed class can unblock claims waiting for it.
             r = class_feed.next() => { r?; brain.wake_pending_claims() }
             _ = resync.tick() => brain.resync(),
-            _ = std::future::ready(()), if brain.queue.has_ready() || !brain.woken.is_empty() => brain.work(Instant::now()),
-            _ = tokio::time::sleep_until(next_due.unwrap_or_else(Instant::now)), if next_due.is_some() => {
+            _ = std::future::ready(()), if brain.has_room() && (brain.queue.has_ready() || !brain.woken.is_empty()) => {
+                brain.work(Instant::now())
+            }
+            // A finished batch wakes the loop through `done_rx`, so a full window needs no timer.
+            _ = tokio::time::sleep_until(next_due.unwrap_or_else(Instant::now)), if next_due.is_some() && brain.has_room() => {
                 brain.work(Instant::now())
             }
         }
@@ -349,10 +355,18 @@ impl Brain {
         }
     }
 
-    /// Takes ready keys (a bounded batch, so results and watch events are not starved).
+    fn has_room(&self) -> bool {
+        self.in_flight.len() < self.max_in_flight
+    }
+
+    /// Takes ready keys while writes may start (a bounded batch, so results and watch events
+    /// are not starved).
     fn work(&mut self, now: Instant) {
         self.flush_wakeups();
         for _ in 0..256 {
+            if !self.has_room() {
+                return;
+            }
             let Some(key) = self.queue.pop(now) else { return };
             self.sync(key);
         }
@@ -437,10 +451,8 @@ impl Brain {
         self.in_flight.insert(key.clone());
         self.writer.metrics.in_flight.set(self.in_flight.len() as i64);
         let writer = self.writer.clone();
-        let permits = self.permits.clone();
         let tx = self.done_tx.clone();
         self.tasks.spawn(async move {
-            let _permit = permits.acquire_owned().await;
             let timer = writer
                 .metrics
                 .write_seconds
@@ -476,14 +488,13 @@ impl Brain {
             return;
         };
         self.last_event.insert(e.target.clone(), key);
-        let events = self.writer.events.clone();
-        self.tasks.spawn(async move {
-            if e.warning {
-                events.warning(&reference, e.reason, "Binding", e.note).await;
-            } else {
-                events.normal(&reference, e.reason, "Binding", e.note).await;
-            }
-        });
+        if e.warning {
+            self.writer
+                .events
+                .warning(&reference, e.reason, "Binding", e.note);
+        } else {
+            self.writer.events.normal(&reference, e.reason, "Binding", e.note);
+        }
     }
 
     fn reference(&self, t: &Target) -> Option<ObjectReference> {
@@ -529,10 +540,13 @@ impl Brain {
                 self.pv_gone(&pv);
             }
         }
-        for pv in done.pvs {
+        // Write responses carry managedFields; the informers drop them, and so does the cache.
+        for mut pv in done.pvs {
+            strip_managed_fields(&mut pv);
             self.pv_seen(Arc::new(pv));
         }
-        for c in done.claims {
+        for mut c in done.claims {
+            strip_managed_fields(&mut c);
             self.claim_seen(Arc::new(c));
         }
         for k in done.wake {
@@ -687,11 +701,11 @@ impl Writer {
         self.writes().replace_claim_status(c, op).await.map_err(api_err)
     }
 
-    async fn event_on(&self, target: ObjectReference, warning: bool, reason: &str, note: String) {
+    fn event_on(&self, target: ObjectReference, warning: bool, reason: &str, note: String) {
         if warning {
-            self.events.warning(&target, reason, "Provisioning", note).await;
+            self.events.warning(&target, reason, "Provisioning", note);
         } else {
-            self.events.normal(&target, reason, "Provisioning", note).await;
+            self.events.normal(&target, reason, "Provisioning", note);
         }
     }
 
@@ -856,8 +870,7 @@ impl Writer {
         };
         let Some(pv) = loopdev::provisioned_pv(&c, sc) else {
             let note = "claim has no storage request; cannot provision".to_string();
-            self.event_on(claim_reference(&c), true, "ProvisioningFailed", note)
-                .await;
+            self.event_on(claim_reference(&c), true, "ProvisioningFailed", note);
             return Ok(());
         };
         self.count("provision_volume");
@@ -872,8 +885,7 @@ impl Writer {
             Err(e) => {
                 self.metrics.provisioning.with_label_values(&["failed"]).inc();
                 let note = format!("failed to create volume {name}: {e}");
-                self.event_on(claim_reference(&c), true, "ProvisioningFailed", note)
-                    .await;
+                self.event_on(claim_reference(&c), true, "ProvisioningFailed", note);
                 return Err(WriteError::Api(e));
             }
         }
@@ -912,8 +924,7 @@ impl Writer {
                     true,
                     "ProvisioningFailed",
                     format!("cannot create the image of volume {pv}: {e}"),
-                )
-                .await;
+                );
             }
             return Err(e.into());
         }
@@ -925,8 +936,7 @@ impl Writer {
                 "Successfully provisioned volume {pv} ({} image {handle}.img)",
                 core::human(u128::from(size))
             );
-            self.event_on(t.clone(), false, "ProvisioningSucceeded", note)
-                .await;
+            self.event_on(t.clone(), false, "ProvisioningSucceeded", note);
             if let (Some(ns), Some(n)) = (t.namespace, t.name) {
                 done.wake.push(Key::Claim(format!("{ns}/{n}")));
             }
@@ -957,15 +967,13 @@ impl Writer {
             Ok(false) => {
                 let note = format!("image of volume {pv} was already gone; deleting the volume object");
                 self.events
-                    .normal(&reference, "VolumeImageMissing", "Deleting", note)
-                    .await;
+                    .normal(&reference, "VolumeImageMissing", "Deleting", note);
             }
             Err(e) => {
                 self.metrics.deletions.with_label_values(&["failed"]).inc();
                 let msg = format!("cannot delete the image of volume {pv}: {e}");
                 self.events
-                    .warning(&reference, "VolumeFailedDelete", "Deleting", msg.clone())
-                    .await;
+                    .warning(&reference, "VolumeFailedDelete", "Deleting", msg.clone());
                 if pv_phase(&v) != "Failed" {
                     done.pvs.push(
                         self.replace_pv_status(&core::with_pv_phase(&v, "Failed", &msg), "volume_phase")

@@ -19,7 +19,7 @@ use stowage_common::events::Events;
 use stowage_common::informer::{Change, is_newer};
 use stowage_common::queue::WorkQueue;
 use stowage_common::writes::{Writes, is_conflict};
-use tokio::sync::{Semaphore, mpsc};
+use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
@@ -131,7 +131,8 @@ struct Brain {
     /// Claims with a resize status, and when this process started their expansion.
     resizing: HashMap<String, Option<Instant>>,
     worker: Worker,
-    permits: Arc<Semaphore>,
+    /// Claims with work in flight at most; keys wait in the queue beyond that (see the binder).
+    max_in_flight: usize,
     done_tx: mpsc::UnboundedSender<Done>,
 }
 
@@ -159,7 +160,7 @@ pub async fn run(cluster: Arc<Cluster>, metrics: Metrics, config: Config) -> any
             attachments: cluster.attachments.store().clone(),
         },
         cluster,
-        permits: Arc::new(Semaphore::new(config.max_in_flight.max(1))),
+        max_in_flight: config.max_in_flight.max(1),
         done_tx,
     };
     brain.resync();
@@ -191,8 +192,8 @@ pub async fn run(cluster: Arc<Cluster>, metrics: Metrics, config: Config) -> any
                 Change::Resynced => brain.resync(),
             },
             _ = resync.tick() => brain.resync(),
-            _ = std::future::ready(()), if brain.queue.has_ready() => brain.work(Instant::now()),
-            _ = tokio::time::sleep_until(next_due.unwrap_or_else(Instant::now)), if next_due.is_some() => {
+            _ = std::future::ready(()), if brain.has_room() && brain.queue.has_ready() => brain.work(Instant::now()),
+            _ = tokio::time::sleep_until(next_due.unwrap_or_else(Instant::now)), if next_due.is_some() && brain.has_room() => {
                 brain.work(Instant::now())
             }
         }
@@ -269,10 +270,12 @@ impl Brain {
         // Our own writes come back through the watch; they are known already and must not
         // bypass the backoff of a failing claim.
         if let Some(mine) = self.claims.get(&key) {
-            if !is_newer(
-                c.resource_version().as_deref(),
-                mine.resource_version().as_deref(),
-            ) {
+            let (seen, written) = (c.resource_version(), mine.resource_version());
+            if !is_newer(seen.as_deref(), written.as_deref()) {
+                // Our write's own echo: the store holds it now, so our copy can go.
+                if seen == written {
+                    self.claims.remove(&key);
+                }
                 return;
             }
             self.claims.remove(&key);
@@ -299,10 +302,12 @@ impl Brain {
     fn pv_seen(&mut self, pv: &PersistentVolume) {
         let name = pv.name_any();
         if let Some(mine) = self.pvs.get(&name) {
-            if !is_newer(
-                pv.resource_version().as_deref(),
-                mine.resource_version().as_deref(),
-            ) {
+            let (seen, written) = (pv.resource_version(), mine.resource_version());
+            if !is_newer(seen.as_deref(), written.as_deref()) {
+                // Our write's own echo: the store holds it now, so our copy can go.
+                if seen == written {
+                    self.pvs.remove(&name);
+                }
                 return;
             }
             self.pvs.remove(&name);
@@ -348,8 +353,15 @@ impl Brain {
         }
     }
 
+    fn has_room(&self) -> bool {
+        self.in_flight.len() < self.max_in_flight
+    }
+
     fn work(&mut self, now: Instant) {
         for _ in 0..256 {
+            if !self.has_room() {
+                return;
+            }
             let Some(key) = self.queue.pop(now) else { return };
             self.sync(key);
         }
@@ -388,10 +400,8 @@ impl Brain {
         }
         self.in_flight.insert(key.clone());
         let worker = self.worker.clone();
-        let permits = self.permits.clone();
         let tx = self.done_tx.clone();
         self.tasks.spawn(async move {
-            let _permit = permits.acquire_owned().await;
             let timer = worker
                 .metrics
                 .reconcile_seconds
@@ -507,7 +517,7 @@ impl Worker {
     }
 
     /// Publishes an event; with `once`, only when it differs from the last one on this claim.
-    async fn event(
+    fn event(
         &self,
         key: &str,
         on: &PersistentVolumeClaim,
@@ -526,9 +536,9 @@ impl Worker {
         }
         let target = reference(on);
         if warning {
-            self.events.warning(&target, reason, "Resize", note).await;
+            self.events.warning(&target, reason, "Resize", note);
         } else {
-            self.events.normal(&target, reason, "Resize", note).await;
+            self.events.normal(&target, reason, "Resize", note);
         }
     }
 
@@ -552,7 +562,7 @@ impl Worker {
                 if *reason == core::REASON_RESIZE_CANCELED {
                     self.metrics.expansions.with_label_values(&["canceled"]).inc();
                 }
-                self.event(key, claim, *warning, reason, note.clone(), true).await;
+                self.event(key, claim, *warning, reason, note.clone(), true);
             }
             Action::ClaimStatus { claim: next, op } => {
                 done.claims.push(self.replace_claim_status(next, op).await?);
@@ -610,8 +620,7 @@ impl Worker {
             done.claims.push(c.clone());
             done.started = Some(started);
             let note = format!("expanding volume {} to {human}", pv.name_any());
-            self.event(key, &c, false, core::REASON_RESIZING, note, false)
-                .await;
+            self.event(key, &c, false, core::REASON_RESIZING, note, false);
         }
 
         let bytes = u64::try_from(size.bytes).unwrap_or(u64::MAX);
@@ -634,8 +643,7 @@ impl Worker {
                 c = self.replace_claim_status(&next, "mark_failed").await?;
                 done.claims.push(c.clone());
             }
-            self.event(key, &c, true, core::REASON_RESIZE_FAILED, msg, true)
-                .await;
+            self.event(key, &c, true, core::REASON_RESIZE_FAILED, msg, true);
             return Err(WorkError::Image { error, infeasible });
         }
 
@@ -667,8 +675,7 @@ impl Worker {
                     pv.name_any()
                 )
             };
-            self.event(key, &c, false, core::REASON_FS_RESIZE_REQUIRED, note, false)
-                .await;
+            self.event(key, &c, false, core::REASON_FS_RESIZE_REQUIRED, note, false);
         } else {
             c = self
                 .replace_claim_status(&core::mark_finished(&c, size), "mark_finished")
@@ -676,8 +683,7 @@ impl Worker {
             done.claims.push(c.clone());
             self.metrics.expansions.with_label_values(&["finished"]).inc();
             let note = format!("volume {} expanded to {human}", pv.name_any());
-            self.event(key, &c, false, core::REASON_RESIZE_SUCCESSFUL, note, false)
-                .await;
+            self.event(key, &c, false, core::REASON_RESIZE_SUCCESSFUL, note, false);
         }
         self.metrics
             .expansion_seconds

@@ -34,6 +34,7 @@ struct PvcProtection {
     index: PodsByClaim,
     /// Claims waiting for pods, with the pods last reported in an event.
     waiting: HashMap<Key, Vec<PodRef>>,
+    events: Events,
 }
 
 pub(crate) enum Feed<K> {
@@ -66,6 +67,7 @@ pub async fn run_pvc_protection(cluster: Arc<Cluster>, metrics: Metrics) -> anyh
     cluster.pvcs.ready().await;
     cluster.pods.ready().await;
     let mut c = PvcProtection {
+        events: Events::new(cluster.client.clone(), EVENT_SOURCE),
         cluster,
         metrics,
         // Finalizer writes retry more patiently than binds: 10 ms doubling to 2 min.
@@ -224,7 +226,7 @@ impl PvcProtection {
                 Ok(())
             }
             Action::WaitForPods(users) => {
-                self.report_waiting(key, &pvc, users).await;
+                self.report_waiting(key, &pvc, users);
                 Ok(())
             }
             Action::AddFinalizer => self.add_finalizer(&pvc).await,
@@ -234,7 +236,7 @@ impl PvcProtection {
                 match decide_pvc(&pvc, &live) {
                     Action::RemoveFinalizer => self.remove_finalizer(&pvc, key).await,
                     Action::WaitForPods(users) => {
-                        self.report_waiting(key, &pvc, users).await;
+                        self.report_waiting(key, &pvc, users);
                         Ok(())
                     }
                     _ => Ok(()),
@@ -260,7 +262,7 @@ impl PvcProtection {
         }
     }
 
-    async fn report_waiting(&mut self, key: &Key, pvc: &PersistentVolumeClaim, users: Vec<PodRef>) {
+    fn report_waiting(&mut self, key: &Key, pvc: &PersistentVolumeClaim, users: Vec<PodRef>) {
         if self.waiting.get(key) == Some(&users) {
             return; // same pods as already reported: no event on every resync
         }
@@ -269,12 +271,9 @@ impl PvcProtection {
         self.waiting.insert(key.clone(), users);
         self.update_waiting_gauge();
         self.metrics.in_use_events.with_label_values(&["Normal"]).inc();
-        // A fresh recorder per change: the shared recorder folds events by (reason, action,
-        // object) into one series that keeps the first note, which would hide the new pod list.
-        // Changes are rare (once per change of the pod set), so nothing needs folding here.
-        Events::new(self.cluster.client.clone(), EVENT_SOURCE)
-            .normal(&pvc.object_ref(&()), REASON_CLAIM_IN_USE, "Delete", note)
-            .await;
+        // Every change of the pod set is a new event (see `Events`), so the new list shows.
+        self.events
+            .normal(&pvc.object_ref(&()), REASON_CLAIM_IN_USE, "Delete", note);
     }
 
     async fn add_finalizer(&self, pvc: &PersistentVolumeClaim) -> Result<(), WriteError> {

@@ -264,9 +264,7 @@ async fn execute(ctx: &Ctx, va: &VolumeAttachment, action: VaAction) -> Option<S
                             "device {old} no longer backs volume {handle} (freed or reused outside the agent); attached again as {dev}"
                         );
                         tracing::warn!(va = %name, "{note}");
-                        ctx.events
-                            .warning(&reference(va), "DeviceLost", "Attach", note)
-                            .await;
+                        ctx.events.warning(&reference(va), "DeviceLost", "Attach", note);
                     }
                     serde_json::json!({ "status": {
                         "attached": true,
@@ -277,8 +275,7 @@ async fn execute(ctx: &Ctx, va: &VolumeAttachment, action: VaAction) -> Option<S
                 Err(msg) => {
                     tracing::warn!(va = %name, error = %msg, "attach failed");
                     ctx.events
-                        .warning(&reference(va), "FailedAttach", "Attach", msg.clone())
-                        .await;
+                        .warning(&reference(va), "FailedAttach", "Attach", msg.clone());
                     serde_json::json!({ "status": {
                         "attached": false,
                         "attachError": { "message": msg, "time": now_time() },
@@ -338,8 +335,7 @@ async fn execute(ctx: &Ctx, va: &VolumeAttachment, action: VaAction) -> Option<S
                 Err(msg) => {
                     tracing::warn!(va = %name, error = %msg, "detach failed");
                     ctx.events
-                        .warning(&reference(va), "FailedDetach", "Detach", msg.clone())
-                        .await;
+                        .warning(&reference(va), "FailedDetach", "Detach", msg.clone());
                     let patch = serde_json::json!({ "status": {
                         "detachError": { "message": msg, "time": now_time() },
                     }});

@@ -397,9 +397,7 @@ async fn note_errors(
         );
         let note = format!("Unable to mount volume \"{}\": {}", e.volume, e.message);
         tracing::info!(pod = %e.pod.name, ns = %e.pod.namespace, reason = e.reason, "{note}");
-        ctx.events
-            .warning(&e.pod.reference(), e.reason, "Mount", note)
-            .await;
+        ctx.events.warning(&e.pod.reference(), e.reason, "Mount", note);
     }
     noted.retain(|k, _| seen.contains(k));
 }
@@ -455,18 +453,12 @@ impl Job {
         Done { op, ok, expanded }
     }
 
-    async fn pod_event(&self, warning: bool, reason: &str, note: String) {
+    fn pod_event(&self, warning: bool, reason: &str, note: String) {
         let Some(pod) = &self.pod else { return };
         if warning {
-            self.ctx
-                .events
-                .warning(&pod.reference(), reason, "Mount", note)
-                .await;
+            self.ctx.events.warning(&pod.reference(), reason, "Mount", note);
         } else {
-            self.ctx
-                .events
-                .normal(&pod.reference(), reason, "Mount", note)
-                .await;
+            self.ctx.events.normal(&pod.reference(), reason, "Mount", note);
         }
     }
 
@@ -489,14 +481,14 @@ impl Job {
                     let secs = Timestamp::now().duration_since(created).as_secs_f64().max(0.0);
                     self.ctx.metrics.pod_volume_ready.observe(secs);
                 }
-                self.pod_event(false, "SuccessfulMountVolume", note).await;
+                self.pod_event(false, "SuccessfulMountVolume", note);
             }
             Err(e) => {
                 let note = format!(
                     "MountVolume.{} failed for volume \"{}\": {}",
                     e.step, dv.pv, e.message
                 );
-                self.pod_event(true, "FailedMount", note).await;
+                self.pod_event(true, "FailedMount", note);
             }
         }
         let grew = result?;
@@ -510,7 +502,7 @@ impl Job {
             step: "NodeExpandVolume",
             message: e.to_string(),
         });
-        self.resize_events(dv, r.as_ref().err()).await;
+        self.resize_events(dv, r.as_ref().err());
         Ok(Some((dv.claim.uid.clone(), r?)))
     }
 
@@ -661,7 +653,7 @@ impl Job {
                     "the mount of volume \"{pv}\" failed its health check (stat, device numbers or device node); unmounted, mounting it again"
                 );
                 tracing::warn!(pv, pod_uid = uid, "{note}");
-                self.pod_event(true, "VolumeMountBroken", note).await;
+                self.pod_event(true, "VolumeMountBroken", note);
             }
             Ok(()) => tracing::info!(pv, pod_uid = uid, "pod volume unmounted"),
             Err(e) => {
@@ -669,7 +661,7 @@ impl Job {
                     "UnmountVolume.{} failed for volume \"{pv}\" (pod {uid}): {}",
                     e.step, e.message
                 );
-                self.pod_event(true, "FailedUnmount", note).await;
+                self.pod_event(true, "FailedUnmount", note);
             }
         }
         r
@@ -766,12 +758,12 @@ impl Job {
         let started = std::time::Instant::now();
         let r = self.expand_inner(dv).await;
         self.ctx.metrics.record("expand_fs", started, r.is_ok());
-        self.resize_events(dv, r.as_ref().err()).await;
+        self.resize_events(dv, r.as_ref().err());
         r
     }
 
     /// FileSystemResizeSuccessful / FileSystemResizeFailed on the claim and its pods here.
-    async fn resize_events(&self, dv: &DesiredVolume, err: Option<&StepError>) {
+    fn resize_events(&self, dv: &DesiredVolume, err: Option<&StepError>) {
         let pv = &dv.pv;
         let claim_ref = ObjectReference {
             api_version: Some("v1".into()),
@@ -799,9 +791,9 @@ impl Job {
         let ev = &self.ctx.events;
         for obj in std::iter::once(claim_ref).chain(dv.pods.values().map(|u| u.pod.reference())) {
             if warning {
-                ev.warning(&obj, reason, "Resize", note.clone()).await;
+                ev.warning(&obj, reason, "Resize", note.clone());
             } else {
-                ev.normal(&obj, reason, "Resize", note.clone()).await;
+                ev.normal(&obj, reason, "Resize", note.clone());
             }
         }
     }

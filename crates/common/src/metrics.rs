@@ -14,6 +14,7 @@ pub fn registry(binary: &str) -> Registry {
     info.with_label_values(&[binary, env!("CARGO_PKG_VERSION")])
         .set(1);
     register(&registry, info);
+    register(&registry, crate::events::EVENTS_TOTAL.clone());
     #[cfg(target_os = "linux")]
     registry
         .register(Box::new(
