@@ -20,6 +20,7 @@ use stowage_common::cluster::Cluster;
 use stowage_common::events::Events;
 use stowage_common::informer::{Change, is_newer};
 use tokio::sync::{Semaphore, broadcast, mpsc};
+use tokio::task::JoinSet;
 
 use crate::Config;
 use crate::actual::{Actual, Op};
@@ -134,6 +135,9 @@ struct Writer {
 
 /// The owning task's state.
 struct Ctrl {
+    /// Write tasks: aborted with the controller when leadership ends, so a former leader
+    /// stops writing at once.
+    tasks: JoinSet<()>,
     cluster: Arc<Cluster>,
     config: Config,
     writer: Writer,
@@ -177,6 +181,7 @@ pub async fn run(cluster: Arc<Cluster>, metrics: Metrics, config: Config) -> any
     let (done_tx, mut done_rx) = mpsc::unbounded_channel();
     let client = cluster.client.clone();
     let mut c = Ctrl {
+        tasks: JoinSet::new(),
         writer: Writer {
             vas: Api::all(client.clone()),
             nodes: Api::all(client.clone()),
@@ -222,6 +227,7 @@ pub async fn run(cluster: Arc<Cluster>, metrics: Metrics, config: Config) -> any
             biased;
             _ = std::future::ready(()), if c.dirty && c.backlog >= MAX_BACKLOG => c.pass(),
             Some(done) = done_rx.recv() => c.finish(done),
+            Some(_) = c.tasks.join_next(), if !c.tasks.is_empty() => {}
             r = pod_feed.recv() => match r {
                 Ok(Change::Applied(p) | Change::Deleted(p)) => c.pod_changed(&p),
                 Ok(Change::Resynced) | Err(RecvError::Lagged(_)) => c.resync(false),
@@ -714,7 +720,7 @@ impl Ctrl {
             },
             status: None,
         };
-        tokio::spawn(async move {
+        self.tasks.spawn(async move {
             let _slot = w.attach_slots.clone().acquire_owned().await;
             let timer = w
                 .metrics
@@ -756,7 +762,7 @@ impl Ctrl {
             .queue_depth
             .with_label_values(&["detach"])
             .add(jobs.len() as i64);
-        tokio::spawn(async move {
+        self.tasks.spawn(async move {
             let _slot = match jobs.is_empty() {
                 true => None,
                 false => w.detach_slots.clone().acquire_owned().await.ok(),

@@ -15,9 +15,8 @@ use kube::runtime::reflector::ObjectRef;
 use kube::{Api, Client, ResourceExt};
 use stowage_common::cluster::Cluster;
 use stowage_common::events::Events;
+use stowage_common::inflight::{Landed, Window};
 use stowage_common::informer::{Change, strip_managed_fields};
-use tokio::sync::mpsc;
-use tokio::task::JoinSet;
 use tokio::time::Instant;
 
 use crate::core::{self, Action, Cache, Env, Event, Target};
@@ -80,7 +79,7 @@ enum WriteError {
     #[error("conflict: the object changed since it was read")]
     Conflict,
     #[error("{0}")]
-    Api(#[from] kube::Error),
+    Api(kube::Error),
     #[error("{0}")]
     Image(#[from] loopdev::ImageError),
     #[error("claim {0} still exists; not releasing its volume")]
@@ -99,11 +98,14 @@ impl WriteError {
     }
 }
 
-fn api_err(e: kube::Error) -> WriteError {
-    if is_conflict(&e) {
-        WriteError::Conflict
-    } else {
-        WriteError::Api(e)
+/// Conflicts are their own category (expected under concurrency, retried quietly).
+impl From<kube::Error> for WriteError {
+    fn from(e: kube::Error) -> Self {
+        if is_conflict(&e) {
+            WriteError::Conflict
+        } else {
+            WriteError::Api(e)
+        }
     }
 }
 
@@ -119,14 +121,12 @@ struct Writer {
 
 /// The single decision task's state.
 struct Brain {
-    /// Write and event tasks: dropped (aborted) with the controller when leadership ends, so
-    /// a former leader stops writing at once.
-    tasks: JoinSet<()>,
+    /// Write tasks, one per key (see `Window`): dropped (aborted) with the controller when
+    /// leadership ends, so a former leader stops writing at once. Keys are only decided while
+    /// it has room.
+    window: Window<Key, Done>,
     cache: Cache,
     queue: WorkQueue<Key>,
-    in_flight: HashSet<Key>,
-    /// Keys that changed while their writes were in flight: synced again when those finish.
-    dirty: HashSet<Key>,
     /// Unbound claims (key → class) and the same by class, to wake the claims a freed volume
     /// could satisfy without scanning every claim.
     unbound: HashMap<String, String>,
@@ -137,11 +137,6 @@ struct Brain {
     last_event: HashMap<Target, (&'static str, String)>,
     cluster: Arc<Cluster>,
     writer: Writer,
-    /// Write batches allowed in flight. Keys are only decided while there is room, so a burst
-    /// of claims waits in the queue as keys (bytes), not as thousands of parked write tasks
-    /// holding snapshots, and each decision is made on the freshest cache.
-    max_in_flight: usize,
-    done_tx: mpsc::UnboundedSender<Done>,
 }
 
 pub async fn run(cluster: Arc<Cluster>, metrics: Metrics, config: Config) -> anyhow::Result<()> {
@@ -150,14 +145,11 @@ pub async fn run(cluster: Arc<Cluster>, metrics: Metrics, config: Config) -> any
     let mut pv_feed = cluster.pvs.feed();
     let mut pvc_feed = cluster.pvcs.feed();
     let mut class_feed = cluster.classes.feed();
-    let (done_tx, mut done_rx) = mpsc::unbounded_channel();
     let client = cluster.client.clone();
     let mut brain = Brain {
-        tasks: JoinSet::new(),
+        window: Window::new(config.max_in_flight),
         cache: Cache::default(),
         queue: WorkQueue::default(),
-        in_flight: HashSet::new(),
-        dirty: HashSet::new(),
         unbound: HashMap::new(),
         unbound_by_class: HashMap::new(),
         woken: HashSet::new(),
@@ -170,8 +162,6 @@ pub async fn run(cluster: Arc<Cluster>, metrics: Metrics, config: Config) -> any
             image_dir: config.image_dir.clone(),
         },
         cluster,
-        max_in_flight: config.max_in_flight.max(1),
-        done_tx,
     };
     brain.resync();
     let mut resync = tokio::time::interval_at(Instant::now() + config.resync, config.resync);
@@ -180,8 +170,7 @@ pub async fn run(cluster: Arc<Cluster>, metrics: Metrics, config: Config) -> any
         let next_due = brain.queue.next_due();
         tokio::select! {
             biased;
-            Some(done) = done_rx.recv() => brain.finish(done),
-            Some(_) = brain.tasks.join_next(), if !brain.tasks.is_empty() => {}
+            landed = brain.window.next() => brain.finish(landed),
             r = pv_feed.next() => match r? {
                 Change::Applied(pv) => brain.pv_seen(pv),
                 Change::Deleted(pv) => brain.pv_gone(&pv),
@@ -195,11 +184,11 @@ pub async fn run(cluster: Arc<Cluster>, metrics: Metrics, config: Config) -> any
             // A new or changed class can unblock claims waiting for it.
             r = class_feed.next() => { r?; brain.wake_pending_claims() }
             _ = resync.tick() => brain.resync(),
-            _ = std::future::ready(()), if brain.has_room() && (brain.queue.has_ready() || !brain.woken.is_empty()) => {
+            _ = std::future::ready(()), if brain.window.has_room() && (brain.queue.has_ready() || !brain.woken.is_empty()) => {
                 brain.work(Instant::now())
             }
-            // A finished batch wakes the loop through `done_rx`, so a full window needs no timer.
-            _ = tokio::time::sleep_until(next_due.unwrap_or_else(Instant::now)), if next_due.is_some() && brain.has_room() => {
+            // A landing batch wakes the loop, so a full window needs no timer.
+            _ = tokio::time::sleep_until(next_due.unwrap_or_else(Instant::now)), if next_due.is_some() && brain.window.has_room() => {
                 brain.work(Instant::now())
             }
         }
@@ -355,16 +344,12 @@ impl Brain {
         }
     }
 
-    fn has_room(&self) -> bool {
-        self.in_flight.len() < self.max_in_flight
-    }
-
     /// Takes ready keys while writes may start (a bounded batch, so results and watch events
     /// are not starved).
     fn work(&mut self, now: Instant) {
         self.flush_wakeups();
         for _ in 0..256 {
-            if !self.has_room() {
+            if !self.window.has_room() {
                 return;
             }
             let Some(key) = self.queue.pop(now) else { return };
@@ -373,15 +358,14 @@ impl Brain {
     }
 
     fn sync(&mut self, key: Key) {
-        if self.in_flight.contains(&key) {
-            self.dirty.insert(key);
+        if self.window.defer_if_running(&key) {
             return;
         }
         // A volume being bound is synced after that bind's writes land.
         if let Key::Volume(name) = &key
             && self.cache.reserved.contains_key(name)
         {
-            self.dirty.insert(key);
+            self.window.mark_dirty(key);
             return;
         }
         let (default_class, classes) = self.env_parts();
@@ -448,11 +432,8 @@ impl Brain {
                 snapshot.classes.insert(class.clone(), sc);
             }
         }
-        self.in_flight.insert(key.clone());
-        self.writer.metrics.in_flight.set(self.in_flight.len() as i64);
         let writer = self.writer.clone();
-        let tx = self.done_tx.clone();
-        self.tasks.spawn(async move {
+        self.window.start(key.clone(), async move {
             let timer = writer
                 .metrics
                 .write_seconds
@@ -474,9 +455,9 @@ impl Brain {
                 }
             }
             timer.observe_duration();
-            // The receiver only goes away when the controller stops.
-            let _ = tx.send(done);
+            done
         });
+        self.writer.metrics.in_flight.set(self.window.len() as i64);
     }
 
     fn event(&mut self, e: Event) {
@@ -525,13 +506,30 @@ impl Brain {
 
     /// Takes a batch's results: newest objects into the cache, reservation released, and the
     /// key requeued — at once if it changed meanwhile, with backoff if the batch failed.
-    fn finish(&mut self, done: Done) {
+    fn finish(&mut self, landed: Landed<Key, Done>) {
         let now = Instant::now();
-        self.in_flight.remove(&done.key);
-        self.writer.metrics.in_flight.set(self.in_flight.len() as i64);
+        self.writer.metrics.in_flight.set(self.window.len() as i64);
+        let done = landed.result.unwrap_or_else(|| {
+            // The task died with its report: free what it may have reserved and retry the key.
+            match &landed.key {
+                Key::Claim(k) => self.cache.reserved.retain(|_, c| c != k),
+                Key::Volume(n) => {
+                    self.cache.reserved.remove(n);
+                }
+            }
+            Done {
+                key: landed.key.clone(),
+                reserved: None,
+                pvs: vec![],
+                claims: vec![],
+                deleted_pvs: vec![],
+                wake: vec![],
+                error: Some(("Panic", "write task panicked".into())),
+            }
+        });
         if let Some(pv) = &done.reserved {
             self.cache.reserved.remove(pv);
-            if self.dirty.remove(&Key::Volume(pv.clone())) {
+            if self.window.take_dirty(&Key::Volume(pv.clone())) {
                 self.queue.add(Key::Volume(pv.clone()));
             }
         }
@@ -564,11 +562,10 @@ impl Brain {
                 if category != "Conflict" {
                     tracing::warn!(key = ?done.key, error = %msg, "binder write failed");
                 }
-                self.dirty.remove(&done.key);
             }
             None => {
                 self.queue.forget(&done.key);
-                if self.dirty.remove(&done.key) {
+                if landed.dirty {
                     self.queue.add(done.key);
                 }
             }
@@ -673,34 +670,6 @@ impl Writer {
         newest(&done.claims, &snap.claims, key, claim_key)
     }
 
-    async fn replace_pv(&self, pv: &PersistentVolume, op: &str) -> Result<PersistentVolume, WriteError> {
-        self.writes().replace_pv(pv, op).await.map_err(api_err)
-    }
-
-    async fn replace_pv_status(
-        &self,
-        pv: &PersistentVolume,
-        op: &str,
-    ) -> Result<PersistentVolume, WriteError> {
-        self.writes().replace_pv_status(pv, op).await.map_err(api_err)
-    }
-
-    async fn replace_claim(
-        &self,
-        c: &PersistentVolumeClaim,
-        op: &str,
-    ) -> Result<PersistentVolumeClaim, WriteError> {
-        self.writes().replace_claim(c, op).await.map_err(api_err)
-    }
-
-    async fn replace_claim_status(
-        &self,
-        c: &PersistentVolumeClaim,
-        op: &str,
-    ) -> Result<PersistentVolumeClaim, WriteError> {
-        self.writes().replace_claim_status(c, op).await.map_err(api_err)
-    }
-
     fn event_on(&self, target: ObjectReference, warning: bool, reason: &str, note: String) {
         if warning {
             self.events.warning(&target, reason, "Provisioning", note);
@@ -732,20 +701,26 @@ impl Writer {
                     return Ok(());
                 };
                 if let Some(next) = core::bound_pv_spec(&v, &c) {
-                    v = self.replace_pv(&next, "bind_volume").await?;
+                    v = self.writes().replace_pv(&next, "bind_volume").await?;
                     done.pvs.push(v.clone());
                 }
                 if let Some(next) = core::bound_pv_status(&v) {
-                    v = self.replace_pv_status(&next, "bind_volume_status").await?;
+                    v = self
+                        .writes()
+                        .replace_pv_status(&next, "bind_volume_status")
+                        .await?;
                     done.pvs.push(v.clone());
                 }
                 if let Some(next) = core::bound_claim_spec(&c, pv) {
-                    c = self.replace_claim(&next, "bind_claim").await?;
+                    c = self.writes().replace_claim(&next, "bind_claim").await?;
                     done.claims.push(c.clone());
                 }
                 if let Some(next) = core::bound_claim_status(&c, &v) {
                     let became_bound = claim_phase(&c) != "Bound";
-                    c = self.replace_claim_status(&next, "bind_claim_status").await?;
+                    c = self
+                        .writes()
+                        .replace_claim_status(&next, "bind_claim_status")
+                        .await?;
                     if became_bound && let Some(created) = c.metadata.creation_timestamp.as_ref() {
                         let age = k8s_openapi::jiff::Timestamp::now().duration_since(created.0);
                         self.metrics.bind_latency.observe(age.as_secs_f64().max(0.0));
@@ -759,7 +734,7 @@ impl Writer {
                 };
                 if let Some(next) = core::with_claim_phase(&c, phase) {
                     done.claims
-                        .push(self.replace_claim_status(&next, "claim_phase").await?);
+                        .push(self.writes().replace_claim_status(&next, "claim_phase").await?);
                 }
             }
             Action::VolumePhase { pv, phase, message } => {
@@ -767,7 +742,8 @@ impl Writer {
                     return Ok(());
                 };
                 done.pvs.push(
-                    self.replace_pv_status(&core::with_pv_phase(&v, phase, message), "volume_phase")
+                    self.writes()
+                        .replace_pv_status(&core::with_pv_phase(&v, phase, message), "volume_phase")
                         .await?,
                 );
             }
@@ -784,19 +760,22 @@ impl Writer {
                 }
                 let next = core::with_pv_phase(&v, "Released", "");
                 done.pvs
-                    .push(self.replace_pv_status(&next, "volume_phase").await?);
+                    .push(self.writes().replace_pv_status(&next, "volume_phase").await?);
                 done.wake.push(Key::Volume(pv.clone()));
             }
             Action::Unbind { pv } => {
                 let Some(v) = Self::pv(snap, done, pv) else {
                     return Ok(());
                 };
-                let v = self.replace_pv(&core::unbound_pv(&v), "unbind_volume").await?;
+                let v = self
+                    .writes()
+                    .replace_pv(&core::unbound_pv(&v), "unbind_volume")
+                    .await?;
                 done.pvs.push(v.clone());
                 if pv_phase(&v) != "Available" {
                     let next = core::with_pv_phase(&v, "Available", "");
                     done.pvs
-                        .push(self.replace_pv_status(&next, "volume_phase").await?);
+                        .push(self.writes().replace_pv_status(&next, "volume_phase").await?);
                 }
             }
             Action::SetProvisioner { claim, provisioner } => {
@@ -807,7 +786,8 @@ impl Writer {
                     .insert(ANN_STORAGE_PROVISIONER.into(), provisioner.clone());
                 c.annotations_mut()
                     .insert(ANN_BETA_STORAGE_PROVISIONER.into(), provisioner.clone());
-                done.claims.push(self.replace_claim(&c, "set_provisioner").await?);
+                done.claims
+                    .push(self.writes().replace_claim(&c, "set_provisioner").await?);
             }
             Action::SetDefaultClass { claim, class } => {
                 let Some(mut c) = Self::claim(snap, done, claim) else {
@@ -815,7 +795,7 @@ impl Writer {
                 };
                 c.spec.get_or_insert_with(Default::default).storage_class_name = Some(class.clone());
                 done.claims
-                    .push(self.replace_claim(&c, "set_default_class").await?);
+                    .push(self.writes().replace_claim(&c, "set_default_class").await?);
             }
             Action::ProvisionLoop { claim, class } => self.provision(snap, done, claim, class).await?,
             Action::CreateLoopImage { pv } => self.create_image(snap, done, pv).await?,
@@ -829,7 +809,8 @@ impl Writer {
                 if *present {
                     fins.push(FINALIZER_LOOP_DELETER.into());
                 }
-                done.pvs.push(self.replace_pv(&v, "deleter_finalizer").await?);
+                done.pvs
+                    .push(self.writes().replace_pv(&v, "deleter_finalizer").await?);
             }
             Action::ClaimCondition {
                 claim,
@@ -841,8 +822,11 @@ impl Writer {
                 };
                 let next =
                     core::with_pending_condition(&c, reason, message, k8s_openapi::jiff::Timestamp::now());
-                done.claims
-                    .push(self.replace_claim_status(&next, "claim_condition").await?);
+                done.claims.push(
+                    self.writes()
+                        .replace_claim_status(&next, "claim_condition")
+                        .await?,
+                );
             }
             Action::WakeClaim(_) | Action::Event(_) => {}
         }
@@ -929,7 +913,8 @@ impl Writer {
             return Err(e.into());
         }
         v.annotations_mut().remove(ANN_IMAGE_PENDING);
-        done.pvs.push(self.replace_pv(&v, "provision_image").await?);
+        done.pvs
+            .push(self.writes().replace_pv(&v, "provision_image").await?);
         self.metrics.provisioning.with_label_values(&["succeeded"]).inc();
         if let Some(t) = claim_target {
             let note = format!(
@@ -976,7 +961,8 @@ impl Writer {
                     .warning(&reference, "VolumeFailedDelete", "Deleting", msg.clone());
                 if pv_phase(&v) != "Failed" {
                     done.pvs.push(
-                        self.replace_pv_status(&core::with_pv_phase(&v, "Failed", &msg), "volume_phase")
+                        self.writes()
+                            .replace_pv_status(&core::with_pv_phase(&v, "Failed", &msg), "volume_phase")
                             .await?,
                     );
                 }
@@ -985,14 +971,14 @@ impl Writer {
         }
         if v.finalizers().iter().any(|f| f == FINALIZER_LOOP_DELETER) {
             v.finalizers_mut().retain(|f| f != FINALIZER_LOOP_DELETER);
-            v = self.replace_pv(&v, "deleter_finalizer").await?;
+            v = self.writes().replace_pv(&v, "deleter_finalizer").await?;
             done.pvs.push(v.clone());
         }
         self.count("delete_volume");
         match self.pvs.delete(pv, &DeleteParams::default()).await {
             Ok(_) => {}
             Err(e) if is_not_found(&e) => {}
-            Err(e) => return Err(api_err(e)),
+            Err(e) => return Err(e.into()),
         }
         self.metrics.deletions.with_label_values(&["succeeded"]).inc();
         // The object may linger behind other finalizers (pv-protection); the watch reports it.

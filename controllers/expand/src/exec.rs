@@ -16,11 +16,10 @@ use stowage_binder::loopdev::{self, ImageError};
 use stowage_binder::objects::{claim_class, claim_key, claim_ref, claim_volume_name, pv_block};
 use stowage_common::cluster::Cluster;
 use stowage_common::events::Events;
+use stowage_common::inflight::{Landed, Window};
 use stowage_common::informer::{Change, is_newer};
 use stowage_common::queue::WorkQueue;
 use stowage_common::writes::{Writes, is_conflict};
-use tokio::sync::mpsc;
-use tokio::task::JoinSet;
 use tokio::time::Instant;
 
 use crate::core::{self, Action, Size};
@@ -95,7 +94,6 @@ fn infeasible(e: &ImageError) -> bool {
 
 /// What one claim's work reports back.
 struct Done {
-    key: String,
     claims: Vec<PersistentVolumeClaim>,
     pvs: Vec<PersistentVolume>,
     /// When this process started an expansion of the claim (for the total duration).
@@ -117,23 +115,17 @@ struct Worker {
 }
 
 struct Brain {
-    /// Write and event tasks: dropped (aborted) with the controller when leadership ends, so
-    /// a former leader stops writing at once.
-    tasks: JoinSet<()>,
+    /// Work tasks, one per claim: dropped (aborted) with the controller when leadership ends,
+    /// so a former leader stops writing at once; claims wait in the queue while it is full.
+    window: Window<String, Done>,
     cluster: Arc<Cluster>,
     queue: WorkQueue<String>,
-    in_flight: HashSet<String>,
-    /// Claims changed by someone else while their work was in flight.
-    dirty: HashSet<String>,
     /// Objects this controller wrote, until the stores catch up (newest resourceVersion wins).
     claims: HashMap<String, Arc<PersistentVolumeClaim>>,
     pvs: HashMap<String, Arc<PersistentVolume>>,
     /// Claims with a resize status, and when this process started their expansion.
     resizing: HashMap<String, Option<Instant>>,
     worker: Worker,
-    /// Claims with work in flight at most; keys wait in the queue beyond that (see the binder).
-    max_in_flight: usize,
-    done_tx: mpsc::UnboundedSender<Done>,
 }
 
 pub async fn run(cluster: Arc<Cluster>, metrics: Metrics, config: Config) -> anyhow::Result<()> {
@@ -141,13 +133,10 @@ pub async fn run(cluster: Arc<Cluster>, metrics: Metrics, config: Config) -> any
     let mut pvc_feed = cluster.pvcs.feed();
     let mut pv_feed = cluster.pvs.feed();
     let mut class_feed = cluster.classes.feed();
-    let (done_tx, mut done_rx) = mpsc::unbounded_channel();
     let client = cluster.client.clone();
     let mut brain = Brain {
-        tasks: JoinSet::new(),
+        window: Window::new(config.max_in_flight),
         queue: WorkQueue::default(),
-        in_flight: HashSet::new(),
-        dirty: HashSet::new(),
         claims: HashMap::new(),
         pvs: HashMap::new(),
         resizing: HashMap::new(),
@@ -160,8 +149,6 @@ pub async fn run(cluster: Arc<Cluster>, metrics: Metrics, config: Config) -> any
             attachments: cluster.attachments.store().clone(),
         },
         cluster,
-        max_in_flight: config.max_in_flight.max(1),
-        done_tx,
     };
     brain.resync();
     let mut resync = tokio::time::interval_at(Instant::now() + config.resync, config.resync);
@@ -171,8 +158,7 @@ pub async fn run(cluster: Arc<Cluster>, metrics: Metrics, config: Config) -> any
         let next_due = brain.queue.next_due();
         tokio::select! {
             biased;
-            Some(done) = done_rx.recv() => brain.finish(done),
-            Some(_) = brain.tasks.join_next(), if !brain.tasks.is_empty() => {}
+            landed = brain.window.next() => brain.finish(landed),
             r = pvc_feed.next() => match r? {
                 Change::Applied(c) => brain.claim_seen(&c),
                 Change::Deleted(c) => brain.claim_gone(&c),
@@ -192,8 +178,8 @@ pub async fn run(cluster: Arc<Cluster>, metrics: Metrics, config: Config) -> any
                 Change::Resynced => brain.resync(),
             },
             _ = resync.tick() => brain.resync(),
-            _ = std::future::ready(()), if brain.has_room() && brain.queue.has_ready() => brain.work(Instant::now()),
-            _ = tokio::time::sleep_until(next_due.unwrap_or_else(Instant::now)), if next_due.is_some() && brain.has_room() => {
+            _ = std::future::ready(()), if brain.window.has_room() && brain.queue.has_ready() => brain.work(Instant::now()),
+            _ = tokio::time::sleep_until(next_due.unwrap_or_else(Instant::now)), if next_due.is_some() && brain.window.has_room() => {
                 brain.work(Instant::now())
             }
         }
@@ -281,9 +267,7 @@ impl Brain {
             self.claims.remove(&key);
         }
         self.observe(&key, c);
-        if self.in_flight.contains(&key) {
-            self.dirty.insert(key);
-        } else if !claim_volume_name(c).is_empty() {
+        if !self.window.defer_if_running(&key) && !claim_volume_name(c).is_empty() {
             self.queue.add(key);
         }
     }
@@ -318,9 +302,7 @@ impl Brain {
     fn queue_claim_of(&mut self, pv: &PersistentVolume) {
         if let Some((ns, name, _)) = claim_ref(pv) {
             let key = format!("{ns}/{name}");
-            if self.in_flight.contains(&key) {
-                self.dirty.insert(key);
-            } else {
+            if !self.window.defer_if_running(&key) {
                 self.queue.add(key);
             }
         }
@@ -353,13 +335,9 @@ impl Brain {
         }
     }
 
-    fn has_room(&self) -> bool {
-        self.in_flight.len() < self.max_in_flight
-    }
-
     fn work(&mut self, now: Instant) {
         for _ in 0..256 {
-            if !self.has_room() {
+            if !self.window.has_room() {
                 return;
             }
             let Some(key) = self.queue.pop(now) else { return };
@@ -368,8 +346,7 @@ impl Brain {
     }
 
     fn sync(&mut self, key: String) {
-        if self.in_flight.contains(&key) {
-            self.dirty.insert(key);
+        if self.window.defer_if_running(&key) {
             return;
         }
         let Some(claim) = self.claim(&key) else {
@@ -398,17 +375,14 @@ impl Brain {
             self.queue.forget(&key);
             return;
         }
-        self.in_flight.insert(key.clone());
         let worker = self.worker.clone();
-        let tx = self.done_tx.clone();
-        self.tasks.spawn(async move {
+        self.window.start(key.clone(), async move {
             let timer = worker
                 .metrics
                 .reconcile_seconds
                 .with_label_values(&["claim"])
                 .start_timer();
             let mut done = Done {
-                key: key.clone(),
                 claims: vec![],
                 pvs: vec![],
                 started: None,
@@ -422,13 +396,18 @@ impl Brain {
                 }
             }
             timer.observe_duration();
-            let _ = tx.send(done);
+            done
         });
     }
 
-    fn finish(&mut self, done: Done) {
-        let key = done.key;
-        self.in_flight.remove(&key);
+    fn finish(&mut self, landed: Landed<String, Done>) {
+        let key = landed.key;
+        let Some(done) = landed.result else {
+            // The task died without a report: retry the claim with backoff.
+            self.worker.metrics.errors.with_label_values(&["Panic"]).inc();
+            self.queue.retry(key, Instant::now());
+            return;
+        };
         for c in done.claims {
             let c = Arc::new(c);
             self.claims.insert(key.clone(), c);
@@ -456,7 +435,7 @@ impl Brain {
             None => self.queue.forget(&key),
         }
         // Changed by someone else meanwhile: decide again on the newer object now.
-        if self.dirty.remove(&key) {
+        if landed.dirty {
             let (ns, name) = split(&key);
             let stored = self.cluster.pvcs.store().get(&ObjectRef::new(name).within(ns));
             let mine = self.claims.get(&key);

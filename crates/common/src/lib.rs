@@ -3,6 +3,7 @@
 pub mod client;
 pub mod cluster;
 pub mod events;
+pub mod inflight;
 pub mod informer;
 pub mod leader;
 pub mod logging;
