@@ -5,11 +5,13 @@ pub mod binary;
 pub mod builders;
 pub mod controlplane;
 pub mod host;
+pub mod inproc;
 pub mod process;
 pub mod scrape;
 pub mod wait;
 
 pub use controlplane::{ControlPlane, shared};
+pub use inproc::InProcess;
 pub use wait::eventually;
 
 /// A name no other test in this run uses (cluster-scoped objects share one apiserver).

@@ -3,26 +3,27 @@
 
 #![allow(dead_code)]
 
-use std::sync::Arc;
+use std::ops::{Deref, DerefMut};
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
-use k8s_openapi::api::events::v1::Event;
-use kube::api::{ListParams, Patch, PatchParams, PostParams};
-use kube::{Api, Client, ResourceExt};
-use stowage_common::cluster::Cluster;
-use stowage_testkit::{ControlPlane, builders, eventually};
-use tokio::task::JoinSet;
+use kube::api::{Patch, PatchParams};
+use stowage_testkit::InProcess;
+pub use stowage_testkit::inproc::WAIT;
 
-pub const WAIT: Duration = Duration::from_secs(60);
+/// The binder in-process; everything generic comes from `InProcess` (by deref).
+pub struct Harness(InProcess);
 
-pub struct Harness {
-    pub cp: ControlPlane,
-    pub client: Client,
-    pub images: tempfile::TempDir,
-    pub registry: prometheus::Registry,
-    _tasks: JoinSet<()>,
-    pub binder: tokio::task::JoinHandle<anyhow::Result<()>>,
+impl Deref for Harness {
+    type Target = InProcess;
+    fn deref(&self) -> &InProcess {
+        &self.0
+    }
+}
+
+impl DerefMut for Harness {
+    fn deref_mut(&mut self) -> &mut InProcess {
+        &mut self.0
+    }
 }
 
 impl Harness {
@@ -31,124 +32,22 @@ impl Harness {
     }
 
     pub async fn start_with(tune: impl FnOnce(&mut stowage_binder::Config)) -> Self {
-        let cp = tokio::task::spawn_blocking(ControlPlane::start)
-            .await
-            .unwrap()
-            .expect("control plane");
-        let client = cp.client().await;
-        let images = tempfile::tempdir().unwrap();
-        let registry = prometheus::Registry::new();
-        let mut tasks = JoinSet::new();
-        let cluster: Arc<Cluster> = Cluster::start(client.clone(), registry.clone(), &mut tasks);
-        cluster.ready().await;
-        let metrics = stowage_binder::Metrics::new(&registry);
+        let mut h = InProcess::new().await;
+        let cluster = h.cluster().await;
+        let metrics = stowage_binder::Metrics::new(&h.registry);
         let mut config = stowage_binder::Config {
             resync: Duration::from_secs(15),
-            image_dir: images.path().to_path_buf(),
+            image_dir: h.images.path().to_path_buf(),
             max_in_flight: 64,
         };
         tune(&mut config);
-        let binder = tokio::spawn(stowage_binder::run(cluster, metrics, config));
-        Self {
-            cp,
-            client,
-            images,
-            registry,
-            _tasks: tasks,
-            binder,
-        }
+        h.run(stowage_binder::run(cluster, metrics, config));
+        Self(h)
     }
 
-    pub async fn namespace(&self, name: &str) {
-        builders::create_namespace(&self.client, name).await;
-    }
-
-    pub fn pvs(&self) -> Api<PersistentVolume> {
-        Api::all(self.client.clone())
-    }
-
-    pub fn pvcs(&self, ns: &str) -> Api<PersistentVolumeClaim> {
-        Api::namespaced(self.client.clone(), ns)
-    }
-
-    pub async fn create_pv(&self, pv: PersistentVolume) -> PersistentVolume {
-        self.pvs().create(&PostParams::default(), &pv).await.unwrap()
-    }
-
-    pub async fn create_pvc(&self, pvc: PersistentVolumeClaim) -> PersistentVolumeClaim {
-        let ns = pvc.namespace().unwrap();
-        self.pvcs(&ns).create(&PostParams::default(), &pvc).await.unwrap()
-    }
-
-    pub async fn create<K>(&self, obj: K) -> K
-    where
-        K: kube::Resource<Scope = k8s_openapi::ClusterResourceScope, DynamicType = ()>
-            + Clone
-            + serde::de::DeserializeOwned
-            + serde::Serialize
-            + std::fmt::Debug,
-    {
-        Api::<K>::all(self.client.clone())
-            .create(&PostParams::default(), &obj)
-            .await
-            .unwrap()
-    }
-
-    /// Waits for a claim in `phase`, returning it.
-    pub async fn claim_phase(&self, ns: &str, name: &str, phase: &str) -> PersistentVolumeClaim {
-        let api = self.pvcs(ns);
-        eventually(WAIT, || async {
-            let c = api.get(name).await.map_err(|e| e.to_string())?;
-            let p = c
-                .status
-                .as_ref()
-                .and_then(|s| s.phase.clone())
-                .unwrap_or_default();
-            if p == phase {
-                Ok(c)
-            } else {
-                Err(format!("claim {ns}/{name} is {p:?}, want {phase}"))
-            }
-        })
-        .await
-    }
-
-    pub async fn volume_phase(&self, name: &str, phase: &str) -> PersistentVolume {
-        let api = self.pvs();
-        eventually(WAIT, || async {
-            let v = api.get(name).await.map_err(|e| e.to_string())?;
-            let p = v
-                .status
-                .as_ref()
-                .and_then(|s| s.phase.clone())
-                .unwrap_or_default();
-            if p == phase {
-                Ok(v)
-            } else {
-                Err(format!("volume {name} is {p:?}, want {phase}"))
-            }
-        })
-        .await
-    }
-
-    /// Waits for an event with `reason` about object `name`, returning its note.
+    /// Waits for an event with `reason` about object `name` (any namespace), returning its note.
     pub async fn event(&self, name: &str, reason: &str) -> String {
-        let api: Api<Event> = Api::all(self.client.clone());
-        eventually(WAIT, || async {
-            let list = api
-                .list(&ListParams::default())
-                .await
-                .map_err(|e| e.to_string())?;
-            list.items
-                .iter()
-                .find(|e| {
-                    e.reason.as_deref() == Some(reason)
-                        && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name)
-                })
-                .map(|e| e.note.clone().unwrap_or_default())
-                .ok_or_else(|| format!("no {reason} event for {name} yet"))
-        })
-        .await
+        self.wait_event(None, name, reason).await
     }
 
     /// What the pvc-protection controller would do once the claim is unused (it is not under
@@ -169,15 +68,5 @@ impl Harness {
             .await
             .unwrap();
         let _ = self.pvs().delete(name, &Default::default()).await;
-    }
-
-    pub fn metrics_text(&self) -> String {
-        stowage_common::metrics::encode(&self.registry)
-    }
-}
-
-impl Drop for Harness {
-    fn drop(&mut self) {
-        self.binder.abort();
     }
 }

@@ -4,47 +4,39 @@
 
 #![allow(dead_code)]
 
+use std::ops::{Deref, DerefMut};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
 use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::api::storage::v1::StorageClass;
-use kube::api::{ListParams, Patch, PatchParams, PostParams};
-use kube::{Api, Client, ResourceExt};
-use stowage_common::cluster::Cluster;
-use stowage_testkit::builders::{self, pv, pvc};
-use stowage_testkit::{ControlPlane, eventually};
-use tokio::task::JoinSet;
+use kube::api::{Patch, PatchParams, PostParams};
+use kube::{Api, ResourceExt};
+use stowage_testkit::builders::{pv, pvc};
+pub use stowage_testkit::inproc::WAIT;
+use stowage_testkit::{InProcess, eventually};
 
-pub const WAIT: Duration = Duration::from_secs(60);
+/// The expand controller in-process; everything generic comes from `InProcess` (by deref).
+pub struct Harness(InProcess);
 
-pub struct Harness {
-    pub cp: ControlPlane,
-    pub client: Client,
-    pub images: tempfile::TempDir,
-    pub registry: prometheus::Registry,
-    tasks: JoinSet<()>,
-    controller: Option<tokio::task::JoinHandle<anyhow::Result<()>>>,
+impl Deref for Harness {
+    type Target = InProcess;
+    fn deref(&self) -> &InProcess {
+        &self.0
+    }
+}
+
+impl DerefMut for Harness {
+    fn deref_mut(&mut self) -> &mut InProcess {
+        &mut self.0
+    }
 }
 
 impl Harness {
     /// A control plane with the controller not yet running.
     pub async fn new() -> Self {
-        let cp = tokio::task::spawn_blocking(ControlPlane::start)
-            .await
-            .unwrap()
-            .expect("control plane");
-        let client = cp.client().await;
-        Self {
-            cp,
-            client,
-            images: tempfile::tempdir().unwrap(),
-            registry: prometheus::Registry::new(),
-            tasks: JoinSet::new(),
-            controller: None,
-        }
+        Self(InProcess::new().await)
     }
 
     pub async fn start() -> Self {
@@ -54,28 +46,14 @@ impl Harness {
     }
 
     pub async fn run_controller(&mut self) {
-        let cluster: Arc<Cluster> =
-            Cluster::start(self.client.clone(), self.registry.clone(), &mut self.tasks);
-        cluster.ready().await;
+        let cluster = self.cluster().await;
         let metrics = stowage_expand::Metrics::new(&self.registry);
         let config = stowage_expand::Config {
             image_dir: self.images.path().to_path_buf(),
             resync: Duration::from_secs(10),
             max_in_flight: 10,
         };
-        self.controller = Some(tokio::spawn(stowage_expand::run(cluster, metrics, config)));
-    }
-
-    pub async fn namespace(&self, name: &str) {
-        builders::create_namespace(&self.client, name).await;
-    }
-
-    pub fn pvs(&self) -> Api<PersistentVolume> {
-        Api::all(self.client.clone())
-    }
-
-    pub fn pvcs(&self, ns: &str) -> Api<PersistentVolumeClaim> {
-        Api::namespaced(self.client.clone(), ns)
+        self.run(stowage_expand::run(cluster, metrics, config));
     }
 
     pub fn classes(&self) -> Api<StorageClass> {
@@ -221,41 +199,12 @@ impl Harness {
     }
 
     pub async fn events(&self, ns: &str, name: &str, reason: &str) -> Vec<Event> {
-        let api: Api<Event> = Api::namespaced(self.client.clone(), ns);
-        api.list(&ListParams::default())
-            .await
-            .unwrap()
-            .items
-            .into_iter()
-            .filter(|e| {
-                e.reason.as_deref() == Some(reason)
-                    && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name)
-            })
-            .collect()
+        self.0.events(Some(ns), name, reason).await
     }
 
     /// Waits for an event with `reason` about claim `name`, returning its note.
     pub async fn event(&self, ns: &str, name: &str, reason: &str) -> String {
-        eventually(WAIT, || async {
-            self.events(ns, name, reason)
-                .await
-                .first()
-                .map(|e| e.note.clone().unwrap_or_default())
-                .ok_or_else(|| format!("no {reason} event for {ns}/{name} yet"))
-        })
-        .await
-    }
-
-    pub fn metrics_text(&self) -> String {
-        stowage_common::metrics::encode(&self.registry)
-    }
-}
-
-impl Drop for Harness {
-    fn drop(&mut self) {
-        if let Some(c) = &self.controller {
-            c.abort();
-        }
+        self.wait_event(Some(ns), name, reason).await
     }
 }
 
