@@ -128,3 +128,30 @@ impl Events {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_full_queue_drops_and_counts_instead_of_growing() {
+        // Nothing listens there: the sender's posts fail, which is fine for this test.
+        let config = kube::Config::new("http://127.0.0.1:9".parse().unwrap());
+        let events = Events::new(Client::try_from(config).unwrap(), "test-full-queue");
+        let dropped = || {
+            EVENTS_TOTAL
+                .with_label_values(&["test-full-queue", "Warning", "dropped"])
+                .get()
+        };
+        let on = ObjectReference {
+            name: Some("x".into()),
+            ..Default::default()
+        };
+        // The current-thread runtime does not run the sender until this test yields, so the
+        // queue fills deterministically.
+        for i in 0..QUEUE_CAPACITY + 5 {
+            events.warning(&on, "Test", "Testing", format!("note {i}"));
+        }
+        assert_eq!(dropped(), 5);
+    }
+}
