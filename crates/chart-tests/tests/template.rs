@@ -35,6 +35,14 @@ fn doc<'a>(manifest: &'a str, kind: &str, name: &str) -> &'a str {
     })
 }
 
+/// Asserts that `doc` (described as `what` in the failure) contains every one of `needles`.
+#[track_caller]
+fn assert_has(doc: &str, what: &str, needles: &[&str]) {
+    for needle in needles {
+        assert!(doc.contains(needle), "{what} lacks {needle:?}:\n{doc}");
+    }
+}
+
 #[tokio::test]
 async fn lint_is_clean_with_defaults_and_every_option() {
     let helm = Helm::new(None);
@@ -74,40 +82,44 @@ async fn defaults_render_the_core_objects_only() {
     assert_eq!(got, want);
 
     let d = doc(&m, "Deployment", "st-stowage-controller");
-    for needle in [
-        "replicas: 2",
-        "- --leader-elect=true",
-        "- --leader-elect-resource-namespace=stowage-system",
-        "- --image-dir=/var/lib/stowage/images",
-        "- --kube-api-qps=50",
-        "- --kube-api-burst=100",
-        "path: /healthz",
-        "path: /readyz",
-        "runAsNonRoot: true",
-        "readOnlyRootFilesystem: true",
-        "- ALL",
-        "type: RuntimeDefault",
-        "allowPrivilegeEscalation: false",
-        "mountPath: /var/lib/stowage/images",
-        "name: image-store-permissions",
-    ] {
-        assert!(d.contains(needle), "controller Deployment lacks {needle:?}:\n{d}");
-    }
+    assert_has(
+        d,
+        "controller Deployment",
+        &[
+            "replicas: 2",
+            "- --leader-elect=true",
+            "- --leader-elect-resource-namespace=stowage-system",
+            "- --image-dir=/var/lib/stowage/images",
+            "- --kube-api-qps=50",
+            "- --kube-api-burst=100",
+            "path: /healthz",
+            "path: /readyz",
+            "runAsNonRoot: true",
+            "readOnlyRootFilesystem: true",
+            "- ALL",
+            "type: RuntimeDefault",
+            "allowPrivilegeEscalation: false",
+            "mountPath: /var/lib/stowage/images",
+            "name: image-store-permissions",
+        ],
+    );
     assert!(!d.contains("prometheus.io/scrape"), "{d}");
 
     let a = doc(&m, "DaemonSet", "st-stowage-agent");
-    for needle in [
-        "privileged: true",
-        "mountPropagation: Bidirectional",
-        "path: /dev",
-        "fieldPath: spec.nodeName",
-        "- --node-name=$(NODE_NAME)",
-        "- --root-dir=/var/lib/stowage",
-        "- --image-dir=/var/lib/stowage/images",
-        "path: /healthz",
-    ] {
-        assert!(a.contains(needle), "agent DaemonSet lacks {needle:?}:\n{a}");
-    }
+    assert_has(
+        a,
+        "agent DaemonSet",
+        &[
+            "privileged: true",
+            "mountPropagation: Bidirectional",
+            "path: /dev",
+            "fieldPath: spec.nodeName",
+            "- --node-name=$(NODE_NAME)",
+            "- --root-dir=/var/lib/stowage",
+            "- --image-dir=/var/lib/stowage/images",
+            "path: /healthz",
+        ],
+    );
     assert!(!a.contains("--register-node"), "{a}");
 
     let c = doc(&m, "CSIDriver", "loop.stowage.dev");
@@ -138,39 +150,45 @@ async fn every_option_on_renders() {
         );
     }
     let sc = doc(&m, "StorageClass", "loop");
-    for needle in [
-        "provisioner: loop.stowage.dev",
-        "allowVolumeExpansion: true",
-        "reclaimPolicy: Retain",
-        "volumeBindingMode: Immediate",
-        r#"storageclass.kubernetes.io/is-default-class: "true""#,
-        r#"extra: "1""#,
-    ] {
-        assert!(sc.contains(needle), "StorageClass lacks {needle:?}:\n{sc}");
-    }
+    assert_has(
+        sc,
+        "StorageClass",
+        &[
+            "provisioner: loop.stowage.dev",
+            "allowVolumeExpansion: true",
+            "reclaimPolicy: Retain",
+            "volumeBindingMode: Immediate",
+            r#"storageclass.kubernetes.io/is-default-class: "true""#,
+            r#"extra: "1""#,
+        ],
+    );
     doc(&m, "Role", "st-stowage-agent-node-lease");
     doc(&m, "RoleBinding", "st-stowage-agent-node-lease");
 
     let d = doc(&m, "Deployment", "st-stowage-controller");
-    for needle in [
-        r#"prometheus.io/port: "8080""#,
-        "- --controllers=*,-expand",
-        r#"- "--binder-max-in-flight=32""#,
-        "- --kube-api-qps=20",
-        "role: infra",
-        "- name: regcred",
-    ] {
-        assert!(d.contains(needle), "controller Deployment lacks {needle:?}:\n{d}");
-    }
+    assert_has(
+        d,
+        "controller Deployment",
+        &[
+            r#"prometheus.io/port: "8080""#,
+            "- --controllers=*,-expand",
+            r#"- "--binder-max-in-flight=32""#,
+            "- --kube-api-qps=20",
+            "role: infra",
+            "- name: regcred",
+        ],
+    );
     let a = doc(&m, "DaemonSet", "st-stowage-agent");
-    for needle in [
-        "- --register-node",
-        r#"prometheus.io/port: "8081""#,
-        "team: storage",
-        "- --kube-api-burst=40",
-    ] {
-        assert!(a.contains(needle), "agent DaemonSet lacks {needle:?}:\n{a}");
-    }
+    assert_has(
+        a,
+        "agent DaemonSet",
+        &[
+            "- --register-node",
+            r#"prometheus.io/port: "8081""#,
+            "team: storage",
+            "- --kube-api-burst=40",
+        ],
+    );
 }
 
 #[tokio::test]

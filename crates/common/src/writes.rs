@@ -2,16 +2,26 @@
 //! resourceVersion of the object it was computed from, so a write made on a stale view fails
 //! with 409 instead of overwriting someone else's change.
 
+use std::fmt::Debug;
+
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
 use kube::api::PostParams;
-use kube::{Api, Client, ResourceExt};
+use kube::{Api, Client, Resource, ResourceExt};
 use prometheus::IntCounterVec;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
 
 #[derive(Clone)]
 pub struct Writes {
     client: Client,
     /// Counter with one label, the operation name.
     counter: IntCounterVec,
+}
+
+/// Which part of an object a PUT replaces.
+enum Part {
+    Object,
+    Status,
 }
 
 /// Whether an error is a resourceVersion conflict (someone wrote first).
@@ -40,18 +50,25 @@ impl Writes {
         self.counter.with_label_values(&[op]).inc();
     }
 
-    pub async fn replace_pv(&self, pv: &PersistentVolume, op: &str) -> kube::Result<PersistentVolume> {
+    /// One counted PUT of `obj`, or of its status subresource.
+    async fn put<K>(&self, api: Api<K>, obj: &K, op: &str, part: Part) -> kube::Result<K>
+    where
+        K: Resource + Clone + DeserializeOwned + Serialize + Debug,
+    {
         self.count(op);
-        self.pvs()
-            .replace(&pv.name_any(), &PostParams::default(), pv)
-            .await
+        let (name, pp) = (obj.name_any(), PostParams::default());
+        match part {
+            Part::Object => api.replace(&name, &pp, obj).await,
+            Part::Status => api.replace_status(&name, &pp, obj).await,
+        }
+    }
+
+    pub async fn replace_pv(&self, pv: &PersistentVolume, op: &str) -> kube::Result<PersistentVolume> {
+        self.put(self.pvs(), pv, op, Part::Object).await
     }
 
     pub async fn replace_pv_status(&self, pv: &PersistentVolume, op: &str) -> kube::Result<PersistentVolume> {
-        self.count(op);
-        self.pvs()
-            .replace_status(&pv.name_any(), &PostParams::default(), pv)
-            .await
+        self.put(self.pvs(), pv, op, Part::Status).await
     }
 
     pub async fn replace_claim(
@@ -59,10 +76,7 @@ impl Writes {
         c: &PersistentVolumeClaim,
         op: &str,
     ) -> kube::Result<PersistentVolumeClaim> {
-        self.count(op);
-        self.claims(c)
-            .replace(&c.name_any(), &PostParams::default(), c)
-            .await
+        self.put(self.claims(c), c, op, Part::Object).await
     }
 
     pub async fn replace_claim_status(
@@ -70,9 +84,6 @@ impl Writes {
         c: &PersistentVolumeClaim,
         op: &str,
     ) -> kube::Result<PersistentVolumeClaim> {
-        self.count(op);
-        self.claims(c)
-            .replace_status(&c.name_any(), &PostParams::default(), c)
-            .await
+        self.put(self.claims(c), c, op, Part::Status).await
     }
 }

@@ -11,6 +11,7 @@ use k8s_openapi::api::core::v1::{
 };
 use k8s_openapi::api::storage::v1::{CSIDriver, CSIDriverSpec, StorageClass};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use kube::Resource;
 use kube::api::ObjectMeta;
 
 fn meta(name: &str) -> ObjectMeta {
@@ -18,6 +19,19 @@ fn meta(name: &str) -> ObjectMeta {
         name: Some(name.to_string()),
         ..Default::default()
     }
+}
+
+fn namespaced_meta(namespace: &str, name: &str) -> ObjectMeta {
+    ObjectMeta {
+        name: Some(name.into()),
+        namespace: Some(namespace.into()),
+        ..Default::default()
+    }
+}
+
+/// A `storage` resource map (a volume's capacity, a claim's request).
+fn storage(q: &str) -> BTreeMap<String, Quantity> {
+    BTreeMap::from([("storage".to_string(), Quantity(q.into()))])
 }
 
 fn strings(v: &[&str]) -> Vec<String> {
@@ -28,11 +42,7 @@ fn strings(v: &[&str]) -> Vec<String> {
 /// the default ServiceAccount admission plugin rejects pods without one).
 pub fn namespace(name: &str) -> (Namespace, ServiceAccount) {
     let sa = ServiceAccount {
-        metadata: ObjectMeta {
-            name: Some("default".into()),
-            namespace: Some(name.into()),
-            ..Default::default()
-        },
+        metadata: namespaced_meta(name, "default"),
         ..Default::default()
     };
     (
@@ -44,20 +54,21 @@ pub fn namespace(name: &str) -> (Namespace, ServiceAccount) {
     )
 }
 
-pub struct NodeBuilder(Node);
+/// The shared core of every builder: the object under construction. What all kinds have
+/// (metadata, `build`) is implemented once here; each kind adds its own setters in an
+/// `impl Builder<Kind>` block.
+pub struct Builder<K>(K);
 
-pub fn node(name: &str) -> NodeBuilder {
-    NodeBuilder(Node {
-        metadata: meta(name),
-        spec: Some(NodeSpec::default()),
-        status: None,
-    })
-}
+pub type NodeBuilder = Builder<Node>;
+pub type StorageClassBuilder = Builder<StorageClass>;
+pub type PvBuilder = Builder<PersistentVolume>;
+pub type PvcBuilder = Builder<PersistentVolumeClaim>;
+pub type PodBuilder = Builder<Pod>;
 
-impl NodeBuilder {
+impl<K: Resource> Builder<K> {
     pub fn label(mut self, k: &str, v: &str) -> Self {
         self.0
-            .metadata
+            .meta_mut()
             .labels
             .get_or_insert_with(BTreeMap::new)
             .insert(k.into(), v.into());
@@ -65,12 +76,26 @@ impl NodeBuilder {
     }
     pub fn annotation(mut self, k: &str, v: &str) -> Self {
         self.0
-            .metadata
+            .meta_mut()
             .annotations
             .get_or_insert_with(BTreeMap::new)
             .insert(k.into(), v.into());
         self
     }
+    pub fn build(self) -> K {
+        self.0
+    }
+}
+
+pub fn node(name: &str) -> NodeBuilder {
+    Builder(Node {
+        metadata: meta(name),
+        spec: Some(NodeSpec::default()),
+        status: None,
+    })
+}
+
+impl Builder<Node> {
     /// The annotation a kubelet (or stowage-agent) sets when the controller attaches for it.
     pub fn controller_attach(self) -> Self {
         self.annotation("volumes.kubernetes.io/controller-managed-attach-detach", "true")
@@ -84,9 +109,6 @@ impl NodeBuilder {
         }]);
         self
     }
-    pub fn build(self) -> Node {
-        self.0
-    }
 }
 
 pub fn csi_driver(name: &str, attach_required: bool) -> CSIDriver {
@@ -99,17 +121,15 @@ pub fn csi_driver(name: &str, attach_required: bool) -> CSIDriver {
     }
 }
 
-pub struct StorageClassBuilder(StorageClass);
-
 pub fn storage_class(name: &str, provisioner: &str) -> StorageClassBuilder {
-    StorageClassBuilder(StorageClass {
+    Builder(StorageClass {
         metadata: meta(name),
         provisioner: provisioner.into(),
         ..Default::default()
     })
 }
 
-impl StorageClassBuilder {
+impl Builder<StorageClass> {
     pub fn reclaim(mut self, policy: &str) -> Self {
         self.0.reclaim_policy = Some(policy.into());
         self
@@ -129,30 +149,42 @@ impl StorageClassBuilder {
             .insert(k.into(), v.into());
         self
     }
-    pub fn default_class(mut self) -> Self {
-        self.0
-            .metadata
-            .annotations
-            .get_or_insert_with(BTreeMap::new)
-            .insert(
-                "storageclass.kubernetes.io/is-default-class".into(),
-                "true".into(),
-            );
-        self
-    }
-    pub fn build(self) -> StorageClass {
-        self.0
+    pub fn default_class(self) -> Self {
+        self.annotation("storageclass.kubernetes.io/is-default-class", "true")
     }
 }
 
-pub struct PvBuilder(PersistentVolume);
+/// The setters of the spec fields volumes and claims share (same names, types and meaning in
+/// both). A macro, as the two k8s-openapi spec types have no common trait a function could use;
+/// the `impl` it expands in provides `spec()`.
+macro_rules! shared_volume_spec_setters {
+    () => {
+        pub fn access_modes(mut self, modes: &[&str]) -> Self {
+            self.spec().access_modes = Some(strings(modes));
+            self
+        }
+        /// Sets the class; on a claim, `""` asks explicitly for volumes without a class.
+        pub fn class(mut self, class: &str) -> Self {
+            self.spec().storage_class_name = Some(class.into());
+            self
+        }
+        pub fn block(mut self) -> Self {
+            self.spec().volume_mode = Some("Block".into());
+            self
+        }
+        pub fn attributes_class(mut self, class: &str) -> Self {
+            self.spec().volume_attributes_class_name = Some(class.into());
+            self
+        }
+    };
+}
 
 /// A 1Gi ReadWriteOnce volume of the built-in driver, Retain, no class.
 pub fn pv(name: &str) -> PvBuilder {
-    PvBuilder(PersistentVolume {
+    Builder(PersistentVolume {
         metadata: meta(name),
         spec: Some(PersistentVolumeSpec {
-            capacity: Some(BTreeMap::from([("storage".to_string(), Quantity("1Gi".into()))])),
+            capacity: Some(storage("1Gi")),
             access_modes: Some(strings(&["ReadWriteOnce"])),
             persistent_volume_reclaim_policy: Some("Retain".into()),
             csi: Some(CSIPersistentVolumeSource {
@@ -166,28 +198,17 @@ pub fn pv(name: &str) -> PvBuilder {
     })
 }
 
-impl PvBuilder {
+impl Builder<PersistentVolume> {
+    shared_volume_spec_setters!();
     fn spec(&mut self) -> &mut PersistentVolumeSpec {
         self.0.spec.get_or_insert_with(Default::default)
     }
     pub fn capacity(mut self, q: &str) -> Self {
-        self.spec().capacity = Some(BTreeMap::from([("storage".to_string(), Quantity(q.into()))]));
-        self
-    }
-    pub fn access_modes(mut self, modes: &[&str]) -> Self {
-        self.spec().access_modes = Some(strings(modes));
-        self
-    }
-    pub fn class(mut self, class: &str) -> Self {
-        self.spec().storage_class_name = Some(class.into());
+        self.spec().capacity = Some(storage(q));
         self
     }
     pub fn reclaim(mut self, policy: &str) -> Self {
         self.spec().persistent_volume_reclaim_policy = Some(policy.into());
-        self
-    }
-    pub fn block(mut self) -> Self {
-        self.spec().volume_mode = Some("Block".into());
         self
     }
     pub fn driver(mut self, driver: &str, handle: &str) -> Self {
@@ -196,22 +217,6 @@ impl PvBuilder {
             volume_handle: handle.into(),
             ..Default::default()
         });
-        self
-    }
-    pub fn label(mut self, k: &str, v: &str) -> Self {
-        self.0
-            .metadata
-            .labels
-            .get_or_insert_with(BTreeMap::new)
-            .insert(k.into(), v.into());
-        self
-    }
-    pub fn annotation(mut self, k: &str, v: &str) -> Self {
-        self.0
-            .metadata
-            .annotations
-            .get_or_insert_with(BTreeMap::new)
-            .insert(k.into(), v.into());
         self
     }
     /// Pre-binds to a claim; `uid` empty means "by name only", as a user would write it.
@@ -224,10 +229,6 @@ impl PvBuilder {
             uid: (!uid.is_empty()).then(|| uid.into()),
             ..Default::default()
         });
-        self
-    }
-    pub fn attributes_class(mut self, class: &str) -> Self {
-        self.spec().volume_attributes_class_name = Some(class.into());
         self
     }
     pub fn node_affinity_hostname(mut self, node: &str) -> Self {
@@ -248,25 +249,16 @@ impl PvBuilder {
         });
         self
     }
-    pub fn build(self) -> PersistentVolume {
-        self.0
-    }
 }
-
-pub struct PvcBuilder(PersistentVolumeClaim);
 
 /// A 1Gi ReadWriteOnce claim with no class set (the DefaultStorageClass admission may fill it).
 pub fn pvc(namespace: &str, name: &str) -> PvcBuilder {
-    PvcBuilder(PersistentVolumeClaim {
-        metadata: ObjectMeta {
-            name: Some(name.into()),
-            namespace: Some(namespace.into()),
-            ..Default::default()
-        },
+    Builder(PersistentVolumeClaim {
+        metadata: namespaced_meta(namespace, name),
         spec: Some(PersistentVolumeClaimSpec {
             access_modes: Some(strings(&["ReadWriteOnce"])),
             resources: Some(VolumeResourceRequirements {
-                requests: Some(BTreeMap::from([("storage".to_string(), Quantity("1Gi".into()))])),
+                requests: Some(storage("1Gi")),
                 ..Default::default()
             }),
             ..Default::default()
@@ -275,7 +267,8 @@ pub fn pvc(namespace: &str, name: &str) -> PvcBuilder {
     })
 }
 
-impl PvcBuilder {
+impl Builder<PersistentVolumeClaim> {
+    shared_volume_spec_setters!();
     fn spec(&mut self) -> &mut PersistentVolumeClaimSpec {
         self.0.spec.get_or_insert_with(Default::default)
     }
@@ -283,24 +276,11 @@ impl PvcBuilder {
         self.spec()
             .resources
             .get_or_insert_with(Default::default)
-            .requests = Some(BTreeMap::from([("storage".to_string(), Quantity(q.into()))]));
-        self
-    }
-    pub fn access_modes(mut self, modes: &[&str]) -> Self {
-        self.spec().access_modes = Some(strings(modes));
-        self
-    }
-    /// Sets the class; `""` asks explicitly for volumes without a class.
-    pub fn class(mut self, class: &str) -> Self {
-        self.spec().storage_class_name = Some(class.into());
+            .requests = Some(storage(q));
         self
     }
     pub fn volume_name(mut self, pv: &str) -> Self {
         self.spec().volume_name = Some(pv.into());
-        self
-    }
-    pub fn block(mut self) -> Self {
-        self.spec().volume_mode = Some("Block".into());
         self
     }
     pub fn selector(mut self, k: &str, v: &str) -> Self {
@@ -311,33 +291,12 @@ impl PvcBuilder {
         });
         self
     }
-    pub fn attributes_class(mut self, class: &str) -> Self {
-        self.spec().volume_attributes_class_name = Some(class.into());
-        self
-    }
-    pub fn annotation(mut self, k: &str, v: &str) -> Self {
-        self.0
-            .metadata
-            .annotations
-            .get_or_insert_with(BTreeMap::new)
-            .insert(k.into(), v.into());
-        self
-    }
-    pub fn build(self) -> PersistentVolumeClaim {
-        self.0
-    }
 }
-
-pub struct PodBuilder(Pod);
 
 /// A one-container pod (never run by a kubelet in tests; it only has to be valid).
 pub fn pod(namespace: &str, name: &str) -> PodBuilder {
-    PodBuilder(Pod {
-        metadata: ObjectMeta {
-            name: Some(name.into()),
-            namespace: Some(namespace.into()),
-            ..Default::default()
-        },
+    Builder(Pod {
+        metadata: namespaced_meta(namespace, name),
         spec: Some(PodSpec {
             containers: vec![Container {
                 name: "app".into(),
@@ -350,12 +309,12 @@ pub fn pod(namespace: &str, name: &str) -> PodBuilder {
     })
 }
 
-impl PodBuilder {
+impl Builder<Pod> {
     fn spec(&mut self) -> &mut PodSpec {
         self.0.spec.get_or_insert_with(Default::default)
     }
-    /// Mounts claim `claim` as volume `vol` at `/data/<vol>`.
-    pub fn claim(mut self, vol: &str, claim: &str) -> Self {
+    /// Adds pod volume `vol` of claim `claim`; the callers add its use by the container.
+    fn claim_volume(&mut self, vol: &str, claim: &str) {
         self.spec().volumes.get_or_insert_with(Vec::new).push(Volume {
             name: vol.into(),
             persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
@@ -364,6 +323,10 @@ impl PodBuilder {
             }),
             ..Default::default()
         });
+    }
+    /// Mounts claim `claim` as volume `vol` at `/data/<vol>`.
+    pub fn claim(mut self, vol: &str, claim: &str) -> Self {
+        self.claim_volume(vol, claim);
         let mount = VolumeMount {
             name: vol.into(),
             mount_path: format!("/data/{vol}"),
@@ -381,14 +344,7 @@ impl PodBuilder {
     }
     /// Uses claim `claim` as raw block volume `vol` at `/dev/<vol>` (`volumeDevices`).
     pub fn claim_device(mut self, vol: &str, claim: &str) -> Self {
-        self.spec().volumes.get_or_insert_with(Vec::new).push(Volume {
-            name: vol.into(),
-            persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
-                claim_name: claim.into(),
-                read_only: None,
-            }),
-            ..Default::default()
-        });
+        self.claim_volume(vol, claim);
         let dev = k8s_openapi::api::core::v1::VolumeDevice {
             name: vol.into(),
             device_path: format!("/dev/{vol}"),
@@ -406,9 +362,6 @@ impl PodBuilder {
             .get_or_insert_with(Default::default)
             .fs_group = Some(gid);
         self
-    }
-    pub fn build(self) -> Pod {
-        self.0
     }
 }
 
