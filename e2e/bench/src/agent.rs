@@ -23,11 +23,12 @@ use stowage_testkit::host::{Cleanup, mounts_under};
 use stowage_testkit::process::{free_port, spawn_tied, stop};
 
 use crate::apiserver::Writes;
-use crate::objects::{Pair, label, pod};
+use crate::controller::stowage_client_defaults;
+use crate::objects::{label, pairs, pod};
 use crate::procstat;
 use crate::report::RunResult;
-use crate::tracker::{Tracker, percentile_ms};
-use crate::workload::Env;
+use crate::tracker::Tracker;
+use crate::workload::{Env, Watched, WindowStart, wait_for};
 
 const DRIVER: &str = "loop.stowage.dev";
 const WARM: &str = "warm";
@@ -60,16 +61,21 @@ impl Drop for Agent {
     }
 }
 
-/// The agent's client limits: the shared flags' defaults, as it runs without flags.
-fn agent_defaults() -> (f32, u32) {
-    use clap::Parser;
-    #[derive(Parser)]
-    struct Defaults {
-        #[command(flatten)]
-        api: stowage_common::client::ApiArgs,
+impl Watched for Agent {
+    fn failure(&mut self) -> Option<String> {
+        let Ok(Some(st)) = self.child.try_wait() else {
+            return None;
+        };
+        Some(format!("agent exited ({st}); see {}", self.log.display()))
     }
-    let d = Defaults::parse_from(["stowage-agent"]);
-    (d.api.kube_api_qps, d.api.kube_api_burst)
+
+    fn usage(&self) -> String {
+        format!(
+            "agent CPU {:.1} s, RSS {:.0} MiB",
+            procstat::cpu_seconds(self.pid).unwrap_or(0.0),
+            procstat::peak_rss_bytes(self.pid).unwrap_or(0) as f64 / 1048576.0
+        )
+    }
 }
 
 pub async fn run(env: &Env, n: usize, bin: &Path) -> anyhow::Result<RunResult> {
@@ -122,16 +128,7 @@ async fn measure(
         f.set_len(16 << 20)?;
     }
     o.namespace(ns, run).await?;
-    let mut pairs: Vec<Pair> = (0..n)
-        .map(|i| Pair {
-            pv: pv_name(i),
-            claim: format!("claim-{i:05}"),
-        })
-        .collect();
-    pairs.push(Pair {
-        pv: warm_pv.clone(),
-        claim: WARM.into(),
-    });
+    let pairs = pairs(n, pv_name, |i| format!("claim-{i:05}"), &warm_pv, WARM);
     o.bound_pairs(ns, run, pairs, "", DRIVER, "16Mi").await?;
 
     let log = env.setup.log_dir.join(format!("{tag}.log"));
@@ -184,7 +181,7 @@ async fn measure(
     vas.create(&pp, &va(WARM, &warm_pv)).await?;
     let started = Instant::now();
     let warm_done = || (usize::from(tracker.is_done(&warm_pv)), 1);
-    if let Some(why) = wait(env, &tag, "warm-up", warm_done, &mut agent, started).await {
+    if let Some(why) = wait_for(env, &tag, "warm-up", warm_done, &mut agent, started).await {
         poller.abort();
         bail!("{why}");
     }
@@ -192,7 +189,12 @@ async fn measure(
     let writes0 = Writes::scrape(&client).await?;
     let cpu0 = procstat::cpu_seconds(agent.pid).unwrap_or(0.0);
     o.own_writes.store(0, Ordering::Relaxed);
-    let start = Instant::now();
+    let window = WindowStart {
+        start: Instant::now(),
+        cpu0,
+        writes0,
+    };
+    let start = window.start;
     let fire = futures::StreamExt::buffer_unordered(
         futures::stream::iter((0..n).map(|i| {
             let (pods, vas, tracker, pp) = (&pods, &vas, &tracker, &pp);
@@ -222,13 +224,10 @@ async fn measure(
         }
         anyhow::Ok(())
     };
-    let waited = wait(env, &tag, "done", || tracker.progress(), &mut agent, start);
+    let waited = wait_for(env, &tag, "done", || tracker.progress(), &mut agent, start);
     let (fired, failure) = tokio::join!(fire, waited);
     fired?;
-    let end_cpu = procstat::cpu_seconds(agent.pid).unwrap_or(0.0);
-    let rss = procstat::peak_rss_bytes(agent.pid).unwrap_or(0);
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    let delta = Writes::scrape(&client).await?.since(&writes0);
+    let end = window.close(&client, agent.pid).await?;
     poller.abort();
 
     // Teardown through the agent (pods gone → unmounted), bounded; the guard handles the rest.
@@ -243,7 +242,7 @@ async fn measure(
     let t0 = Instant::now();
     let root_c = root.clone();
     let unmounted = || (usize::from(mounts_under(&root_c).is_empty()), 1);
-    if let Some(why) = wait(env, &tag, "teardown", unmounted, &mut agent, t0).await {
+    if let Some(why) = wait_for(env, &tag, "teardown", unmounted, &mut agent, t0).await {
         eprintln!("  {tag}: {why}; the cleanup guard unmounts the rest");
     } else {
         eprintln!(
@@ -254,35 +253,17 @@ async fn measure(
     let log = agent.log.display().to_string();
     drop(agent);
 
-    let (lat, last) = tracker.latencies();
-    let (done, total) = tracker.progress();
-    let wall = last.map_or(0.0, |l| l.saturating_duration_since(start).as_secs_f64());
-    let writes = (delta.controller_writes() - o.own_writes.load(Ordering::Relaxed) as f64).max(0.0);
-    let (qps, burst) = agent_defaults();
-    Ok(RunResult {
-        workload: name(n),
-        mode: "defaults".into(),
-        implementation: "stowage-agent".into(),
-        qps,
-        burst,
-        objects: n,
-        done,
-        converged: failure.is_none() && done == total,
-        note: failure,
-        wall_s: wall,
-        throughput_per_s: if wall > 0.0 { done as f64 / wall } else { 0.0 },
-        p50_ms: percentile_ms(&lat, 50.0),
-        p99_ms: percentile_ms(&lat, 99.0),
-        max_ms: percentile_ms(&lat, 100.0),
-        cpu_s: end_cpu - cpu0,
-        cpu_total_s: end_cpu,
-        peak_rss_mib: rss as f64 / 1024.0 / 1024.0,
-        writes,
-        writes_per_object: if done > 0 { writes / done as f64 } else { 0.0 },
-        conflicts: delta.conflicts(),
-        writes_by_resource: delta.0,
+    let base = RunResult {
         controller_log: log,
-    })
+        ..RunResult::unmeasured(
+            name(n),
+            "defaults",
+            "stowage-agent",
+            stowage_client_defaults("stowage-agent"),
+            n,
+        )
+    };
+    Ok(end.result(base, o, &tracker, failure))
 }
 
 /// Reports every volume whose pod bind mount (`<root>/pods/<uid>/volumes/kubernetes.io~csi/<pv>/mount`)
@@ -307,56 +288,5 @@ async fn poll_mounts(root: PathBuf, tracker: Arc<Tracker>) {
             }
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
-/// Polls `progress` until done == total, with a progress line every 2 s; returns why it gave up
-/// (stall, overall timeout, agent exited), if it did.
-async fn wait(
-    env: &Env,
-    tag: &str,
-    phase: &str,
-    progress: impl Fn() -> (usize, usize),
-    agent: &mut Agent,
-    since: Instant,
-) -> Option<String> {
-    let mut last_done = usize::MAX;
-    let mut last_change = Instant::now();
-    let mut last_print = Instant::now();
-    loop {
-        let (done, total) = progress();
-        if done >= total {
-            return None;
-        }
-        let now = Instant::now();
-        if done != last_done {
-            last_done = done;
-            last_change = now;
-        }
-        if now.duration_since(last_change) > env.stall {
-            return Some(format!("{phase}: stalled at {done}/{total} for {:?}", env.stall));
-        }
-        if now.duration_since(since) > env.timeout {
-            return Some(format!(
-                "{phase}: {done}/{total} after the {:?} timeout",
-                env.timeout
-            ));
-        }
-        if let Ok(Some(st)) = agent.child.try_wait() {
-            return Some(format!(
-                "{phase}: agent exited ({st}); see {}",
-                agent.log.display()
-            ));
-        }
-        if now.duration_since(last_print) >= Duration::from_secs(2) {
-            last_print = now;
-            eprintln!(
-                "  {tag}: {phase} {done}/{total} after {:.1} s (agent CPU {:.1} s, RSS {:.0} MiB)",
-                now.duration_since(since).as_secs_f64(),
-                procstat::cpu_seconds(agent.pid).unwrap_or(0.0),
-                procstat::peak_rss_bytes(agent.pid).unwrap_or(0) as f64 / 1048576.0
-            );
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }

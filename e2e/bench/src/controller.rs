@@ -7,6 +7,9 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use stowage_testkit::process::{free_port, spawn_tied, stop};
 
+use crate::procstat;
+use crate::workload::Watched;
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, clap::ValueEnum, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Impl {
@@ -93,8 +96,15 @@ impl Controller {
         })
     }
 
+    /// SIGTERM, a grace period, SIGKILL; the process is gone when this returns.
+    pub fn stop(self) {
+        drop(self);
+    }
+}
+
+impl Watched for Controller {
     /// Why the process is no longer usable for this run, if it is not.
-    pub fn failure(&mut self) -> Option<String> {
+    fn failure(&mut self) -> Option<String> {
         if let Ok(Some(st)) = self.child.try_wait() {
             return Some(format!("controller exited ({st}); see {}", self.log.display()));
         }
@@ -108,9 +118,11 @@ impl Controller {
         })
     }
 
-    /// SIGTERM, a grace period, SIGKILL; the process is gone when this returns.
-    pub fn stop(self) {
-        drop(self);
+    fn usage(&self) -> String {
+        format!(
+            "controller CPU {:.1} s",
+            procstat::cpu_seconds(self.pid).unwrap_or(0.0)
+        )
     }
 }
 
@@ -118,6 +130,19 @@ impl Drop for Controller {
     fn drop(&mut self) {
         tokio::task::block_in_place(|| stop(&mut self.child, Duration::from_secs(10)));
     }
+}
+
+/// The client limits (`--kube-api-qps`, `--kube-api-burst`) a stowage binary runs with when not
+/// given those flags, read from the shared flag definitions so they cannot drift.
+pub fn stowage_client_defaults(bin: &str) -> (f32, u32) {
+    use clap::Parser;
+    #[derive(Parser)]
+    struct Defaults {
+        #[command(flatten)]
+        api: stowage_common::client::ApiArgs,
+    }
+    let d = Defaults::parse_from([bin]);
+    (d.api.kube_api_qps, d.api.kube_api_burst)
 }
 
 pub fn default_bin(rel: &str) -> PathBuf {

@@ -117,17 +117,6 @@ struct Args {
     agent_bin: Option<PathBuf>,
 }
 
-/// stowage-controller's own client defaults, read from its flag definitions so they cannot drift.
-fn stowage_defaults() -> (f32, u32) {
-    #[derive(Parser)]
-    struct Defaults {
-        #[command(flatten)]
-        api: stowage_common::client::ApiArgs,
-    }
-    let d = Defaults::parse_from(["stowage-controller"]);
-    (d.api.kube_api_qps, d.api.kube_api_burst)
-}
-
 impl Args {
     fn workloads(&self) -> anyhow::Result<Vec<Workload>> {
         let small = self.sizes == Sizes::Small;
@@ -210,7 +199,8 @@ async fn run(args: Args) -> anyhow::Result<()> {
         }
     }
     let machine = Machine::probe();
-    let sdef = stowage_defaults();
+    // stowage-controller's own client defaults.
+    let sdef = controller::stowage_client_defaults("stowage-controller");
 
     eprintln!("stowage-bench: starting etcd + kube-apiserver");
     let cp = tokio::task::block_in_place(stowage_testkit::ControlPlane::start)?;
@@ -269,14 +259,10 @@ async fn run(args: Args) -> anyhow::Result<()> {
                 };
                 let r = workload::run_one(&env, &spec).await?;
                 eprintln!(
-                    "stowage-bench: {} / {mode_name} / {}: {}/{} in {:.1} s, CPU {:.2} s{}",
+                    "stowage-bench: {} / {mode_name} / {}: {}",
                     w.name(),
                     which.name(),
-                    r.done,
-                    r.objects,
-                    r.wall_s,
-                    r.cpu_s,
-                    r.note.as_deref().map(|n| format!(" ({n})")).unwrap_or_default()
+                    outcome(&r, "")
                 );
                 by_config.insert(key, r.clone());
                 results.push(r);
@@ -288,16 +274,8 @@ async fn run(args: Args) -> anyhow::Result<()> {
     if let Some(n) = agent_n {
         eprintln!("stowage-bench: {} / stowage-agent", agent::name(n));
         let r = agent::run(&env, n, &agent_bin).await?;
-        eprintln!(
-            "stowage-bench: {}: {}/{} in {:.1} s, CPU {:.2} s, peak RSS {:.0} MiB{}",
-            r.workload,
-            r.done,
-            r.objects,
-            r.wall_s,
-            r.cpu_s,
-            r.peak_rss_mib,
-            r.note.as_deref().map(|n| format!(" ({n})")).unwrap_or_default()
-        );
+        let rss = format!(", peak RSS {:.0} MiB", r.peak_rss_mib);
+        eprintln!("stowage-bench: {}: {}", r.workload, outcome(&r, &rss));
         described.push((r.workload.clone(), agent::describe(n)));
         results.push(r);
     }
@@ -322,6 +300,18 @@ async fn run(args: Args) -> anyhow::Result<()> {
     drop(env);
     cp.stop();
     Ok(())
+}
+
+/// A finished run for the progress lines: done/objects, wall time and CPU, `extra`, its note.
+fn outcome(r: &RunResult, extra: &str) -> String {
+    format!(
+        "{}/{} in {:.1} s, CPU {:.2} s{extra}{}",
+        r.done,
+        r.objects,
+        r.wall_s,
+        r.cpu_s,
+        r.note.as_deref().map(|n| format!(" ({n})")).unwrap_or_default()
+    )
 }
 
 /// The image directory stowage-controller is given (no workload here provisions loop images).

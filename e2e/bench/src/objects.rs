@@ -47,6 +47,26 @@ pub struct Pair {
     pub claim: String,
 }
 
+/// `n` pairs named by index, plus the warm-up pair.
+pub fn pairs(
+    n: usize,
+    pv: impl Fn(usize) -> String,
+    claim: impl Fn(usize) -> String,
+    warm_pv: &str,
+    warm_claim: &str,
+) -> Vec<Pair> {
+    (0..n)
+        .map(|i| Pair {
+            pv: pv(i),
+            claim: claim(i),
+        })
+        .chain([Pair {
+            pv: warm_pv.into(),
+            claim: warm_claim.into(),
+        }])
+        .collect()
+}
+
 impl Objects {
     pub fn count_own_write(&self) {
         self.own_writes.fetch_add(1, Ordering::Relaxed);

@@ -39,6 +39,42 @@ pub struct RunResult {
     pub controller_log: String,
 }
 
+impl RunResult {
+    /// A run with nothing measured yet (what a run whose warm-up failed reports).
+    pub fn unmeasured(
+        workload: String,
+        mode: &str,
+        implementation: &str,
+        (qps, burst): (f32, u32),
+        objects: usize,
+    ) -> Self {
+        Self {
+            workload,
+            mode: mode.into(),
+            implementation: implementation.into(),
+            qps,
+            burst,
+            objects,
+            done: 0,
+            converged: false,
+            note: None,
+            wall_s: 0.0,
+            throughput_per_s: 0.0,
+            p50_ms: None,
+            p99_ms: None,
+            max_ms: None,
+            cpu_s: 0.0,
+            cpu_total_s: 0.0,
+            peak_rss_mib: 0.0,
+            writes: 0.0,
+            writes_per_object: 0.0,
+            conflicts: 0.0,
+            writes_by_resource: Default::default(),
+            controller_log: String::new(),
+        }
+    }
+}
+
 #[derive(Debug, Serialize)]
 pub struct Report {
     pub started_unix: u64,

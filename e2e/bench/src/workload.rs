@@ -18,7 +18,7 @@ use tokio::task::JoinHandle;
 
 use crate::apiserver::Writes;
 use crate::controller::{Controller, Impl, Setup};
-use crate::objects::{Objects, Pair, RUN_LABEL, label, pod};
+use crate::objects::{Objects, RUN_LABEL, label, pairs, pod};
 use crate::procstat;
 use crate::report::RunResult;
 use crate::tracker::{Tracker, percentile_ms, watch};
@@ -130,12 +130,80 @@ pub async fn run_one(env: &Env, spec: &Spec<'_>) -> anyhow::Result<RunResult> {
     result
 }
 
-/// Everything a measured window needs to know when it ends.
+/// A measured window of a controller.
 struct Window {
     ctrl: Controller,
-    start: Instant,
-    cpu0: f64,
-    writes0: Writes,
+    opened: WindowStart,
+}
+
+/// Everything a measured window needs to know when it ends (shared with the agent workload).
+pub struct WindowStart {
+    pub start: Instant,
+    /// CPU of the measured process at the start.
+    pub cpu0: f64,
+    pub writes0: Writes,
+}
+
+/// What a measured window ended with, read as soon as its objects were done.
+pub struct WindowEnd {
+    opened: WindowStart,
+    cpu: f64,
+    rss: u64,
+    delta: Writes,
+}
+
+impl WindowStart {
+    /// Reads process `pid`'s CPU and peak RSS, then the apiserver's writes since the start.
+    pub async fn close(self, client: &kube::Client, pid: u32) -> anyhow::Result<WindowEnd> {
+        let cpu = procstat::cpu_seconds(pid).unwrap_or(0.0);
+        let rss = procstat::peak_rss_bytes(pid).unwrap_or(0);
+        // Trailing writes (an event after the last status) still belong to the run.
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let delta = Writes::scrape(client).await?.since(&self.writes0);
+        Ok(WindowEnd {
+            opened: self,
+            cpu,
+            rss,
+            delta,
+        })
+    }
+}
+
+impl WindowEnd {
+    /// `base` with the window's numbers: `tracker`'s latencies and progress (stop whatever feeds
+    /// it first), the process's CPU and RSS, and the writes other than the bench's own.
+    pub fn result(
+        self,
+        base: RunResult,
+        o: &Objects,
+        tracker: &Tracker,
+        failure: Option<String>,
+    ) -> RunResult {
+        let (lat, last) = tracker.latencies();
+        let (done, total) = tracker.progress();
+        let wall = last.map_or(0.0, |l| {
+            l.saturating_duration_since(self.opened.start).as_secs_f64()
+        });
+        let writes = (self.delta.controller_writes() - o.own_writes.load(Ordering::Relaxed) as f64).max(0.0);
+        RunResult {
+            done,
+            converged: failure.is_none() && done == total,
+            note: failure,
+            wall_s: wall,
+            throughput_per_s: if wall > 0.0 { done as f64 / wall } else { 0.0 },
+            p50_ms: percentile_ms(&lat, 50.0),
+            p99_ms: percentile_ms(&lat, 99.0),
+            max_ms: percentile_ms(&lat, 100.0),
+            cpu_s: self.cpu - self.opened.cpu0,
+            cpu_total_s: self.cpu,
+            peak_rss_mib: self.rss as f64 / 1024.0 / 1024.0,
+            writes,
+            writes_per_object: if done > 0 { writes / done as f64 } else { 0.0 },
+            conflicts: self.delta.conflicts(),
+            writes_by_resource: self.delta.0,
+            ..base
+        }
+    }
 }
 
 async fn measure(env: &Env, spec: &Spec<'_>, run: &str, tag: &str) -> anyhow::Result<RunResult> {
@@ -160,6 +228,30 @@ async fn measure(env: &Env, spec: &Spec<'_>, run: &str, tag: &str) -> anyhow::Re
             tag,
         )
     };
+    // The sizes and objects of the binding workloads (static, burst).
+    let size = |i: usize| format!("{}Gi", 1 + i % 10);
+    let sized_pv = |i: usize| {
+        label(
+            builders::pv(&pv_name(i)).capacity(&size(i)).class(run).build(),
+            run,
+        )
+    };
+    let sized_claim = |i: usize| {
+        label(
+            builders::pvc(ns, &claim_name(i))
+                .request(&size(i))
+                .class(run)
+                .build(),
+            run,
+        )
+    };
+    let no_provisioner_class = || {
+        label(
+            builders::storage_class(run, "kubernetes.io/no-provisioner").build(),
+            run,
+        )
+    };
+    let warm_pv = format!("{run}-pv-warm");
     let bound = |c: &PersistentVolumeClaim| {
         (c.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Bound")).then(|| c.name_any())
     };
@@ -168,77 +260,28 @@ async fn measure(env: &Env, spec: &Spec<'_>, run: &str, tag: &str) -> anyhow::Re
     let (tracker, window, trigger): (Arc<Tracker>, Result<Window, String>, Trigger) = match spec.workload {
         Workload::Static { n } => {
             let n = *n;
-            let class = label(
-                builders::storage_class(run, "kubernetes.io/no-provisioner").build(),
-                run,
-            );
-            classes.create(&pp, &class).await?;
-            let size = |i: usize| format!("{}Gi", 1 + i % 10);
-            o.available_pvs(
-                (0..n)
-                    .map(|i| {
-                        label(
-                            builders::pv(&pv_name(i)).capacity(&size(i)).class(run).build(),
-                            run,
-                        )
-                    })
-                    .collect(),
-            )
-            .await?;
-            o.create_all(
-                &pvcs,
-                (0..n)
-                    .map(|i| {
-                        label(
-                            builders::pvc(ns, &claim_name(i))
-                                .request(&size(i))
-                                .class(run)
-                                .build(),
-                            run,
-                        )
-                    })
-                    .collect(),
-            )
-            .await?;
+            classes.create(&pp, &no_provisioner_class()).await?;
+            o.available_pvs((0..n).map(sized_pv).collect()).await?;
+            o.create_all(&pvcs, (0..n).map(sized_claim).collect()).await?;
             let tracker = Tracker::new((0..n).map(claim_name), []);
             watches.push(watch(pvcs.clone(), by_label.clone(), tracker.clone(), bound).await?);
             let writes0 = Writes::scrape(&client).await?;
             let ctrl = start_ctrl()?;
             tracker.set_default_start(ctrl.started);
-            let start = ctrl.started;
-            (
-                tracker,
-                Ok(Window {
-                    ctrl,
-                    start,
-                    cpu0: 0.0,
-                    writes0,
-                }),
-                Trigger::None,
-            )
+            let opened = WindowStart {
+                start: ctrl.started,
+                cpu0: 0.0,
+                writes0,
+            };
+            (tracker, Ok(Window { ctrl, opened }), Trigger::None)
         }
         Workload::Burst { n } => {
             let n = *n;
-            let class = label(
-                builders::storage_class(run, "kubernetes.io/no-provisioner").build(),
-                run,
-            );
-            classes.create(&pp, &class).await?;
-            let size = |i: usize| format!("{}Gi", 1 + i % 10);
+            classes.create(&pp, &no_provisioner_class()).await?;
             // The warm-up pair is larger than any other, so it cannot take a measured volume.
-            let mut vols: Vec<PersistentVolume> = (0..n)
-                .map(|i| {
-                    label(
-                        builders::pv(&pv_name(i)).capacity(&size(i)).class(run).build(),
-                        run,
-                    )
-                })
-                .collect();
+            let mut vols: Vec<PersistentVolume> = (0..n).map(sized_pv).collect();
             vols.push(label(
-                builders::pv(&format!("{run}-pv-warm"))
-                    .capacity("100Gi")
-                    .class(run)
-                    .build(),
+                builders::pv(&warm_pv).capacity("100Gi").class(run).build(),
                 run,
             ));
             o.available_pvs(vols).await?;
@@ -248,17 +291,7 @@ async fn measure(env: &Env, spec: &Spec<'_>, run: &str, tag: &str) -> anyhow::Re
             let warm = label(builders::pvc(ns, WARM).request("100Gi").class(run).build(), run);
             pvcs.create(&pp, &warm).await?;
             let window = warm_up(env, tag, &tracker, ctrl, &client).await;
-            let claims = (0..n)
-                .map(|i| {
-                    label(
-                        builders::pvc(ns, &claim_name(i))
-                            .request(&size(i))
-                            .class(run)
-                            .build(),
-                        run,
-                    )
-                })
-                .collect();
+            let claims = (0..n).map(sized_claim).collect();
             (tracker, window, Trigger::CreateClaims(claims))
         }
         Workload::Attach { pods, nodes } => {
@@ -271,18 +304,9 @@ async fn measure(env: &Env, spec: &Spec<'_>, run: &str, tag: &str) -> anyhow::Re
             .await?;
             let node_names: Vec<String> = (0..nodes).map(|j| format!("{run}-node-{j:03}")).collect();
             o.nodes(&node_names, run).await?;
-            let mut pairs: Vec<Pair> = (0..n)
-                .map(|i| Pair {
-                    pv: pv_name(i),
-                    claim: claim_name(i),
-                })
-                .collect();
-            pairs.push(Pair {
-                pv: format!("{run}-pv-warm"),
-                claim: WARM.into(),
-            });
+            let pairs = pairs(n, pv_name, claim_name, &warm_pv, WARM);
             o.bound_pairs(ns, run, pairs, run, &driver, "1Gi").await?;
-            let tracker = Tracker::new((0..n).map(pv_name), [format!("{run}-pv-warm")]);
+            let tracker = Tracker::new((0..n).map(pv_name), [warm_pv.clone()]);
             let drv = driver.clone();
             let va_key = move |va: &VolumeAttachment| {
                 (va.spec.attacher == drv)
@@ -296,7 +320,7 @@ async fn measure(env: &Env, spec: &Spec<'_>, run: &str, tag: &str) -> anyhow::Re
             pods_api
                 .create(&pp, &pod(ns, "pod-warm", WARM, &node_names[0], run))
                 .await?;
-            let window = warm_up_key(env, tag, &tracker, ctrl, &client, &format!("{run}-pv-warm")).await;
+            let window = warm_up_key(env, tag, &tracker, ctrl, &client, &warm_pv).await;
             let pods = (0..n)
                 .map(|i| {
                     (
@@ -323,16 +347,7 @@ async fn measure(env: &Env, spec: &Spec<'_>, run: &str, tag: &str) -> anyhow::Re
                 run,
             );
             classes.create(&pp, &class).await?;
-            let mut pairs: Vec<Pair> = (0..n)
-                .map(|i| Pair {
-                    pv: pv_name(i),
-                    claim: claim_name(i),
-                })
-                .collect();
-            pairs.push(Pair {
-                pv: format!("{run}-pv-warm"),
-                claim: WARM.into(),
-            });
+            let pairs = pairs(n, pv_name, claim_name, &warm_pv, WARM);
             o.bound_pairs(ns, run, pairs, run, &driver, "1Gi").await?;
             let tracker = Tracker::new((0..n).map(claim_name), [WARM.to_string()]);
             let events: Api<Event> = Api::namespaced(client.clone(), ns);
@@ -356,30 +371,13 @@ async fn measure(env: &Env, spec: &Spec<'_>, run: &str, tag: &str) -> anyhow::Re
         }
     };
 
-    let mut base = RunResult {
-        workload: spec.workload.name(),
-        mode: spec.mode.into(),
-        implementation: spec.which.name().into(),
-        qps: spec.effective.0,
-        burst: spec.effective.1,
-        objects: n,
-        done: 0,
-        converged: false,
-        note: None,
-        wall_s: 0.0,
-        throughput_per_s: 0.0,
-        p50_ms: None,
-        p99_ms: None,
-        max_ms: None,
-        cpu_s: 0.0,
-        cpu_total_s: 0.0,
-        peak_rss_mib: 0.0,
-        writes: 0.0,
-        writes_per_object: 0.0,
-        conflicts: 0.0,
-        writes_by_resource: Default::default(),
-        controller_log: String::new(),
-    };
+    let mut base = RunResult::unmeasured(
+        spec.workload.name(),
+        spec.mode,
+        spec.which.name(),
+        spec.effective,
+        n,
+    );
     let mut w = match window {
         Ok(w) => w,
         Err(note) => {
@@ -393,41 +391,22 @@ async fn measure(env: &Env, spec: &Spec<'_>, run: &str, tag: &str) -> anyhow::Re
     o.own_writes.store(0, Ordering::Relaxed);
     let failure = {
         let fire = trigger.fire(o, &tracker, &pvcs, ns);
-        let wait = wait_for(env, tag, "done", || tracker.progress(), &mut w.ctrl, w.start);
+        let wait = wait_for(
+            env,
+            tag,
+            "done",
+            || tracker.progress(),
+            &mut w.ctrl,
+            w.opened.start,
+        );
         let (fired, failure) = tokio::join!(fire, wait);
         fired?;
         failure
     };
-    let end_cpu = procstat::cpu_seconds(w.ctrl.pid).unwrap_or(0.0);
-    let rss = procstat::peak_rss_bytes(w.ctrl.pid).unwrap_or(0);
-    // Trailing writes (an event after the last status) still belong to the run.
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    let delta = Writes::scrape(&client).await?.since(&w.writes0);
+    let end = w.opened.close(&client, w.ctrl.pid).await?;
     w.ctrl.stop();
     watches.iter().for_each(JoinHandle::abort);
-
-    let (lat, last) = tracker.latencies();
-    let (done, total) = tracker.progress();
-    let wall = last.map_or(0.0, |l| l.saturating_duration_since(w.start).as_secs_f64());
-    let writes = (delta.controller_writes() - o.own_writes.load(Ordering::Relaxed) as f64).max(0.0);
-    Ok(RunResult {
-        done,
-        converged: failure.is_none() && done == total,
-        note: failure,
-        wall_s: wall,
-        throughput_per_s: if wall > 0.0 { done as f64 / wall } else { 0.0 },
-        p50_ms: percentile_ms(&lat, 50.0),
-        p99_ms: percentile_ms(&lat, 99.0),
-        max_ms: percentile_ms(&lat, 100.0),
-        cpu_s: end_cpu - w.cpu0,
-        cpu_total_s: end_cpu,
-        peak_rss_mib: rss as f64 / 1024.0 / 1024.0,
-        writes,
-        writes_per_object: if done > 0 { writes / done as f64 } else { 0.0 },
-        conflicts: delta.conflicts(),
-        writes_by_resource: delta.0,
-        ..base
-    })
+    Ok(end.result(base, o, &tracker, failure))
 }
 
 fn grow(size: &str) -> serde_json::Value {
@@ -559,22 +538,30 @@ async fn warm_up_key(
     }
     let writes0 = Writes::scrape(client).await.map_err(|e| format!("{e:#}"))?;
     let cpu0 = procstat::cpu_seconds(ctrl.pid).unwrap_or(0.0);
-    Ok(Window {
-        ctrl,
+    let opened = WindowStart {
         start: Instant::now(),
         cpu0,
         writes0,
-    })
+    };
+    Ok(Window { ctrl, opened })
+}
+
+/// The process a wait watches besides the objects' progress (a controller, the agent).
+pub trait Watched {
+    /// Why the process can make no more progress (it exited, ...), if so.
+    fn failure(&mut self) -> Option<String>;
+    /// Its resource use so far, for the progress line.
+    fn usage(&self) -> String;
 }
 
 /// Polls `progress` until done == total; prints a progress line every 2 s. Returns why it gave
-/// up, if it did: no progress for the stall timeout, the overall timeout, or a dead controller.
-async fn wait_for(
+/// up, if it did: no progress for the stall timeout, the overall timeout, or a dead process.
+pub async fn wait_for(
     env: &Env,
     label: &str,
     phase: &str,
     progress: impl Fn() -> (usize, usize),
-    ctrl: &mut Controller,
+    process: &mut impl Watched,
     since: Instant,
 ) -> Option<String> {
     let mut last_done = usize::MAX;
@@ -599,15 +586,15 @@ async fn wait_for(
                 env.timeout
             ));
         }
-        if let Some(why) = ctrl.failure() {
+        if let Some(why) = process.failure() {
             return Some(format!("{phase}: {why}"));
         }
         if now.duration_since(last_print) >= Duration::from_secs(2) {
             last_print = now;
             eprintln!(
-                "  {label}: {phase} {done}/{total} after {:.1} s (controller CPU {:.1} s)",
+                "  {label}: {phase} {done}/{total} after {:.1} s ({})",
                 now.duration_since(since).as_secs_f64(),
-                procstat::cpu_seconds(ctrl.pid).unwrap_or(0.0)
+                process.usage()
             );
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
