@@ -19,9 +19,6 @@ use stowage_binder::objects::{
 };
 use stowage_binder::quantity;
 
-/// Which external resizer owns a claim (set by the expand controller, read by external-resizer).
-pub const ANN_STORAGE_RESIZER: &str = "volume.kubernetes.io/storage-resizer";
-
 pub const COND_RESIZING: &str = "Resizing";
 pub const COND_FS_RESIZE_PENDING: &str = "FileSystemResizePending";
 pub const COND_CONTROLLER_RESIZE_ERROR: &str = "ControllerResizeError";
@@ -91,11 +88,6 @@ pub enum Action {
     },
     /// Writes the claim's status as given (ending an attempt, dropping stale conditions).
     ClaimStatus {
-        claim: Box<PersistentVolumeClaim>,
-        op: &'static str,
-    },
-    /// Writes the claim (metadata) as given: the external resizer hand-off.
-    Claim {
         claim: Box<PersistentVolumeClaim>,
         op: &'static str,
     },
@@ -239,7 +231,8 @@ pub fn sync_claim(
     }
 }
 
-/// Other CSI drivers: the external resizer named by the annotation does the work.
+/// Other CSI drivers: their external-resizer finds the claim by the volume's driver; the
+/// controller only says so, as upstream (no write to the claim).
 fn hand_off(
     claim: &PersistentVolumeClaim,
     class: Option<&StorageClass>,
@@ -247,29 +240,20 @@ fn hand_off(
     req: Size,
     cap: Size,
 ) -> Vec<Action> {
-    if req.bytes <= cap.bytes || ann(claim, ANN_STORAGE_RESIZER) == Some(driver) {
+    if req.bytes <= cap.bytes {
         return vec![];
     }
     if !class_allows(class) {
         return vec![not_allowed(claim, class, &req)];
     }
-    let mut next = claim.clone();
-    next.annotations_mut()
-        .insert(ANN_STORAGE_RESIZER.into(), driver.into());
-    vec![
-        Action::Claim {
-            claim: Box::new(next),
-            op: "set_resizer",
-        },
-        Action::Event {
-            warning: false,
-            reason: REASON_EXTERNAL_EXPANDING,
-            note: format!(
-                "waiting for an external controller ({driver}) to expand this PVC to {}",
-                req.quantity.0
-            ),
-        },
-    ]
+    vec![Action::Event {
+        warning: false,
+        reason: REASON_EXTERNAL_EXPANDING,
+        note: format!(
+            "waiting for an external controller ({driver}) to expand this PVC to {}",
+            req.quantity.0
+        ),
+    }]
 }
 
 #[allow(clippy::too_many_arguments)]

@@ -371,7 +371,18 @@ impl Brain {
             Timestamp::now(),
         );
         self.worker.metrics.reconciles.with_label_values(&["claim"]).inc();
-        if actions.is_empty() {
+        // Events are queued, not awaited: a sync that only reports needs no write task.
+        if actions.iter().all(|a| matches!(a, Action::Event { .. })) {
+            for e in &actions {
+                if let Action::Event {
+                    warning,
+                    reason,
+                    note,
+                } = e
+                {
+                    self.worker.report(&key, &claim, *warning, reason, note);
+                }
+            }
             self.queue.forget(&key);
             return;
         }
@@ -483,19 +494,29 @@ impl Worker {
         self.writes().replace_claim_status(c, op).await.map_err(api_err)
     }
 
-    async fn replace_claim(
-        &self,
-        c: &PersistentVolumeClaim,
-        op: &str,
-    ) -> Result<PersistentVolumeClaim, WorkError> {
-        self.writes().replace_claim(c, op).await.map_err(api_err)
-    }
-
     async fn replace_pv(&self, v: &PersistentVolume, op: &str) -> Result<PersistentVolume, WorkError> {
         self.writes().replace_pv(v, op).await.map_err(api_err)
     }
 
-    /// Publishes an event; with `once`, only when it differs from the last one on this claim.
+    /// An event the core decided on, with its metrics; sent once per (reason, note).
+    fn report(&self, key: &str, claim: &PersistentVolumeClaim, warning: bool, reason: &str, note: &str) {
+        if !self.event(key, claim, warning, reason, note.to_string(), true) {
+            return;
+        }
+        let outcome = match reason {
+            core::REASON_NOT_ALLOWED => {
+                self.metrics.failures.with_label_values(&["NotAllowed"]).inc();
+                return;
+            }
+            core::REASON_RESIZE_CANCELED => "canceled",
+            core::REASON_EXTERNAL_EXPANDING => "handed_off",
+            _ => return,
+        };
+        self.metrics.expansions.with_label_values(&[outcome]).inc();
+    }
+
+    /// Publishes an event; with `once`, not again while the claim's last one is the same.
+    /// Returns whether it was sent.
     fn event(
         &self,
         key: &str,
@@ -504,12 +525,12 @@ impl Worker {
         reason: &str,
         note: String,
         once: bool,
-    ) {
+    ) -> bool {
         {
             let mut last = self.last_events.lock().unwrap_or_else(|p| p.into_inner());
             let entry = (reason.to_string(), note.clone());
             if once && last.get(key) == Some(&entry) {
-                return;
+                return false;
             }
             last.insert(key.to_string(), entry);
         }
@@ -519,6 +540,7 @@ impl Worker {
         } else {
             self.events.normal(&target, reason, "Resize", note);
         }
+        true
     }
 
     async fn apply(
@@ -534,23 +556,9 @@ impl Worker {
                 warning,
                 reason,
                 note,
-            } => {
-                if *reason == core::REASON_NOT_ALLOWED {
-                    self.metrics.failures.with_label_values(&["NotAllowed"]).inc();
-                }
-                if *reason == core::REASON_RESIZE_CANCELED {
-                    self.metrics.expansions.with_label_values(&["canceled"]).inc();
-                }
-                self.event(key, claim, *warning, reason, note.clone(), true);
-            }
+            } => self.report(key, claim, *warning, reason, note),
             Action::ClaimStatus { claim: next, op } => {
                 done.claims.push(self.replace_claim_status(next, op).await?);
-            }
-            Action::Claim { claim: next, op } => {
-                done.claims.push(self.replace_claim(next, op).await?);
-                if *op == "set_resizer" {
-                    self.metrics.expansions.with_label_values(&["handed_off"]).inc();
-                }
             }
             Action::Volume { pv: next, op } => {
                 done.pvs.push(self.replace_pv(next, op).await?);
