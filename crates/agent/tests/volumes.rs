@@ -211,6 +211,33 @@ impl Env {
         .await;
     }
 
+    /// Attaches `pv` to `node` and waits until the pod `uid` has it mounted.
+    async fn attach_and_mount(&self, pv: &str, node: &str, uid: &str) -> Mounted {
+        let va = self.attach(pv, node).await;
+        let dev = self.wait_attached(&va).await;
+        let layout = self.layout(node);
+        let (target, global) = (layout.pod_mount(uid, pv), layout.global_mount(pv));
+        let mount = wait_mounted(&target).await;
+        Mounted {
+            va,
+            dev,
+            target,
+            global,
+            mount,
+        }
+    }
+
+    /// Deletes the pods, waits until `mounts` are gone, then detaches the way the controller does.
+    async fn release(&self, pods: &[&str], mounts: &[&Path], va: &str, node: &str, pv: &str) {
+        for p in pods {
+            self.delete_pod(p).await;
+        }
+        for m in mounts {
+            wait_unmounted(m).await;
+        }
+        self.detach(va, node, pv).await;
+    }
+
     async fn in_use(&self, node: &str) -> Vec<String> {
         let n = Api::<Node>::all(self.client.clone()).get(node).await.unwrap();
         n.status.and_then(|s| s.volumes_in_use).unwrap_or_default()
@@ -266,6 +293,15 @@ impl Env {
     }
 }
 
+/// A volume attached to a node and mounted into one pod.
+struct Mounted {
+    va: String,
+    dev: String,
+    target: PathBuf,
+    global: PathBuf,
+    mount: MountEntry,
+}
+
 fn mounts_at(path: &Path) -> Vec<MountEntry> {
     let table = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
     mountinfo::parse(&table)
@@ -314,38 +350,27 @@ async fn full_cycle_moves_data_between_two_agents() {
     e.volume(&pv, "data").await;
 
     let uid = e.pod("writer", &na, "data").await;
-    let va = e.attach(&pv, &na).await;
-    let dev = e.wait_attached(&va).await;
-    assert!(dev.starts_with("/dev/loop"), "{dev}");
-    let target = e.layout(&na).pod_mount(&uid, &pv);
-    let m = wait_mounted(&target).await;
-    assert_eq!(m.fstype, "ext4", "a blank image is formatted once");
+    let a = e.attach_and_mount(&pv, &na, &uid).await;
+    assert!(a.dev.starts_with("/dev/loop"), "{}", a.dev);
+    assert_eq!(a.mount.fstype, "ext4", "a blank image is formatted once");
     e.wait_in_use(&na, &pv).await;
-    std::fs::write(target.join("hello.txt"), b"written on node a").unwrap();
+    std::fs::write(a.target.join("hello.txt"), b"written on node a").unwrap();
     e.wait_event(&e.ns, "writer", "SuccessfulMountVolume").await;
-    let global = e.layout(&na).global_mount(&pv);
-    assert_eq!(mounts_at(&global).len(), 1);
+    assert_eq!(mounts_at(&a.global).len(), 1);
 
-    e.delete_pod("writer").await;
-    wait_unmounted(&target).await;
-    wait_unmounted(&global).await;
-    e.detach(&va, &na, &pv).await;
+    e.release(&["writer"], &[&a.target, &a.global], &a.va, &na, &pv)
+        .await;
     assert_eq!(loops_of(&image), "", "the loop device is released");
 
     let uid2 = e.pod("reader", &nb, "data").await;
-    let va2 = e.attach(&pv, &nb).await;
-    e.wait_attached(&va2).await;
-    let target2 = e.layout(&nb).pod_mount(&uid2, &pv);
-    wait_mounted(&target2).await;
-    let text = std::fs::read_to_string(target2.join("hello.txt")).unwrap();
+    let b = e.attach_and_mount(&pv, &nb, &uid2).await;
+    let text = std::fs::read_to_string(b.target.join("hello.txt")).unwrap();
     assert_eq!(
         text, "written on node a",
         "never reformatted: the data moved with the volume"
     );
 
-    e.delete_pod("reader").await;
-    wait_unmounted(&target2).await;
-    e.detach(&va2, &nb, &pv).await;
+    e.release(&["reader"], &[&b.target], &b.va, &nb, &pv).await;
     assert_eq!(loops_of(&image), "");
 }
 
@@ -358,11 +383,9 @@ async fn restart_while_mounted_neither_remounts_nor_forgets() {
     e.image(&pv);
     e.volume(&pv, "data").await;
     let uid = e.pod("app", &node, "data").await;
-    let va = e.attach(&pv, &node).await;
-    e.wait_attached(&va).await;
-    let target = e.layout(&node).pod_mount(&uid, &pv);
-    let global = e.layout(&node).global_mount(&pv);
-    wait_mounted(&target).await;
+    let Mounted {
+        va, target, global, ..
+    } = e.attach_and_mount(&pv, &node, &uid).await;
     std::fs::write(target.join("keep.txt"), b"still here").unwrap();
     let ids = |p: &Path| mounts_at(p).iter().map(|m| m.id).collect::<BTreeSet<_>>();
     let before = (ids(&global), ids(&target));
@@ -418,10 +441,7 @@ async fn restart_while_mounted_neither_remounts_nor_forgets() {
     e.wait_in_use(&node, &pv).await;
 
     // And it still cleans up what the previous run mounted.
-    e.delete_pod("app").await;
-    wait_unmounted(&target).await;
-    wait_unmounted(&global).await;
-    e.detach(&va, &node, &pv).await;
+    e.release(&["app"], &[&target, &global], &va, &node, &pv).await;
 }
 
 #[tokio::test]
@@ -458,9 +478,7 @@ async fn missing_image_reports_attach_error_then_recovers() {
         "a success clears the error"
     );
 
-    e.delete_pod("app").await;
-    wait_unmounted(&target).await;
-    e.detach(&va, &node, &pv).await;
+    e.release(&["app"], &[&target], &va, &node, &pv).await;
 }
 
 #[tokio::test]
@@ -502,10 +520,7 @@ async fn two_pods_share_one_device_mount() {
     assert_eq!(mounts_at(&t2).len(), 1);
     assert!(e.in_use(&node).await.contains(&unique_name(&pv)));
 
-    e.delete_pod("two").await;
-    wait_unmounted(&t2).await;
-    wait_unmounted(&global).await;
-    e.detach(&va, &node, &pv).await;
+    e.release(&["two"], &[&t2, &global], &va, &node, &pv).await;
 }
 
 #[tokio::test]
@@ -517,10 +532,7 @@ async fn resize_grows_the_file_system_and_finishes_the_claim() {
     let image = e.image(&pv);
     e.volume(&pv, "data").await;
     let uid = e.pod("app", &node, "data").await;
-    let va = e.attach(&pv, &node).await;
-    e.wait_attached(&va).await;
-    let target = e.layout(&node).pod_mount(&uid, &pv);
-    wait_mounted(&target).await;
+    let Mounted { va, target, .. } = e.attach_and_mount(&pv, &node, &uid).await;
     let size = |p: &Path| {
         let out = std::process::Command::new("df")
             .arg("-B1")
@@ -707,10 +719,7 @@ async fn fs_group_owns_the_mounted_volume() {
         )
         .await
         .unwrap();
-    let va = e.attach(&pv, &node).await;
-    e.wait_attached(&va).await;
-    let target = e.layout(&node).pod_mount(&p.uid().unwrap(), &pv);
-    wait_mounted(&target).await;
+    let Mounted { va, target, .. } = e.attach_and_mount(&pv, &node, &p.uid().unwrap()).await;
     let m = std::fs::metadata(&target).unwrap();
     assert_eq!(m.gid(), 2345);
     assert_eq!(
@@ -718,9 +727,7 @@ async fn fs_group_owns_the_mounted_volume() {
         0o2070,
         "group rwx and setgid on the volume root"
     );
-    e.delete_pod("app").await;
-    wait_unmounted(&target).await;
-    e.detach(&va, &node, &pv).await;
+    e.release(&["app"], &[&target], &va, &node, &pv).await;
 }
 
 /// Runs a shell command behind the agent's back (the faults below); it must succeed.
@@ -763,11 +770,13 @@ async fn broken_and_vanished_mounts_are_repaired_and_torn_down() {
     let image = e.image(&pv);
     e.volume(&pv, "data").await;
     let uid = e.pod("app", &node, "data").await;
-    let va = e.attach(&pv, &node).await;
-    e.wait_attached(&va).await;
-    let target = e.layout(&node).pod_mount(&uid, &pv);
-    let global = e.layout(&node).global_mount(&pv);
-    let first = wait_mounted(&target).await;
+    let Mounted {
+        va,
+        target,
+        global,
+        mount: first,
+        ..
+    } = e.attach_and_mount(&pv, &node, &uid).await;
     std::fs::write(target.join("keep.txt"), b"before the faults").unwrap();
 
     // A foreign file system stacked on the pod's mount: the table still lists a mount at the
@@ -836,17 +845,13 @@ async fn broken_and_vanished_mounts_are_repaired_and_torn_down() {
 
     // No data lost: the next pod reads what the first one wrote.
     let uid2 = e.pod("again", &node, "data").await;
-    let va = e.attach(&pv, &node).await;
-    e.wait_attached(&va).await;
-    let target2 = e.layout(&node).pod_mount(&uid2, &pv);
-    wait_mounted(&target2).await;
+    let again = e.attach_and_mount(&pv, &node, &uid2).await;
     assert_eq!(
-        std::fs::read_to_string(target2.join("keep.txt")).unwrap(),
+        std::fs::read_to_string(again.target.join("keep.txt")).unwrap(),
         "before the faults"
     );
-    e.delete_pod("again").await;
-    wait_unmounted(&target2).await;
-    e.detach(&va, &node, &pv).await;
+    e.release(&["again"], &[&again.target], &again.va, &node, &pv)
+        .await;
 }
 
 #[tokio::test]
@@ -858,11 +863,13 @@ async fn a_lost_device_is_reported_and_attached_again_without_reformat() {
     let image = e.image(&pv);
     e.volume(&pv, "data").await;
     let uid = e.pod("app", &node, "data").await;
-    let va = e.attach(&pv, &node).await;
-    let dev = e.wait_attached(&va).await;
-    let target = e.layout(&node).pod_mount(&uid, &pv);
-    let global = e.layout(&node).global_mount(&pv);
-    wait_mounted(&target).await;
+    let Mounted {
+        va,
+        dev,
+        target,
+        global,
+        ..
+    } = e.attach_and_mount(&pv, &node, &uid).await;
     std::fs::write(target.join("keep.txt"), b"survives the device").unwrap();
     sh("sync");
 
@@ -898,10 +905,7 @@ async fn a_lost_device_is_reported_and_attached_again_without_reformat() {
     let st = api.get(&va).await.unwrap().status.unwrap();
     assert!(st.attached && st.attach_error.is_none());
 
-    e.delete_pod("app").await;
-    wait_unmounted(&target).await;
-    wait_unmounted(&global).await;
-    e.detach(&va, &node, &pv).await;
+    e.release(&["app"], &[&target, &global], &va, &node, &pv).await;
     assert_eq!(loops_of(&image), "");
 }
 
@@ -942,10 +946,9 @@ async fn full_file_system_mounts_and_bad_claims_get_failed_mount_events() {
 
     // A volume filled to the last block.
     let uid = e.pod("filler", &node, "data").await;
-    let va = e.attach(&pv, &node).await;
-    e.wait_attached(&va).await;
-    let target = e.layout(&node).pod_mount(&uid, &pv);
-    wait_mounted(&target).await;
+    let Mounted {
+        va, target, global, ..
+    } = e.attach_and_mount(&pv, &node, &uid).await;
     std::fs::write(target.join("keep.txt"), b"written before full").unwrap();
     let fill = std::process::Command::new("dd")
         .arg("if=/dev/zero")
@@ -959,7 +962,7 @@ async fn full_file_system_mounts_and_bad_claims_get_failed_mount_events() {
     );
     e.delete_pod("filler").await;
     wait_unmounted(&target).await;
-    wait_unmounted(&e.layout(&node).global_mount(&pv)).await;
+    wait_unmounted(&global).await;
 
     // The full file system mounts again (no format, no fsck refusal) and keeps its data.
     let uid = e.pod("reader", &node, "data").await;
@@ -992,10 +995,7 @@ async fn full_file_system_mounts_and_bad_claims_get_failed_mount_events() {
     .await
     .unwrap();
     let waiting = pods.get("waiting").await.unwrap().uid().unwrap();
-    let va2 = e.attach(&pv2, &node).await;
-    e.wait_attached(&va2).await;
-    let target2 = e.layout(&node).pod_mount(&waiting, &pv2);
-    wait_mounted(&target2).await;
+    let late = e.attach_and_mount(&pv2, &node, &waiting).await;
 
     assert_eq!(agent.get("/healthz").unwrap().0, 200, "no panic, still serving");
     assert!(
@@ -1005,12 +1005,14 @@ async fn full_file_system_mounts_and_bad_claims_get_failed_mount_events() {
             .all(|(r, _)| r == "FailedMount"),
         "the pod with the missing claim only ever failed"
     );
-    for p in ["lost", "waiting", "reader"] {
-        e.delete_pod(p).await;
-    }
-    wait_unmounted(&target).await;
-    wait_unmounted(&target2).await;
-    e.detach(&va, &node, &pv).await;
-    e.detach(&va2, &node, &pv2).await;
+    e.release(
+        &["lost", "waiting", "reader"],
+        &[&target, &late.target],
+        &va,
+        &node,
+        &pv,
+    )
+    .await;
+    e.detach(&late.va, &node, &pv2).await;
     assert_eq!(loops_of(&image), "");
 }
