@@ -98,6 +98,14 @@ impl World {
         Api::namespaced(self.client.clone(), NS)
     }
 
+    /// The common start: a Ready node-a and a bound ReadWriteOnce volume vol-1 (claim vol-1).
+    async fn with_one_volume() -> Self {
+        let w = Self::start().await;
+        w.node("node-a", true).await;
+        w.bound_volume("vol-1", &["ReadWriteOnce"]).await;
+        w
+    }
+
     /// A managed node with its Ready condition set through the status subresource.
     async fn node(&self, name: &str, ready: bool) {
         self.nodes()
@@ -217,6 +225,14 @@ impl World {
             .unwrap();
     }
 
+    /// A pod on `node` using `pv`, and the attachment the controller creates for it, marked
+    /// attached at `device` as the external attacher would.
+    async fn attached_pod(&self, pod: &str, pv: &str, node: &str, device: &str) {
+        self.pod(pod, pv, node).await;
+        self.wait_va(pv, node).await;
+        self.mark_attached(pv, node, device).await;
+    }
+
     /// Waits until the node's status.volumesAttached is exactly `want` (unique name, path).
     async fn wait_node_attached(&self, node: &str, want: Vec<(String, String)>) {
         let nodes = self.nodes();
@@ -270,9 +286,7 @@ async fn passes(c: &Controller, after: f64, n: f64) {
 
 #[tokio::test]
 async fn scheduled_pod_gets_an_attachment_and_the_node_reports_it() {
-    let w = World::start().await;
-    w.node("node-a", true).await;
-    w.bound_volume("vol-1", &["ReadWriteOnce"]).await;
+    let w = World::with_one_volume().await;
     let c = Controller::start(&w.client, Config::default());
     w.pod("app", "vol-1", "node-a").await;
 
@@ -311,13 +325,9 @@ async fn scheduled_pod_gets_an_attachment_and_the_node_reports_it() {
 
 #[tokio::test]
 async fn deleted_pod_loses_its_attachment() {
-    let w = World::start().await;
-    w.node("node-a", true).await;
-    w.bound_volume("vol-1", &["ReadWriteOnce"]).await;
+    let w = World::with_one_volume().await;
     let c = Controller::start(&w.client, Config::default());
-    w.pod("app", "vol-1", "node-a").await;
-    w.wait_va("vol-1", "node-a").await;
-    w.mark_attached("vol-1", "node-a", "/dev/loop1").await;
+    w.attached_pod("app", "vol-1", "node-a", "/dev/loop1").await;
     w.wait_node_attached(
         "node-a",
         vec![(unique_volume_name(DRIVER, "vol-1"), "/dev/loop1".into())],
@@ -332,14 +342,10 @@ async fn deleted_pod_loses_its_attachment() {
 
 #[tokio::test]
 async fn volume_in_use_on_a_ready_node_waits_for_unmount() {
-    let w = World::start().await;
-    w.node("node-a", true).await;
-    w.bound_volume("vol-1", &["ReadWriteOnce"]).await;
+    let w = World::with_one_volume().await;
     // Even a short max wait never forces a detach from a Ready node.
     let c = Controller::start(&w.client, short_wait());
-    w.pod("app", "vol-1", "node-a").await;
-    w.wait_va("vol-1", "node-a").await;
-    w.mark_attached("vol-1", "node-a", "/dev/loop1").await;
+    w.attached_pod("app", "vol-1", "node-a", "/dev/loop1").await;
     w.in_use("node-a", &["vol-1"]).await;
 
     w.delete_pod("app").await;
@@ -370,13 +376,9 @@ async fn volume_in_use_on_a_ready_node_waits_for_unmount() {
 
 #[tokio::test]
 async fn volume_in_use_on_a_not_ready_node_is_detached_after_the_max_wait() {
-    let w = World::start().await;
-    w.node("node-a", true).await;
-    w.bound_volume("vol-1", &["ReadWriteOnce"]).await;
+    let w = World::with_one_volume().await;
     let c = Controller::start(&w.client, short_wait());
-    w.pod("app", "vol-1", "node-a").await;
-    w.wait_va("vol-1", "node-a").await;
-    w.mark_attached("vol-1", "node-a", "/dev/loop1").await;
+    w.attached_pod("app", "vol-1", "node-a", "/dev/loop1").await;
     w.node_status("node-a", json!({ "conditions": [ready_condition(false)], "volumesInUse": [unique_volume_name(DRIVER, "vol-1")] }))
         .await;
 
@@ -394,14 +396,10 @@ async fn volume_in_use_on_a_not_ready_node_is_detached_after_the_max_wait() {
 
 #[tokio::test]
 async fn out_of_service_taint_detaches_at_once() {
-    let w = World::start().await;
-    w.node("node-a", true).await;
-    w.bound_volume("vol-1", &["ReadWriteOnce"]).await;
+    let w = World::with_one_volume().await;
     // The max wait is the default (6 min): only the taint can make this detach happen.
     let c = Controller::start(&w.client, Config::default());
-    w.pod("app", "vol-1", "node-a").await;
-    w.wait_va("vol-1", "node-a").await;
-    w.mark_attached("vol-1", "node-a", "/dev/loop1").await;
+    w.attached_pod("app", "vol-1", "node-a", "/dev/loop1").await;
     w.node_status("node-a", json!({ "conditions": [ready_condition(false)], "volumesInUse": [unique_volume_name(DRIVER, "vol-1")] }))
         .await;
     w.delete_pod("app").await;
@@ -437,9 +435,7 @@ async fn single_node_volume_moves_only_after_the_first_pod_is_gone() {
     w.node("node-b", true).await;
     w.bound_volume("vol-1", &["ReadWriteOnce"]).await;
     let c = Controller::start(&w.client, Config::default());
-    w.pod("first", "vol-1", "node-a").await;
-    w.wait_va("vol-1", "node-a").await;
-    w.mark_attached("vol-1", "node-a", "/dev/loop1").await;
+    w.attached_pod("first", "vol-1", "node-a", "/dev/loop1").await;
 
     w.pod("second", "vol-1", "node-b").await;
     let events: Api<Event> = Api::namespaced(w.client.clone(), NS);
@@ -487,9 +483,7 @@ async fn single_node_volume_moves_only_after_the_first_pod_is_gone() {
 
 #[tokio::test]
 async fn restart_keeps_what_should_stay_attached() {
-    let w = World::start().await;
-    w.node("node-a", true).await;
-    w.bound_volume("vol-1", &["ReadWriteOnce"]).await;
+    let w = World::with_one_volume().await;
     w.bound_volume("vol-2", &["ReadWriteOnce"]).await;
     let first = Controller::start(&w.client, Config::default());
     w.pod("app-1", "vol-1", "node-a").await;
@@ -542,13 +536,9 @@ async fn restart_keeps_what_should_stay_attached() {
 
 #[tokio::test]
 async fn deleted_node_loses_its_attachments() {
-    let w = World::start().await;
-    w.node("node-a", true).await;
-    w.bound_volume("vol-1", &["ReadWriteOnce"]).await;
+    let w = World::with_one_volume().await;
     let c = Controller::start(&w.client, Config::default());
-    w.pod("app", "vol-1", "node-a").await;
-    w.wait_va("vol-1", "node-a").await;
-    w.mark_attached("vol-1", "node-a", "/dev/loop1").await;
+    w.attached_pod("app", "vol-1", "node-a", "/dev/loop1").await;
     w.in_use("node-a", &["vol-1"]).await;
 
     w.nodes()
