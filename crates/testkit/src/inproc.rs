@@ -18,6 +18,29 @@ use crate::{ControlPlane, builders, eventually};
 /// How long a scenario step may take before the test fails with the last reason it saw.
 pub const WAIT: Duration = Duration::from_secs(60);
 
+/// Declares a controller's test harness: a newtype over [`InProcess`] that reaches everything
+/// generic by deref, so each controller's tests add only what is theirs.
+#[macro_export]
+macro_rules! in_process_harness {
+    ($(#[$meta:meta])* $name:ident) => {
+        $(#[$meta])*
+        pub struct $name($crate::InProcess);
+
+        impl ::std::ops::Deref for $name {
+            type Target = $crate::InProcess;
+            fn deref(&self) -> &$crate::InProcess {
+                &self.0
+            }
+        }
+
+        impl ::std::ops::DerefMut for $name {
+            fn deref_mut(&mut self) -> &mut $crate::InProcess {
+                &mut self.0
+            }
+        }
+    };
+}
+
 pub struct InProcess {
     pub cp: ControlPlane,
     pub client: Client,

@@ -3,28 +3,16 @@
 
 #![allow(dead_code)]
 
-use std::ops::{Deref, DerefMut};
 use std::time::Duration;
 
 use kube::api::{Patch, PatchParams};
 use stowage_testkit::InProcess;
 pub use stowage_testkit::inproc::WAIT;
 
-/// The binder in-process; everything generic comes from `InProcess` (by deref).
-pub struct Harness(InProcess);
-
-impl Deref for Harness {
-    type Target = InProcess;
-    fn deref(&self) -> &InProcess {
-        &self.0
-    }
-}
-
-impl DerefMut for Harness {
-    fn deref_mut(&mut self) -> &mut InProcess {
-        &mut self.0
-    }
-}
+stowage_testkit::in_process_harness!(
+    /// The binder in-process; everything generic comes from `InProcess` (by deref).
+    Harness
+);
 
 impl Harness {
     pub async fn start() -> Self {
