@@ -42,7 +42,7 @@ async fn a_bound_loop_volume_grows_and_is_then_left_alone() {
     h.namespace("app").await;
     let sc = class(&h, LOOP, true).await;
     let pv = h.bound("app", "data", &sc, "64Mi", LOOP, false).await;
-    h.request("app", "data", "128Mi").await.unwrap();
+    h.request("app", "data", "128Mi").await;
 
     let c = h
         .claim_until("app", "data", "NodeResizePending", node_pending)
@@ -121,7 +121,7 @@ async fn a_class_without_allow_volume_expansion_gets_a_warning_and_nothing_chang
     let sc = class(&h, LOOP, false).await;
     let pv = h.bound("app", "data", &sc, "64Mi", LOOP, false).await;
     // What a user hits first: the apiserver's admission refuses the larger request.
-    let refused = h.request("app", "data", "128Mi").await.unwrap_err();
+    let refused = h.try_request("app", "data", "128Mi").await.unwrap_err();
     assert!(
         matches!(&refused, kube::Error::Api(s) if s.code == 403),
         "{refused:?}"
@@ -129,7 +129,7 @@ async fn a_class_without_allow_volume_expansion_gets_a_warning_and_nothing_chang
     // What reaches the controller: the class allowed it when the user asked, and an admin
     // turned expansion off before the controller acted (here: before it runs).
     set_allow(&h, &sc, true).await;
-    h.request("app", "data", "128Mi").await.unwrap();
+    h.request("app", "data", "128Mi").await;
     set_allow(&h, &sc, false).await;
     h.run_controller().await;
     let note = h.event("app", "data", "VolumeExpansionNotAllowed").await;
@@ -157,7 +157,7 @@ async fn a_failure_mid_way_is_reported_and_the_retry_completes_after_the_fix() {
     let sc = class(&h, LOOP, true).await;
     let pv = h.bound("app", "data", &sc, "64Mi", LOOP, false).await;
     let lock = Immutable::set(&h.image(&pv));
-    h.request("app", "data", "128Mi").await.unwrap();
+    h.request("app", "data", "128Mi").await;
 
     let note = h.event("app", "data", "VolumeResizeFailed").await;
     assert!(note.contains("128Mi"), "{note}");
@@ -199,8 +199,8 @@ async fn two_expansions_in_quick_succession_end_at_the_larger_size() {
     h.namespace("app").await;
     let sc = class(&h, LOOP, true).await;
     let pv = h.bound("app", "data", &sc, "64Mi", LOOP, false).await;
-    h.request("app", "data", "128Mi").await.unwrap();
-    h.request("app", "data", "192Mi").await.unwrap();
+    h.request("app", "data", "128Mi").await;
+    h.request("app", "data", "192Mi").await;
     // Play the node whenever it is its turn, until the claim has the larger size.
     eventually(WAIT, || async {
         let c = h.pvcs("app").get("data").await.map_err(|e| e.to_string())?;
@@ -225,7 +225,7 @@ async fn lowering_the_request_after_an_infeasible_expansion_recovers() {
     let sc = class(&h, LOOP, true).await;
     let pv = h.bound("app", "data", &sc, "64Mi", LOOP, false).await;
     // A typo no file system can hold (ext4 files end at 16Ti): EFBIG, infeasible.
-    h.request("app", "data", "20Ti").await.unwrap();
+    h.request("app", "data", "20Ti").await;
     let note = h.event("app", "data", "VolumeResizeFailed").await;
     assert!(note.contains("20Ti"), "{note}");
     let c = h
@@ -240,8 +240,8 @@ async fn lowering_the_request_after_an_infeasible_expansion_recovers() {
 
     // RecoverVolumeExpansionFailure: the apiserver lets the user lower the request, though
     // only to a size above status.capacity; back to 64Mi itself is refused.
-    assert!(h.request("app", "data", "64Mi").await.is_err());
-    h.request("app", "data", "128Mi").await.unwrap();
+    assert!(h.try_request("app", "data", "64Mi").await.is_err());
+    h.request("app", "data", "128Mi").await;
     let c = h
         .claim_until("app", "data", "NodeResizePending", node_pending)
         .await;
@@ -272,7 +272,7 @@ async fn other_drivers_are_handed_to_their_external_resizer() {
     let driver = "disk.vendor.example.com";
     let sc = class(&h, driver, true).await;
     let pv = h.bound("app", "data", &sc, "1Gi", driver, false).await;
-    h.request("app", "data", "2Gi").await.unwrap();
+    h.request("app", "data", "2Gi").await;
     let note = h.event("app", "data", "ExternalExpanding").await;
     assert!(note.contains(driver) && note.contains("2Gi"), "{note}");
     // As upstream: nothing on the claim changes (external-resizer finds it by the PV's driver),
@@ -292,7 +292,7 @@ async fn an_unattached_block_volume_finishes_without_a_node_step() {
     h.namespace("app").await;
     let sc = class(&h, LOOP, true).await;
     let pv = h.bound("app", "raw", &sc, "64Mi", LOOP, true).await;
-    h.request("app", "raw", "128Mi").await.unwrap();
+    h.request("app", "raw", "128Mi").await;
     let c = h
         .claim_until("app", "raw", "capacity 128Mi", |c| {
             capacity(c).as_deref() == Some("128Mi")

@@ -4,7 +4,6 @@
 
 #![allow(dead_code)]
 
-use std::ops::{Deref, DerefMut};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -17,21 +16,10 @@ use stowage_testkit::builders::{pv, pvc};
 pub use stowage_testkit::inproc::WAIT;
 use stowage_testkit::{InProcess, eventually};
 
-/// The expand controller in-process; everything generic comes from `InProcess` (by deref).
-pub struct Harness(InProcess);
-
-impl Deref for Harness {
-    type Target = InProcess;
-    fn deref(&self) -> &InProcess {
-        &self.0
-    }
-}
-
-impl DerefMut for Harness {
-    fn deref_mut(&mut self) -> &mut InProcess {
-        &mut self.0
-    }
-}
+stowage_testkit::in_process_harness!(
+    /// The expand controller in-process; everything generic comes from `InProcess` (by deref).
+    Harness
+);
 
 impl Harness {
     /// A control plane with the controller not yet running.
@@ -130,13 +118,28 @@ impl Harness {
         pv_name
     }
 
-    /// What a user does: `kubectl patch pvc … spec.resources.requests.storage`.
-    pub async fn request(&self, ns: &str, name: &str, size: &str) -> Result<(), kube::Error> {
+    /// What a user does: `kubectl patch pvc … spec.resources.requests.storage`, once.
+    pub async fn try_request(&self, ns: &str, name: &str, size: &str) -> Result<(), kube::Error> {
         let patch = serde_json::json!({"spec": {"resources": {"requests": {"storage": size}}}});
         self.pvcs(ns)
             .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
             .await
             .map(|_| ())
+    }
+
+    /// A request the class allows. The apiserver's PersistentVolumeClaimResize admission reads
+    /// classes from its own informer, which may not have seen a class just created or just
+    /// patched to allow expansion yet; its 403 is retried, any other error fails the test.
+    pub async fn request(&self, ns: &str, name: &str, size: &str) {
+        eventually(WAIT, || async {
+            match self.try_request(ns, name, size).await {
+                Ok(()) => Ok(Ok(())),
+                Err(kube::Error::Api(s)) if s.code == 403 => Err(format!("admission lags: {}", s.message)),
+                Err(e) => Ok(Err(e)),
+            }
+        })
+        .await
+        .unwrap_or_else(|e| panic!("resize {ns}/{name} to {size}: {e}"))
     }
 
     pub async fn claim_until(
