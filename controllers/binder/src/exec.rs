@@ -12,7 +12,7 @@ use k8s_openapi::api::core::v1::{ObjectReference, PersistentVolume, PersistentVo
 use k8s_openapi::api::storage::v1::StorageClass;
 use kube::api::{DeleteParams, PostParams};
 use kube::runtime::reflector::ObjectRef;
-use kube::{Api, Client, ResourceExt};
+use kube::{Api, Client, Resource, ResourceExt};
 use stowage_common::cluster::Cluster;
 use stowage_common::events::Events;
 use stowage_common::inflight::{Landed, Window};
@@ -480,27 +480,8 @@ impl Brain {
 
     fn reference(&self, t: &Target) -> Option<ObjectReference> {
         Some(match t {
-            Target::Claim(k) => {
-                let c = self.cache.claims.get(k)?;
-                ObjectReference {
-                    kind: Some("PersistentVolumeClaim".into()),
-                    api_version: Some("v1".into()),
-                    namespace: c.namespace(),
-                    name: Some(c.name_any()),
-                    uid: c.metadata.uid.clone(),
-                    ..Default::default()
-                }
-            }
-            Target::Volume(n) => {
-                let pv = self.cache.pvs.get(n)?;
-                ObjectReference {
-                    kind: Some("PersistentVolume".into()),
-                    api_version: Some("v1".into()),
-                    name: Some(pv.name_any()),
-                    uid: pv.metadata.uid.clone(),
-                    ..Default::default()
-                }
-            }
+            Target::Claim(k) => self.cache.claims.get(k)?.object_ref(&()),
+            Target::Volume(n) => self.cache.pvs.get(n)?.object_ref(&()),
         })
     }
 
@@ -854,7 +835,7 @@ impl Writer {
         };
         let Some(pv) = loopdev::provisioned_pv(&c, sc) else {
             let note = "claim has no storage request; cannot provision".to_string();
-            self.event_on(claim_reference(&c), true, "ProvisioningFailed", note);
+            self.event_on(c.object_ref(&()), true, "ProvisioningFailed", note);
             return Ok(());
         };
         self.count("provision_volume");
@@ -869,7 +850,7 @@ impl Writer {
             Err(e) => {
                 self.metrics.provisioning.with_label_values(&["failed"]).inc();
                 let note = format!("failed to create volume {name}: {e}");
-                self.event_on(claim_reference(&c), true, "ProvisioningFailed", note);
+                self.event_on(c.object_ref(&()), true, "ProvisioningFailed", note);
                 return Err(WriteError::Api(e));
             }
         }
@@ -946,7 +927,7 @@ impl Writer {
                     source: std::io::Error::other(e),
                 })
             });
-        let reference = volume_reference(&v);
+        let reference = v.object_ref(&());
         match removed {
             Ok(true) => {}
             Ok(false) => {
@@ -983,26 +964,5 @@ impl Writer {
         self.metrics.deletions.with_label_values(&["succeeded"]).inc();
         // The object may linger behind other finalizers (pv-protection); the watch reports it.
         Ok(())
-    }
-}
-
-fn claim_reference(c: &PersistentVolumeClaim) -> ObjectReference {
-    ObjectReference {
-        kind: Some("PersistentVolumeClaim".into()),
-        api_version: Some("v1".into()),
-        namespace: c.namespace(),
-        name: Some(c.name_any()),
-        uid: c.metadata.uid.clone(),
-        ..Default::default()
-    }
-}
-
-fn volume_reference(v: &PersistentVolume) -> ObjectReference {
-    ObjectReference {
-        kind: Some("PersistentVolume".into()),
-        api_version: Some("v1".into()),
-        name: Some(v.name_any()),
-        uid: v.metadata.uid.clone(),
-        ..Default::default()
     }
 }

@@ -7,11 +7,11 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{ObjectReference, PersistentVolume, PersistentVolumeClaim};
+use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
 use k8s_openapi::api::storage::v1::VolumeAttachment;
 use k8s_openapi::jiff::Timestamp;
 use kube::runtime::reflector::{ObjectRef, Store};
-use kube::{Client, ResourceExt};
+use kube::{Client, Resource, ResourceExt};
 use stowage_binder::loopdev::{self, ImageError};
 use stowage_binder::objects::{claim_class, claim_key, claim_ref, claim_volume_name, pv_block};
 use stowage_common::cluster::Cluster;
@@ -470,17 +470,6 @@ fn is_attached(store: &Store<VolumeAttachment>, pv: &str) -> bool {
         .any(|va| va.spec.source.persistent_volume_name.as_deref() == Some(pv))
 }
 
-fn reference(c: &PersistentVolumeClaim) -> ObjectReference {
-    ObjectReference {
-        kind: Some("PersistentVolumeClaim".into()),
-        api_version: Some("v1".into()),
-        namespace: c.namespace(),
-        name: Some(c.name_any()),
-        uid: c.metadata.uid.clone(),
-        ..Default::default()
-    }
-}
-
 impl Worker {
     fn writes(&self) -> Writes {
         Writes::new(self.client.clone(), self.metrics.writes.clone())
@@ -534,7 +523,7 @@ impl Worker {
             }
             last.insert(key.to_string(), entry);
         }
-        let target = reference(on);
+        let target = on.object_ref(&());
         if warning {
             self.events.warning(&target, reason, "Resize", note);
         } else {

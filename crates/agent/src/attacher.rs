@@ -7,12 +7,11 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::ObjectReference;
 use k8s_openapi::api::storage::v1::VolumeAttachment;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Patch, PatchParams};
-use kube::{Api, ResourceExt};
+use kube::{Api, Resource, ResourceExt};
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
@@ -214,16 +213,6 @@ fn handle_of(ctx: &Ctx, va: &VolumeAttachment) -> Option<String> {
     })
 }
 
-fn reference(va: &VolumeAttachment) -> ObjectReference {
-    ObjectReference {
-        api_version: Some("storage.k8s.io/v1".into()),
-        kind: Some("VolumeAttachment".into()),
-        name: va.metadata.name.clone(),
-        uid: va.metadata.uid.clone(),
-        ..Default::default()
-    }
-}
-
 fn now_time() -> serde_json::Value {
     serde_json::to_value(Time(Timestamp::now())).unwrap_or(serde_json::Value::Null)
 }
@@ -264,7 +253,8 @@ async fn execute(ctx: &Ctx, va: &VolumeAttachment, action: VaAction) -> Option<S
                             "device {old} no longer backs volume {handle} (freed or reused outside the agent); attached again as {dev}"
                         );
                         tracing::warn!(va = %name, "{note}");
-                        ctx.events.warning(&reference(va), "DeviceLost", "Attach", note);
+                        ctx.events
+                            .warning(&va.object_ref(&()), "DeviceLost", "Attach", note);
                     }
                     serde_json::json!({ "status": {
                         "attached": true,
@@ -275,7 +265,7 @@ async fn execute(ctx: &Ctx, va: &VolumeAttachment, action: VaAction) -> Option<S
                 Err(msg) => {
                     tracing::warn!(va = %name, error = %msg, "attach failed");
                     ctx.events
-                        .warning(&reference(va), "FailedAttach", "Attach", msg.clone());
+                        .warning(&va.object_ref(&()), "FailedAttach", "Attach", msg.clone());
                     serde_json::json!({ "status": {
                         "attached": false,
                         "attachError": { "message": msg, "time": now_time() },
@@ -335,7 +325,7 @@ async fn execute(ctx: &Ctx, va: &VolumeAttachment, action: VaAction) -> Option<S
                 Err(msg) => {
                     tracing::warn!(va = %name, error = %msg, "detach failed");
                     ctx.events
-                        .warning(&reference(va), "FailedDetach", "Detach", msg.clone());
+                        .warning(&va.object_ref(&()), "FailedDetach", "Detach", msg.clone());
                     let patch = serde_json::json!({ "status": {
                         "detachError": { "message": msg, "time": now_time() },
                     }});
