@@ -327,13 +327,15 @@ async fn other_provisioners_get_the_claim_handed_over() {
     h.create_pvc(pvc("app", "x").class("ext").build()).await;
     let note = h.event("x", "ExternalProvisioning").await;
     assert!(note.contains("example.com/external"), "{note}");
-    let c = h.pvcs("app").get("x").await.unwrap();
-    assert_eq!(
-        anns(&c)
-            .get("volume.kubernetes.io/storage-provisioner")
-            .map(String::as_str),
-        Some("example.com/external")
-    );
+    // The event is queued apart from the annotation write: either may land first.
+    let c = eventually(WAIT, || async {
+        let c = h.pvcs("app").get("x").await.map_err(|e| e.to_string())?;
+        match anns(&c).get("volume.kubernetes.io/storage-provisioner") {
+            Some(p) if p == "example.com/external" => Ok(c),
+            p => Err(format!("storage-provisioner {p:?}")),
+        }
+    })
+    .await;
     assert_eq!(
         anns(&c)
             .get("volume.beta.kubernetes.io/storage-provisioner")
@@ -399,14 +401,26 @@ async fn a_missing_class_is_reported_and_the_claim_waits() {
     h.create_pvc(pvc("app", "m").class("nope").build()).await;
     let note = h.event("m", "ProvisioningFailed").await;
     assert!(note.contains("\"nope\" not found"), "{note}");
-    let c = h.claim_phase("app", "m", "Pending").await;
-    let conds = c.status.unwrap().conditions.unwrap_or_default();
-    assert!(
-        conds
+    // The event is queued apart from the status write: either may land first.
+    eventually(WAIT, || async {
+        let st = h
+            .pvcs("app")
+            .get("m")
+            .await
+            .map_err(|e| e.to_string())?
+            .status
+            .unwrap_or_default();
+        let conds = st.conditions.unwrap_or_default();
+        let flagged = conds
             .iter()
-            .any(|c| c.type_ == "stowage.dev/Pending" && c.reason.as_deref() == Some("ProvisioningFailed")),
-        "{conds:?}"
-    );
+            .any(|c| c.type_ == "stowage.dev/Pending" && c.reason.as_deref() == Some("ProvisioningFailed"));
+        if st.phase.as_deref() == Some("Pending") && flagged {
+            Ok(())
+        } else {
+            Err(format!("phase {:?}, conditions {conds:?}", st.phase))
+        }
+    })
+    .await;
     // Creating the class unblocks it without waiting for a resync.
     h.create::<StorageClass>(storage_class("nope", "loop.stowage.dev").build())
         .await;
