@@ -328,14 +328,13 @@ async fn other_provisioners_get_the_claim_handed_over() {
     let note = h.event("x", "ExternalProvisioning").await;
     assert!(note.contains("example.com/external"), "{note}");
     // The event is queued apart from the annotation write: either may land first.
-    let c = eventually(WAIT, || async {
-        let c = h.pvcs("app").get("x").await.map_err(|e| e.to_string())?;
-        match anns(&c).get("volume.kubernetes.io/storage-provisioner") {
-            Some(p) if p == "example.com/external" => Ok(c),
-            p => Err(format!("storage-provisioner {p:?}")),
-        }
-    })
-    .await;
+    let c = h
+        .claim_until("app", "x", "the storage-provisioner annotation", |c| {
+            anns(c)
+                .get("volume.kubernetes.io/storage-provisioner")
+                .is_some_and(|p| p == "example.com/external")
+        })
+        .await;
     assert_eq!(
         anns(&c)
             .get("volume.beta.kubernetes.io/storage-provisioner")
@@ -402,23 +401,14 @@ async fn a_missing_class_is_reported_and_the_claim_waits() {
     let note = h.event("m", "ProvisioningFailed").await;
     assert!(note.contains("\"nope\" not found"), "{note}");
     // The event is queued apart from the status write: either may land first.
-    eventually(WAIT, || async {
-        let st = h
-            .pvcs("app")
-            .get("m")
-            .await
-            .map_err(|e| e.to_string())?
-            .status
-            .unwrap_or_default();
-        let conds = st.conditions.unwrap_or_default();
-        let flagged = conds
-            .iter()
-            .any(|c| c.type_ == "stowage.dev/Pending" && c.reason.as_deref() == Some("ProvisioningFailed"));
-        if st.phase.as_deref() == Some("Pending") && flagged {
-            Ok(())
-        } else {
-            Err(format!("phase {:?}, conditions {conds:?}", st.phase))
-        }
+    h.claim_until("app", "m", "Pending with a ProvisioningFailed condition", |c| {
+        let st = c.status.as_ref();
+        st.and_then(|s| s.phase.as_deref()) == Some("Pending")
+            && st.and_then(|s| s.conditions.as_ref()).is_some_and(|cs| {
+                cs.iter().any(|c| {
+                    c.type_ == "stowage.dev/Pending" && c.reason.as_deref() == Some("ProvisioningFailed")
+                })
+            })
     })
     .await;
     // Creating the class unblocks it without waiting for a resync.

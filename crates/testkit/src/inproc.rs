@@ -122,15 +122,30 @@ impl InProcess {
             .unwrap()
     }
 
-    /// Waits for a claim in `phase`, returning it.
-    pub async fn claim_phase(&self, ns: &str, name: &str, phase: &str) -> PersistentVolumeClaim {
+    /// Waits until `ok` holds for the claim (`what` names the wait in the failure), returning it.
+    pub async fn claim_until(
+        &self,
+        ns: &str,
+        name: &str,
+        what: &str,
+        ok: impl Fn(&PersistentVolumeClaim) -> bool,
+    ) -> PersistentVolumeClaim {
         let api = self.pvcs(ns);
         eventually(WAIT, || async {
             let c = api.get(name).await.map_err(|e| e.to_string())?;
-            match c.status.as_ref().and_then(|s| s.phase.as_deref()) {
-                Some(p) if p == phase => Ok(c),
-                p => Err(format!("claim {ns}/{name} is {p:?}, want {phase}")),
+            if ok(&c) {
+                Ok(c)
+            } else {
+                Err(format!("claim {ns}/{name}: want {what}; status {:?}", c.status))
             }
+        })
+        .await
+    }
+
+    /// Waits for a claim in `phase`, returning it.
+    pub async fn claim_phase(&self, ns: &str, name: &str, phase: &str) -> PersistentVolumeClaim {
+        self.claim_until(ns, name, &format!("phase {phase}"), |c| {
+            c.status.as_ref().and_then(|s| s.phase.as_deref()) == Some(phase)
         })
         .await
     }

@@ -133,29 +133,9 @@ impl Harness {
     pub async fn request(&self, ns: &str, name: &str, size: &str) {
         eventually(WAIT, || async {
             match self.try_request(ns, name, size).await {
-                Ok(()) => Ok(Ok(())),
+                Ok(()) => Ok(()),
                 Err(kube::Error::Api(s)) if s.code == 403 => Err(format!("admission lags: {}", s.message)),
-                Err(e) => Ok(Err(e)),
-            }
-        })
-        .await
-        .unwrap_or_else(|e| panic!("resize {ns}/{name} to {size}: {e}"))
-    }
-
-    pub async fn claim_until(
-        &self,
-        ns: &str,
-        name: &str,
-        what: &str,
-        ok: impl Fn(&PersistentVolumeClaim) -> bool,
-    ) -> PersistentVolumeClaim {
-        let api = self.pvcs(ns);
-        eventually(WAIT, || async {
-            let c = api.get(name).await.map_err(|e| e.to_string())?;
-            if ok(&c) {
-                Ok(c)
-            } else {
-                Err(format!("claim {ns}/{name}: want {what}; status {:?}", c.status))
+                Err(e) => panic!("resize {ns}/{name} to {size}: {e}"),
             }
         })
         .await
