@@ -104,6 +104,11 @@ async fn defaults_render_the_core_objects_only() {
         ],
     );
     assert!(!d.contains("prometheus.io/scrape"), "{d}");
+    // The image `make image` builds, for the controller and its init container alike (so an
+    // imported image is all a node needs); tests/image.rs checks it against the archive.
+    let image = format!("image: localhost/stowage:{}", env!("CARGO_PKG_VERSION"));
+    assert_eq!(d.matches(&image).count(), 2, "{d}");
+    assert_eq!(d.matches("imagePullPolicy: IfNotPresent").count(), 2, "{d}");
 
     let a = doc(&m, "DaemonSet", "st-stowage-agent");
     assert_has(
@@ -118,6 +123,10 @@ async fn defaults_render_the_core_objects_only() {
             "- --root-dir=/var/lib/stowage",
             "- --image-dir=/var/lib/stowage/images",
             "path: /healthz",
+            // The image's user is the controller's non-root one; losetup and mount need root.
+            "runAsUser: 0",
+            &image,
+            "imagePullPolicy: IfNotPresent",
         ],
     );
     assert!(!a.contains("--register-node"), "{a}");
@@ -211,6 +220,10 @@ async fn bad_values_are_refused_with_a_reason() {
             vec!["--set", "serviceAccount.create=false"],
             "serviceAccount.controllerName is required",
         ),
+        (
+            vec!["--set", "imageStore.fixPermissions.image.repository=busybox"],
+            "imageStore.fixPermissions.image.tag is required",
+        ),
     ];
     for (args, why) in cases {
         let e = render(&helm, &args).await.unwrap_err();
@@ -232,4 +245,19 @@ async fn bad_values_are_refused_with_a_reason() {
     )
     .await
     .unwrap();
+    let m = render(
+        &helm,
+        &[
+            "--set",
+            "imageStore.fixPermissions.image.repository=busybox,imageStore.fixPermissions.image.tag=1.37,image.repository=registry.example/stowage,image.tag=v9",
+        ],
+    )
+    .await
+    .unwrap();
+    let d = doc(&m, "Deployment", "st-stowage-controller");
+    assert_has(
+        d,
+        "controller Deployment",
+        &[r#"image: "busybox:1.37""#, "image: registry.example/stowage:v9"],
+    );
 }
