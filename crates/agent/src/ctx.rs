@@ -22,6 +22,9 @@ pub struct Ctx {
     pub layout: Layout,
     /// `--image-dir`, canonical.
     pub image_dir: PathBuf,
+    /// The mount table the volume manager observes (`/proc/self/mountinfo`; a test points it
+    /// elsewhere to make the read fail).
+    pub mount_table: PathBuf,
     /// Event recorder (component `stowage-agent`).
     pub events: Events,
     pub metrics: Metrics,

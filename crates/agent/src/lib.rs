@@ -9,6 +9,7 @@ pub mod metrics;
 pub mod mountinfo;
 pub mod node;
 pub mod paths;
+pub mod probe;
 pub mod reconcile;
 pub mod state;
 pub mod sys;
@@ -56,6 +57,9 @@ pub struct Args {
     /// nodes without a kubelet: the demo and the end-to-end tests).
     #[arg(long)]
     pub register_node: bool,
+    /// The mount table the volume manager reads (tests point it at a source that fails).
+    #[arg(long, default_value = mountinfo::PROC_MOUNTINFO, hide = true)]
+    pub mount_table: PathBuf,
     /// Address for /metrics, /healthz and /readyz.
     #[arg(long, default_value = "0.0.0.0:8081")]
     pub metrics_bind_address: SocketAddr,
@@ -110,6 +114,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         node: args.node_name.clone(),
         layout: paths::Layout::new(root.clone()),
         image_dir,
+        mount_table: args.mount_table.clone(),
         metrics,
         pods,
         pvcs,

@@ -2,7 +2,9 @@
 
 use std::time::Instant;
 
-use prometheus::{Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry};
+use prometheus::{
+    Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
+};
 use stowage_common::metrics::register;
 
 /// Operation names used as the `operation` label.
@@ -32,7 +34,19 @@ pub struct Metrics {
     pub pod_volume_ready: Histogram,
     /// Reconciler passes.
     pub passes: IntCounterVec,
+    /// Passes skipped because the node could not be observed, by `source` (`mount_table`,
+    /// `volume_dirs`): nothing was decided or published on them.
+    pub observe_errors: IntCounterVec,
+    /// Mounts under the root dir by `health` (healthy, pending, unknown, broken) at the last pass.
+    pub mount_health: IntGaugeVec,
+    /// Mount probes (`stat` threads) that have not returned.
+    pub probes_in_flight: IntGauge,
 }
+
+/// Label values of `observe_errors`.
+pub const OBSERVE_SOURCES: [&str; 2] = ["mount_table", "volume_dirs"];
+/// Label values of `mount_health`.
+pub const HEALTH_STATES: [&str; 4] = ["healthy", "pending", "unknown", "broken"];
 
 impl Metrics {
     pub fn new(registry: &Registry) -> Self {
@@ -106,7 +120,43 @@ impl Metrics {
                 )
                 .expect("static metric definition"),
             ),
+            observe_errors: register(
+                registry,
+                IntCounterVec::new(
+                    Opts::new(
+                        "stowage_agent_observe_errors_total",
+                        "Volume manager passes skipped because the mount table or the agent's directories could not be read.",
+                    ),
+                    &["source"],
+                )
+                .expect("static metric definition"),
+            ),
+            mount_health: register(
+                registry,
+                IntGaugeVec::new(
+                    Opts::new(
+                        "stowage_agent_mount_health",
+                        "Mounts under the root dir by health at the last pass (pending: the probe has not answered).",
+                    ),
+                    &["health"],
+                )
+                .expect("static metric definition"),
+            ),
+            probes_in_flight: register(
+                registry,
+                IntGauge::new(
+                    "stowage_agent_mount_probes_in_flight",
+                    "Mount health probes (stat threads) that have not returned; at most one per mount.",
+                )
+                .expect("static metric definition"),
+            ),
         };
+        for s in OBSERVE_SOURCES {
+            m.observe_errors.with_label_values(&[s]);
+        }
+        for h in HEALTH_STATES {
+            m.mount_health.with_label_values(&[h]).set(0);
+        }
         // Every series exists from the start, so rates work before the first operation.
         for op in OPERATIONS {
             m.errors.with_label_values(&[op]);

@@ -78,8 +78,17 @@ pub fn parse(text: &str) -> Vec<MountEntry> {
     text.lines().filter_map(parse_line).collect()
 }
 
+/// The mount table of this process's mount namespace.
+pub const PROC_MOUNTINFO: &str = "/proc/self/mountinfo";
+
 pub async fn read() -> std::io::Result<Vec<MountEntry>> {
-    Ok(parse(&tokio::fs::read_to_string("/proc/self/mountinfo").await?))
+    read_from(std::path::Path::new(PROC_MOUNTINFO)).await
+}
+
+/// Reads a mount table from `path` (the volume manager's source is configurable so a test can
+/// make it fail). Any read error is returned, never an empty table.
+pub async fn read_from(path: &std::path::Path) -> std::io::Result<Vec<MountEntry>> {
+    Ok(parse(&tokio::fs::read_to_string(path).await?))
 }
 
 /// Splits a `dev_t` the way glibc's `major()`/`minor()` do.

@@ -64,9 +64,12 @@ impl Op {
 pub fn reconcile(desired: &Desired, actual: &Actual) -> Vec<Op> {
     let mut ops = Vec::new();
 
-    // 1. Pods' mounts nobody wants: the pod is gone or finished, or its mount broke (it is
-    // mounted again below on a later pass). Live pods whose claims do not resolve right now
-    // keep their mounts: an API hiccup must not pull a volume from under a running pod.
+    // 1. Pods' mounts nobody wants: the pod is gone or finished, or its mount is known broken
+    // (a corrupted-mount error or another device than the table's; it is mounted again below on
+    // a later pass). A live pod's mount that is only slow or gave an inconclusive error is left
+    // alone (upstream never tears down a running pod's volume for that). Live pods whose claims
+    // do not resolve right now keep their mounts: an API hiccup must not pull a volume from
+    // under a running pod.
     for (pv, av) in &actual.volumes {
         for (uid, pm) in &av.pods {
             let live = desired.live_pods.contains(uid);
@@ -74,7 +77,7 @@ pub fn reconcile(desired: &Desired, actual: &Actual) -> Vec<Op> {
                 .volumes
                 .get(pv)
                 .is_some_and(|dv| dv.pods.contains_key(uid));
-            let broken = pm.state.mounted && !pm.state.healthy;
+            let broken = pm.state.broken();
             if !live || (wanted && broken) {
                 ops.push(Op::Teardown {
                     pv: pv.clone(),
@@ -95,13 +98,19 @@ pub fn reconcile(desired: &Desired, actual: &Actual) -> Vec<Op> {
         if !dv.reported_in_use {
             continue;
         }
-        let device_ok = av.and_then(|a| a.device.as_ref()).is_some_and(|d| d.ok());
+        let device = av.and_then(|a| a.device.as_ref());
+        if device.is_some_and(|d| d.unsure()) {
+            // The device mount does not answer: mounting over or next to it would only add
+            // stuck work. Wait for its probe.
+            continue;
+        }
+        let device_ok = device.is_some_and(|d| d.ok());
         let mut mounting = false;
         for uid in dv.pods.keys() {
             let pm = av.and_then(|a| a.pods.get(uid));
             match pm {
                 Some(pm) if pm.state.ok() => continue,
-                // Broken: torn down first (above).
+                // Broken: torn down first (above); slow or unsure: left alone until it answers.
                 Some(pm) if pm.state.mounted => continue,
                 _ => {}
             }
@@ -151,26 +160,32 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
-    use crate::state::{ActualVolume, Claim, DesiredVolume, Mounted, PodInfo, PodMount, PodUse};
+    use crate::state::{ActualVolume, Claim, DesiredVolume, Health, Mounted, PodInfo, PodMount, PodUse};
 
-    fn mounted(ok: bool) -> Mounted {
+    fn with_health(health: Health) -> Mounted {
         Mounted {
             mounted: true,
-            healthy: ok,
+            health,
             devno: Some((7, 0)),
             source: None,
             read_only: false,
         }
     }
 
+    fn mounted(ok: bool) -> Mounted {
+        with_health(if ok {
+            Health::Healthy
+        } else {
+            Health::Broken("stat failed: Transport endpoint is not connected".into())
+        })
+    }
+
+    fn pending() -> Mounted {
+        with_health(Health::Pending)
+    }
+
     fn leftover() -> Mounted {
-        Mounted {
-            mounted: false,
-            healthy: false,
-            devno: None,
-            source: None,
-            read_only: false,
-        }
+        Mounted::absent()
     }
 
     fn use_(uid: &str) -> PodUse {
@@ -340,6 +355,44 @@ mod tests {
     }
 
     #[test]
+    fn slow_or_unsure_mount_of_a_running_pod_is_left_alone() {
+        let d = desired(vec![dv("v", &["a"], true, true)], &[]);
+        for state in [
+            pending(),
+            with_health(Health::Unknown("stat failed: Permission denied".into())),
+        ] {
+            let a = Actual {
+                volumes: BTreeMap::from([("v".into(), av(Some(mounted(true)), &[("a", state.clone())]))]),
+            };
+            assert!(
+                reconcile(&d, &a).is_empty(),
+                "{state:?}: neither torn down nor mounted over"
+            );
+        }
+        // A gone pod's slow mount is still cleaned up (plain unmount, no lazy one).
+        let a = Actual {
+            volumes: BTreeMap::from([("v".into(), av(Some(mounted(true)), &[("a", pending())]))]),
+        };
+        assert_eq!(
+            reconcile(&Desired::default(), &a),
+            vec![Op::Teardown {
+                pv: "v".into(),
+                uid: "a".into(),
+                block: false
+            }]
+        );
+    }
+
+    #[test]
+    fn no_mount_next_to_a_device_mount_that_does_not_answer() {
+        let d = desired(vec![dv("v", &["a", "b"], true, true)], &[]);
+        let a = Actual {
+            volumes: BTreeMap::from([("v".into(), av(Some(pending()), &[("a", mounted(true))]))]),
+        };
+        assert!(reconcile(&d, &a).is_empty());
+    }
+
+    #[test]
     fn live_pod_with_unresolvable_claim_keeps_its_mount() {
         let d = desired(vec![], &["a"]);
         let a = Actual {
@@ -404,12 +457,16 @@ mod tests {
 
     // Random worlds over a few volumes and pods.
     fn arb_mounted() -> impl Strategy<Value = Mounted> {
-        (any::<bool>(), any::<bool>()).prop_map(|(m, h)| Mounted {
-            mounted: m,
-            healthy: m && h,
-            devno: None,
-            source: None,
-            read_only: false,
+        (any::<bool>(), 0..4u8).prop_map(|(m, h)| {
+            if !m {
+                return Mounted::absent();
+            }
+            with_health(match h {
+                0 => Health::Healthy,
+                1 => Health::Pending,
+                2 => Health::Unknown("stat failed: Permission denied".into()),
+                _ => Health::Broken("stat failed: Stale file handle".into()),
+            })
         })
     }
 
@@ -477,9 +534,13 @@ mod tests {
                         prop_assert!(a.volumes[pv].pods.is_empty());
                     }
                     Op::Teardown { pv, uid, .. } => {
-                        // Never a healthy mount of a pod that may still run.
+                        // A pod that may still run loses a mount only when it is known broken
+                        // and wanted again: never for being slow or unsure, never a healthy one.
                         let pm = &a.volumes[pv].pods[uid];
-                        prop_assert!(!(d.live_pods.contains(uid) && pm.state.ok()));
+                        if d.live_pods.contains(uid) {
+                            prop_assert!(pm.state.broken());
+                            prop_assert!(d.volumes.get(pv).is_some_and(|v| v.pods.contains_key(uid)));
+                        }
                     }
                     Op::Mount { pv, uid, mount_device } => {
                         let dv = &d.volumes[pv];
@@ -487,8 +548,11 @@ mod tests {
                         let attached = matches!(dv.attachment, Attachment::Attached { .. });
                         prop_assert!(attached);
                         prop_assert!(dv.pods.contains_key(uid));
-                        // Block volumes have no device mount; a healthy device mount is reused.
-                        let dev_ok = a.volumes.get(pv).and_then(|v| v.device.as_ref()).is_some_and(|m| m.ok());
+                        // Block volumes have no device mount; a healthy device mount is reused,
+                        // one that does not answer is waited for.
+                        let dev = a.volumes.get(pv).and_then(|v| v.device.as_ref());
+                        prop_assert!(!dev.is_some_and(|m| m.unsure()));
+                        let dev_ok = dev.is_some_and(|m| m.ok());
                         prop_assert_eq!(*mount_device, !dv.block && !dev_ok);
                     }
                     Op::Expand { pv } => prop_assert!(d.volumes[pv].resize_to.is_some()),

@@ -12,6 +12,7 @@ use k8s_openapi::jiff::Timestamp;
 
 use crate::mountinfo::DevNo;
 use crate::paths::{DRIVER, plain_component, unique_name};
+pub use crate::probe::Health;
 
 /// The pod annotation-free facts the agent needs to talk about a pod.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -75,7 +76,8 @@ pub struct DesiredVolume {
     pub pv: String,
     pub handle: String,
     pub block: bool,
-    /// `spec.csi.readOnly` of the PV: the device itself is mounted read-only.
+    /// The device itself is mounted read-only: `spec.csi.readOnly`, or access modes that are
+    /// only multi-node read-only (`ReadOnlyMany`), whatever the pods ask.
     pub pv_read_only: bool,
     /// `pv.beta.kubernetes.io/gid`: a supplemental group for the pods using the volume.
     pub gid: Option<u32>,
@@ -274,6 +276,13 @@ fn resolve(
     Ok(Some((pvc, pv, pod_read_only)))
 }
 
+/// A PV whose access modes are all `ReadOnlyMany`: several nodes may have it, so no node may
+/// write to it (one ext4 image mounted writable by two kernels is corrupted).
+pub fn only_read_only_many(spec: &k8s_openapi::api::core::v1::PersistentVolumeSpec) -> bool {
+    let modes = spec.access_modes.as_deref().unwrap_or_default();
+    !modes.is_empty() && modes.iter().all(|m| m == "ReadOnlyMany")
+}
+
 /// Desired state from the pods of this node.
 pub fn desired<'p>(pods: impl IntoIterator<Item = &'p Pod>, view: &View) -> Desired {
     let mut d = Desired::default();
@@ -355,7 +364,7 @@ pub fn desired<'p>(pods: impl IntoIterator<Item = &'p Pod>, view: &View) -> Desi
                     pv: pv_name.clone(),
                     handle,
                     block,
-                    pv_read_only: csi.read_only.unwrap_or(false),
+                    pv_read_only: csi.read_only.unwrap_or(false) || only_read_only_many(&pv_spec),
                     gid,
                     claim: Claim {
                         namespace: info.namespace.clone(),
@@ -395,16 +404,38 @@ pub fn desired<'p>(pods: impl IntoIterator<Item = &'p Pod>, view: &View) -> Desi
 pub struct Mounted {
     /// Something is mounted there (for a block file: a device node is there).
     pub mounted: bool,
-    /// Mounted and answering: `stat` works and the device is the one the table says.
-    pub healthy: bool,
+    /// The judgement of the mount (see `probe::judge`); meaningless when not mounted.
+    pub health: Health,
     pub devno: Option<DevNo>,
     pub source: Option<String>,
     pub read_only: bool,
 }
 
 impl Mounted {
+    /// A directory (or nothing) where a mount could be.
+    pub fn absent() -> Self {
+        Self {
+            mounted: false,
+            health: Health::Unknown("not mounted".into()),
+            devno: None,
+            source: None,
+            read_only: false,
+        }
+    }
+
+    /// Mounted and healthy: usable as it is.
     pub fn ok(&self) -> bool {
-        self.mounted && self.healthy
+        self.mounted && self.health == Health::Healthy
+    }
+
+    /// Mounted and known broken: may be torn down and mounted again.
+    pub fn broken(&self) -> bool {
+        self.mounted && self.health.is_broken()
+    }
+
+    /// Mounted but not judged (probe pending or an inconclusive error): left alone.
+    pub fn unsure(&self) -> bool {
+        self.mounted && self.health.is_unsure()
     }
 }
 
@@ -563,6 +594,36 @@ mod tests {
         assert!(d.errors[0].message.contains("not found"));
         assert!(d.errors[1].message.contains("not bound"));
         assert_eq!(d.live_pods.len(), 3, "pods stay live, so their mounts are kept");
+    }
+
+    #[test]
+    fn read_only_many_volumes_are_read_only_whatever_the_pod_asks() {
+        let mut rox = (*pv("v1", "c1")).clone();
+        rox.spec.as_mut().unwrap().access_modes = Some(vec!["ReadOnlyMany".into()]);
+        let d = run(
+            &[pod("a", "c1")],
+            &[pvc("c1", Some("v1"))],
+            &[Arc::new(rox.clone())],
+        );
+        assert!(d.volumes["v1"].pv_read_only);
+        assert!(
+            d.volumes["v1"].pods["a"].read_only,
+            "the pod did not ask, it gets read-only"
+        );
+        for modes in [
+            vec![],
+            vec!["ReadWriteOnce"],
+            vec!["ReadOnlyMany", "ReadWriteOnce"],
+        ] {
+            rox.spec.as_mut().unwrap().access_modes = Some(modes.iter().map(|m| m.to_string()).collect());
+            let d = run(
+                &[pod("a", "c1")],
+                &[pvc("c1", Some("v1"))],
+                &[Arc::new(rox.clone())],
+            );
+            assert!(!d.volumes["v1"].pv_read_only, "{modes:?}");
+            assert!(!d.volumes["v1"].pods["a"].read_only, "{modes:?}");
+        }
     }
 
     #[test]

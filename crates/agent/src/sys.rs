@@ -11,7 +11,7 @@ use tokio::process::Command;
 use crate::mountinfo::{self, DevNo, split_dev};
 
 const TOOL_TIMEOUT: Duration = Duration::from_secs(120);
-/// `stat` of a mount point: a broken mount answers with an error or not at all.
+/// `stat` of a path the agent is about to use; no answer in this time counts as none.
 const STAT_TIMEOUT: Duration = Duration::from_secs(5);
 
 #[derive(Debug, thiserror::Error)]
@@ -173,6 +173,14 @@ pub async fn rdev(dev: &Path) -> Option<DevNo> {
     m.file_type().is_block_device().then(|| split_dev(m.rdev()))
 }
 
+/// Is the block device read-only (the kernel's flag, `/sys/dev/block/M:m/ro`)? `None` when the
+/// kernel does not say; only `Some(false)` lets a blank device be formatted.
+pub async fn device_read_only(devno: DevNo) -> Option<bool> {
+    let p = format!("/sys/dev/block/{}:{}/ro", devno.0, devno.1);
+    let v = tokio::fs::read_to_string(p).await.ok()?;
+    Some(v.trim() != "0")
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Probe {
     /// blkid found nothing it recognises: the device is blank as far as we can tell.
@@ -221,7 +229,7 @@ pub async fn bind_mount(src: &Path, target: &Path, read_only: bool) -> Result<()
     if read_only {
         // A bind mount takes "ro" only through a remount.
         if let Err(e) = run("mount", &["-o", "remount,bind,ro", s(target)]).await {
-            let _ = unmount(target).await;
+            let _ = unmount(target, false).await;
             return Err(e);
         }
     }
@@ -267,20 +275,20 @@ pub async fn mounts_at(path: &Path) -> Result<Vec<mountinfo::MountEntry>> {
     Ok(all.into_iter().filter(|m| m.mount_point == path).collect())
 }
 
-/// Unmounts everything stacked on `path`. Success when nothing is (or was) mounted there, also
-/// when the mount is broken: then a lazy unmount detaches it from the tree.
-pub async fn unmount(path: &Path) -> Result<()> {
+/// Unmounts everything stacked on `path`. Success when nothing is (or was) mounted there. A
+/// refused unmount (busy) is an error, retried later; only a mount already judged broken
+/// (`lazy`: a corrupted-mount error or another device than the table's) is detached lazily,
+/// never one that is merely slow.
+pub async fn unmount(path: &Path, lazy: bool) -> Result<()> {
     for _ in 0..8 {
         if mounts_at(path).await?.is_empty() {
             return Ok(());
         }
         if let Err(e) = run("umount", &[s(path)]).await {
-            let still = !mounts_at(path).await?.is_empty();
-            if !still {
+            if mounts_at(path).await?.is_empty() {
                 return Ok(());
             }
-            if stat_ok(path).await {
-                // Healthy but refusing (busy): report it, retry later.
+            if !lazy {
                 return Err(e);
             }
             run("umount", &["-l", s(path)]).await?;
@@ -296,15 +304,21 @@ pub async fn unmount(path: &Path) -> Result<()> {
     }
 }
 
-/// Does `stat` of the path answer in time?
-pub async fn stat_ok(path: &Path) -> bool {
-    stat_dev(path).await.is_some()
-}
-
-/// `st_dev` of a path, if `stat` answers in time.
+/// `st_dev` of a path, if `stat` answers in time. For paths the agent is about to use (a fresh
+/// target, a device mount it just made); mounts already in place are judged by `probe::Prober`.
+/// The `stat` runs on a detached thread: one stuck in the kernel never holds a runtime thread
+/// or the agent's exit.
 pub async fn stat_dev(path: &Path) -> Option<DevNo> {
-    match tokio::time::timeout(STAT_TIMEOUT, tokio::fs::metadata(path)).await {
-        Ok(Ok(m)) => Some(split_dev(m.dev())),
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let owned = path.to_path_buf();
+    std::thread::Builder::new()
+        .name("stat".into())
+        .spawn(move || {
+            let _ = tx.send(std::fs::metadata(owned).map(|m| split_dev(m.dev())));
+        })
+        .ok()?;
+    match tokio::time::timeout(STAT_TIMEOUT, rx).await {
+        Ok(Ok(Ok(d))) => Some(d),
         _ => None,
     }
 }

@@ -22,6 +22,7 @@ use crate::ctx::Ctx;
 use crate::fsgroup;
 use crate::mountinfo::{self, DevNo, MountEntry};
 use crate::paths::{Place, image_path, unique_name};
+use crate::probe::{self, Answer, Health, Prober};
 use crate::reconcile::{Op, reconcile, schedule};
 use crate::state::{Actual, Attachment, Desired, DesiredVolume, Mounted, PodInfo, PodMount, View, desired};
 use crate::sys;
@@ -53,6 +54,69 @@ struct Noted {
     delay: Duration,
 }
 
+/// First gap between repeats of the same event; it doubles up to `NOTE_MAX`.
+const NOTE_FIRST: Duration = Duration::from_secs(10);
+const NOTE_MAX: Duration = Duration::from_secs(300);
+
+/// Records that `key` wants to say `message` now; true when it is due (first time, a new
+/// message, or the gap since the last one passed; gaps double while the message stays).
+fn note_due<K: std::hash::Hash + Eq>(
+    noted: &mut HashMap<K, Noted>,
+    key: K,
+    message: &str,
+    now: Instant,
+) -> bool {
+    let due = match noted.get(&key) {
+        None => true,
+        Some(n) => n.message != message || now >= n.next,
+    };
+    if !due {
+        return false;
+    }
+    let delay = noted
+        .get(&key)
+        .filter(|n| n.message == message)
+        .map_or(NOTE_FIRST, |n| (n.delay * 2).min(NOTE_MAX));
+    noted.insert(
+        key,
+        Noted {
+            message: message.to_string(),
+            next: now + delay,
+            delay,
+        },
+    );
+    true
+}
+
+/// Why a pass could not see the node. Nothing is decided or published on such a pass: an empty
+/// table read as "nothing mounted" would drop every volume from `volumesInUse` and let the
+/// controller detach what pods are using.
+#[derive(Debug, thiserror::Error)]
+pub enum ObserveError {
+    #[error("cannot read the mount table {path}: {error}")]
+    MountTable { path: String, error: std::io::Error },
+    #[error("cannot list {path}: {error}")]
+    VolumeDirs { path: String, error: std::io::Error },
+}
+
+impl ObserveError {
+    /// The `source` label of `stowage_agent_observe_errors_total`.
+    pub fn source_label(&self) -> &'static str {
+        match self {
+            ObserveError::MountTable { .. } => "mount_table",
+            ObserveError::VolumeDirs { .. } => "volume_dirs",
+        }
+    }
+
+    /// The Event reason on the Node.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            ObserveError::MountTable { .. } => "MountTableUnreadable",
+            ObserveError::VolumeDirs { .. } => "VolumeDirUnreadable",
+        }
+    }
+}
+
 pub async fn run(ctx: Arc<Ctx>, mut link: NodeLink, mut stop: watch::Receiver<bool>) {
     tokio::join!(
         ctx.pods.ready(),
@@ -71,85 +135,55 @@ pub async fn run(ctx: Arc<Ctx>, mut link: NodeLink, mut stop: watch::Receiver<bo
     let mut known_pods: HashMap<String, PodInfo> = HashMap::new();
     let mut handles: HashMap<String, String> = HashMap::new();
     let mut noted: HashMap<(String, String, &'static str), Noted> = HashMap::new();
+    let mut blind: HashMap<&'static str, Noted> = HashMap::new();
+    let prober = Prober::new(ctx.metrics.probes_in_flight.clone());
     tracing::info!("volume manager started");
     loop {
         let now = Instant::now();
-        let (d, a) = observe_and_decide(&ctx, &link, &expanded).await;
-        for (pv, dv) in &d.volumes {
-            handles.insert(pv.clone(), dv.handle.clone());
-            for u in dv.pods.values() {
-                known_pods.insert(u.pod.uid.clone(), u.pod.clone());
+        match observe_and_decide(&ctx, &link, &expanded, &prober).await {
+            Ok((d, a)) => {
+                if !blind.is_empty() {
+                    tracing::info!("the node can be observed again, resuming");
+                    blind.clear();
+                }
+                pass(
+                    &ctx,
+                    &link,
+                    Pass {
+                        d,
+                        a,
+                        now,
+                        tracker: &mut tracker,
+                        known_pods: &mut known_pods,
+                        handles: &mut handles,
+                        noted: &mut noted,
+                        tasks: &mut tasks,
+                        done_tx: &done_tx,
+                    },
+                )
+                .await;
+            }
+            Err(e) => {
+                // Keep the last known state: publish nothing, start nothing, look again soon.
+                ctx.metrics
+                    .observe_errors
+                    .with_label_values(&[e.source_label()])
+                    .inc();
+                tracing::error!(error = %e, "cannot observe the node's volumes; keeping the last known state");
+                let note = format!(
+                    "{e}; the volume manager keeps its last known state (volumesInUse unchanged, nothing mounted or unmounted) and retries"
+                );
+                if note_due(&mut blind, e.reason(), &note, now) {
+                    let node = k8s_openapi::api::core::v1::ObjectReference {
+                        api_version: Some("v1".into()),
+                        kind: Some("Node".into()),
+                        name: Some(ctx.node.clone()),
+                        ..Default::default()
+                    };
+                    ctx.events.warning(&node, e.reason(), "Observe", note);
+                }
             }
         }
-        // volumesInUse: wanted or still (partly) mounted here.
-        let in_use: BTreeSet<String> = d
-            .volumes
-            .values()
-            .map(DesiredVolume::unique_name)
-            .chain(a.volumes.keys().map(|pv| {
-                let handle = handles.get(pv).cloned().or_else(|| {
-                    ctx.pv(pv)
-                        .and_then(|p| p.spec.as_ref()?.csi.as_ref().map(|c| c.volume_handle.clone()))
-                });
-                unique_name(handle.as_deref().unwrap_or(pv))
-            }))
-            .collect();
-        link.in_use.send_if_modified(|cur| {
-            let changed = cur.as_ref() != Some(&in_use);
-            if changed {
-                *cur = Some(in_use.clone());
-            }
-            changed
-        });
-        note_errors(&ctx, &d, &mut noted, now).await;
-        ctx.metrics
-            .volumes
-            .with_label_values(&["desired"])
-            .set(d.volumes.len() as i64);
-        ctx.metrics
-            .volumes
-            .with_label_values(&["actual"])
-            .set(a.volumes.len() as i64);
-        let want_pods: usize = d.volumes.values().map(|v| v.pods.len()).sum();
-        ctx.metrics
-            .pod_volumes
-            .with_label_values(&["desired"])
-            .set(want_pods as i64);
-        let have_pods = a
-            .volumes
-            .values()
-            .flat_map(|v| v.pods.values())
-            .filter(|p| p.state.ok())
-            .count();
-        ctx.metrics
-            .pod_volumes
-            .with_label_values(&["actual"])
-            .set(have_pods as i64);
-        ctx.metrics.passes.with_label_values(&["volumes"]).inc();
-
-        let ops = reconcile(&d, &a);
-        let wanted: BTreeSet<_> = ops.iter().map(|o| o.key()).collect();
-        tracker.retain(|k| wanted.contains(k));
-        for op in schedule(ops, &tracker, now) {
-            tracker.start(op.key());
-            let job = Job {
-                ctx: ctx.clone(),
-                dv: d.volumes.get(op.pv()).cloned(),
-                actual: a.volumes.get(op.pv()).cloned().unwrap_or_default(),
-                pod: match &op {
-                    Op::Teardown { uid, .. } | Op::Mount { uid, .. } => known_pods.get(uid).cloned(),
-                    _ => None,
-                },
-            };
-            let tx = done_tx.clone();
-            tasks.spawn(async move {
-                let done = job.run(op).await;
-                let _ = tx.send(done);
-            });
-        }
-        known_pods.retain(|uid, _| {
-            d.live_pods.contains(uid) || a.volumes.values().any(|v| v.pods.contains_key(uid))
-        });
 
         // Sleep until something changes, an operation ends, a backoff expires or the period ends.
         let wake = tracker
@@ -185,6 +219,127 @@ pub async fn run(ctx: Arc<Ctx>, mut link: NodeLink, mut stop: watch::Receiver<bo
     .await;
 }
 
+/// The state one pass works on, and the loop's memory it updates.
+struct Pass<'a> {
+    d: Desired,
+    a: Actual,
+    now: Instant,
+    tracker: &'a mut Tracker,
+    known_pods: &'a mut HashMap<String, PodInfo>,
+    handles: &'a mut HashMap<String, String>,
+    noted: &'a mut HashMap<(String, String, &'static str), Noted>,
+    tasks: &'a mut JoinSet<()>,
+    done_tx: &'a mpsc::UnboundedSender<Done>,
+}
+
+/// One pass on a node that could be observed: publish the in-use set, report, decide, start.
+async fn pass(ctx: &Arc<Ctx>, link: &NodeLink, p: Pass<'_>) {
+    let Pass {
+        d,
+        a,
+        now,
+        tracker,
+        known_pods,
+        handles,
+        noted,
+        tasks,
+        done_tx,
+    } = p;
+    for (pv, dv) in &d.volumes {
+        handles.insert(pv.clone(), dv.handle.clone());
+        for u in dv.pods.values() {
+            known_pods.insert(u.pod.uid.clone(), u.pod.clone());
+        }
+    }
+    // volumesInUse: wanted or still (partly) mounted here.
+    let in_use: BTreeSet<String> = d
+        .volumes
+        .values()
+        .map(DesiredVolume::unique_name)
+        .chain(a.volumes.keys().map(|pv| {
+            let handle = handles.get(pv).cloned().or_else(|| {
+                ctx.pv(pv)
+                    .and_then(|p| p.spec.as_ref()?.csi.as_ref().map(|c| c.volume_handle.clone()))
+            });
+            unique_name(handle.as_deref().unwrap_or(pv))
+        }))
+        .collect();
+    link.in_use.send_if_modified(|cur| {
+        let changed = cur.as_ref() != Some(&in_use);
+        if changed {
+            *cur = Some(in_use.clone());
+        }
+        changed
+    });
+    note_errors(ctx, &d, noted, now).await;
+    note_unsure(ctx, &d, &a, known_pods, noted, now);
+    ctx.metrics
+        .volumes
+        .with_label_values(&["desired"])
+        .set(d.volumes.len() as i64);
+    ctx.metrics
+        .volumes
+        .with_label_values(&["actual"])
+        .set(a.volumes.len() as i64);
+    let want_pods: usize = d.volumes.values().map(|v| v.pods.len()).sum();
+    ctx.metrics
+        .pod_volumes
+        .with_label_values(&["desired"])
+        .set(want_pods as i64);
+    let have_pods = a
+        .volumes
+        .values()
+        .flat_map(|v| v.pods.values())
+        .filter(|p| p.state.ok())
+        .count();
+    ctx.metrics
+        .pod_volumes
+        .with_label_values(&["actual"])
+        .set(have_pods as i64);
+    let mut health: BTreeMap<&str, i64> = crate::metrics::HEALTH_STATES.iter().map(|h| (*h, 0)).collect();
+    let states = a
+        .volumes
+        .values()
+        .flat_map(|v| v.device.iter().chain(v.pods.values().map(|p| &p.state)))
+        .filter(|m| m.mounted);
+    for m in states {
+        let label = match m.health {
+            Health::Healthy => "healthy",
+            Health::Pending => "pending",
+            Health::Unknown(_) => "unknown",
+            Health::Broken(_) => "broken",
+        };
+        *health.entry(label).or_default() += 1;
+    }
+    for (label, n) in health {
+        ctx.metrics.mount_health.with_label_values(&[label]).set(n);
+    }
+    ctx.metrics.passes.with_label_values(&["volumes"]).inc();
+
+    let ops = reconcile(&d, &a);
+    let wanted: BTreeSet<_> = ops.iter().map(|o| o.key()).collect();
+    tracker.retain(|k| wanted.contains(k));
+    for op in schedule(ops, tracker, now) {
+        tracker.start(op.key());
+        let job = Job {
+            ctx: ctx.clone(),
+            dv: d.volumes.get(op.pv()).cloned(),
+            actual: a.volumes.get(op.pv()).cloned().unwrap_or_default(),
+            pod: match &op {
+                Op::Teardown { uid, .. } | Op::Mount { uid, .. } => known_pods.get(uid).cloned(),
+                _ => None,
+            },
+        };
+        let tx = done_tx.clone();
+        tasks.spawn(async move {
+            let done = job.run(op).await;
+            let _ = tx.send(done);
+        });
+    }
+    known_pods
+        .retain(|uid, _| d.live_pods.contains(uid) || a.volumes.values().any(|v| v.pods.contains_key(uid)));
+}
+
 /// Empties a change feed: the next pass reads the stores, not the changes.
 pub fn drain<T: Clone>(rx: &mut tokio::sync::broadcast::Receiver<T>) {
     use tokio::sync::broadcast::error::TryRecvError;
@@ -207,7 +362,10 @@ async fn observe_and_decide(
     ctx: &Ctx,
     link: &NodeLink,
     expanded: &BTreeMap<String, String>,
-) -> (Desired, Actual) {
+    prober: &Prober,
+) -> Result<(Desired, Actual), ObserveError> {
+    // The node first: without it nothing can be decided safely.
+    let a = observe(ctx, prober).await?;
     let reported = link.reported.borrow().clone();
     let pods = ctx.pods.store().state();
     let d = {
@@ -221,27 +379,19 @@ async fn observe_and_decide(
         };
         desired(pods.iter().map(|p| p.as_ref()), &view)
     };
-    let a = match observe(ctx).await {
-        Ok(a) => a,
-        Err(e) => {
-            // Without the mount table nothing can be decided safely; wait for the next pass.
-            tracing::error!(error = %e, "cannot observe mounts");
-            return (
-                Desired {
-                    live_pods: d.live_pods,
-                    ..Default::default()
-                },
-                Actual::default(),
-            );
-        }
-    };
-    (d, a)
+    Ok((d, a))
 }
 
 /// The actual state: mounts under the root dir from the mount table, plus leftover directories
-/// and block device files found on disk, each checked for health.
-pub async fn observe(ctx: &Ctx) -> std::io::Result<Actual> {
-    let table = mountinfo::read().await?;
+/// and block device files found on disk, each judged for health. Any read error of the table or
+/// of the directories is an error, never an empty (or partial) state.
+pub async fn observe(ctx: &Ctx, prober: &Prober) -> Result<Actual, ObserveError> {
+    let table = mountinfo::read_from(&ctx.mount_table)
+        .await
+        .map_err(|error| ObserveError::MountTable {
+            path: ctx.mount_table.display().to_string(),
+            error,
+        })?;
     let layout = &ctx.layout;
     let mut places: BTreeMap<Place, Vec<MountEntry>> = BTreeMap::new();
     for m in table {
@@ -249,14 +399,15 @@ pub async fn observe(ctx: &Ctx) -> std::io::Result<Actual> {
             places.entry(p).or_default().push(m);
         }
     }
-    for p in scan_dirs(layout).await {
+    for p in scan_dirs(layout).await? {
         places.entry(p).or_default();
     }
+    let seen: BTreeSet<_> = places.keys().map(|p| layout.path_of(p)).collect();
     let checks = places.into_iter().map(|(place, entries)| async move {
         let path = layout.path_of(&place);
         let state = match &place {
             Place::PodDevice { .. } => device_file_state(&path).await,
-            _ => mount_state(&path, &entries).await,
+            _ => mount_state(prober, &path, &entries).await,
         };
         (place, state)
     });
@@ -282,29 +433,24 @@ pub async fn observe(ctx: &Ctx) -> std::io::Result<Actual> {
             }
         }
     }
+    prober.retain_seen(&seen);
     Ok(actual)
 }
 
-/// A mount is healthy when `stat` answers and shows the device the table names, and that device
-/// still exists as a node in /dev with those numbers.
-async fn mount_state(path: &Path, entries: &[MountEntry]) -> Mounted {
+/// A mount's health, judged from its probe (`probe::judge`): the top mount's device as `stat`
+/// shows it, and its source device node's numbers.
+async fn mount_state(prober: &Prober, path: &Path, entries: &[MountEntry]) -> Mounted {
     let Some(top) = entries.last() else {
-        return Mounted {
-            mounted: false,
-            healthy: false,
-            devno: None,
-            source: None,
-            read_only: false,
-        };
+        return Mounted::absent();
     };
-    let seen = sys::stat_dev(path).await;
-    let source_ok = match sys::rdev(Path::new(&top.source)).await {
-        Some(r) => r == top.devno,
-        None => false,
+    let (answer, _) = prober.ask(path).await;
+    let source_devno = match answer {
+        Answer::Stat(Ok(_)) => sys::rdev(Path::new(&top.source)).await,
+        _ => None,
     };
     Mounted {
         mounted: true,
-        healthy: seen == Some(top.devno) && source_ok,
+        health: probe::judge(&answer, top.devno, &top.source, source_devno),
         devno: Some(top.devno),
         source: Some(top.source.clone()),
         read_only: top.read_only(),
@@ -317,50 +463,64 @@ async fn device_file_state(path: &Path) -> Mounted {
     let devno = meta
         .filter(|m| m.file_type().is_block_device())
         .map(|m| mountinfo::split_dev(m.rdev()));
-    let healthy = match devno {
-        Some((maj, min)) => tokio::fs::metadata(format!("/sys/dev/block/{maj}:{min}/loop/backing_file"))
-            .await
-            .is_ok(),
-        None => false,
+    let health = match devno {
+        Some((maj, min)) => {
+            let sysfs = format!("/sys/dev/block/{maj}:{min}/loop/backing_file");
+            if tokio::fs::metadata(sysfs).await.is_ok() {
+                Health::Healthy
+            } else {
+                Health::Broken(format!("loop device {maj}:{min} is no longer bound"))
+            }
+        }
+        None => Health::Unknown("no device node".into()),
     };
     Mounted {
         mounted: devno.is_some(),
-        healthy,
+        health,
         devno,
         source: None,
         read_only: false,
     }
 }
 
-async fn list(dir: &Path) -> Vec<String> {
+/// Names in `dir`; a directory that does not exist is empty, any other error is an error (a
+/// directory that cannot be read must not look like one without volumes).
+async fn list(dir: &Path) -> Result<Vec<String>, ObserveError> {
+    let err = |error| ObserveError::VolumeDirs {
+        path: dir.display().to_string(),
+        error,
+    };
+    let mut rd = match tokio::fs::read_dir(dir).await {
+        Ok(rd) => rd,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(vec![]),
+        Err(e) => return Err(err(e)),
+    };
     let mut out = vec![];
-    if let Ok(mut rd) = tokio::fs::read_dir(dir).await {
-        while let Ok(Some(e)) = rd.next_entry().await {
-            if let Some(n) = e.file_name().to_str() {
-                out.push(n.to_string());
-            }
+    while let Some(e) = rd.next_entry().await.map_err(err)? {
+        if let Some(n) = e.file_name().to_str() {
+            out.push(n.to_string());
         }
     }
-    out
+    Ok(out)
 }
 
 /// Directories and files the agent made that may outlive their mounts (a crash between mount
 /// and bookkeeping, a failed teardown): found here, they are cleaned up or reused.
-async fn scan_dirs(layout: &crate::paths::Layout) -> Vec<Place> {
+async fn scan_dirs(layout: &crate::paths::Layout) -> Result<Vec<Place>, ObserveError> {
     let mut out = vec![];
-    for pv in list(&layout.global_dir()).await {
+    for pv in list(&layout.global_dir()).await? {
         out.push(Place::Global { pv });
     }
-    for uid in list(&layout.pods_dir()).await {
+    for uid in list(&layout.pods_dir()).await? {
         let pod = layout.pods_dir().join(&uid);
-        for pv in list(&pod.join("volumes").join(crate::paths::CSI_PLUGIN_DIR)).await {
+        for pv in list(&pod.join("volumes").join(crate::paths::CSI_PLUGIN_DIR)).await? {
             out.push(Place::PodMount { uid: uid.clone(), pv });
         }
-        for pv in list(&pod.join("volumeDevices").join(crate::paths::CSI_PLUGIN_DIR)).await {
+        for pv in list(&pod.join("volumeDevices").join(crate::paths::CSI_PLUGIN_DIR)).await? {
             out.push(Place::PodDevice { uid: uid.clone(), pv });
         }
     }
-    out
+    Ok(out)
 }
 
 /// Events for pods whose volumes cannot be mounted yet, each repeated with growing gaps.
@@ -374,32 +534,59 @@ async fn note_errors(
     for e in &d.errors {
         let key = (e.pod.uid.clone(), e.volume.clone(), e.reason);
         seen.insert(key.clone());
-        let due = match noted.get(&key) {
-            None => true,
-            Some(n) => n.message != e.message || now >= n.next,
-        };
-        if !due {
+        if !note_due(noted, key, &e.message, now) {
             continue;
         }
-        let delay = noted
-            .get(&key)
-            .filter(|n| n.message == e.message)
-            .map_or(Duration::from_secs(10), |n| {
-                (n.delay * 2).min(Duration::from_secs(300))
-            });
-        noted.insert(
-            key,
-            Noted {
-                message: e.message.clone(),
-                next: now + delay,
-                delay,
-            },
-        );
         let note = format!("Unable to mount volume \"{}\": {}", e.volume, e.message);
         tracing::info!(pod = %e.pod.name, ns = %e.pod.namespace, reason = e.reason, "{note}");
         ctx.events.warning(&e.pod.reference(), e.reason, "Mount", note);
     }
-    noted.retain(|k, _| seen.contains(k));
+    noted.retain(|k, _| seen.contains(k) || UNSURE_REASONS.contains(&k.2));
+}
+
+/// Event reasons of `note_unsure`.
+const UNSURE_REASONS: [&str; 2] = ["VolumeMountUnresponsive", "VolumeMountCheckFailed"];
+
+/// Events for running pods whose mount did not answer its probe or answered with an error that
+/// does not prove it broken: the mount is left in place; the user hears why it may misbehave.
+fn note_unsure(
+    ctx: &Ctx,
+    d: &Desired,
+    a: &Actual,
+    known_pods: &HashMap<String, PodInfo>,
+    noted: &mut HashMap<(String, String, &'static str), Noted>,
+    now: Instant,
+) {
+    let mut seen = BTreeSet::new();
+    for (pv, av) in &a.volumes {
+        for (uid, pm) in &av.pods {
+            let (reason, message) = match &pm.state.health {
+                Health::Pending if pm.state.mounted => (
+                    UNSURE_REASONS[0],
+                    format!(
+                        "the mount of volume \"{pv}\" does not answer (stat has not returned within {}s); it is left in place, a running pod's volume is never unmounted for being slow",
+                        probe::PROBE_WAIT.as_secs()
+                    ),
+                ),
+                Health::Unknown(why) if pm.state.mounted => (
+                    UNSURE_REASONS[1],
+                    format!("the health check of volume \"{pv}\" failed ({why}); the mount is left in place"),
+                ),
+                _ => continue,
+            };
+            tracing::debug!(pv, pod_uid = %uid, "{message}");
+            let (Some(pod), true) = (known_pods.get(uid), d.live_pods.contains(uid)) else {
+                continue;
+            };
+            let key = (uid.clone(), pv.clone(), reason);
+            seen.insert(key.clone());
+            if note_due(noted, key, &message, now) {
+                tracing::warn!(pv, pod = %pod.name, ns = %pod.namespace, "{message}");
+                ctx.events.warning(&pod.reference(), reason, "Mount", message);
+            }
+        }
+    }
+    noted.retain(|k, _| seen.contains(k) || !UNSURE_REASONS.contains(&k.2));
 }
 
 /// One operation with everything it needs from the pass that started it.
@@ -540,6 +727,11 @@ impl Job {
             step: "WaitForAttach",
             message: format!("{device} is not a block device"),
         })?;
+        // A volume no node may write to (csi.readOnly, or ReadOnlyMany only), or a device the
+        // kernel holds read-only, is mounted read-only everywhere and never formatted.
+        let device_ro = sys::device_read_only(devno).await;
+        let read_only = dv.pv_read_only || device_ro == Some(true);
+        let may_format = !read_only && device_ro == Some(false);
         let layout = &ctx.layout;
         if dv.block {
             let started = std::time::Instant::now();
@@ -553,8 +745,20 @@ impl Job {
         let mut grew = false;
         if mount_device {
             let started = std::time::Instant::now();
-            let grow = dv.resize_to.is_some() && !dv.pv_read_only;
-            let r = mount_global(device, devno, &global, dv.pv_read_only, grow).await;
+            let grow = dv.resize_to.is_some() && !read_only;
+            let lazy = self.actual.device.as_ref().is_some_and(Mounted::broken);
+            let r = mount_global(
+                device,
+                devno,
+                &global,
+                MountMode {
+                    read_only,
+                    may_format,
+                    grow,
+                    lazy,
+                },
+            )
+            .await;
             ctx.metrics.record("mount_device", started, r.is_ok());
             grew = r?;
         }
@@ -564,7 +768,7 @@ impl Job {
                 &global,
                 &layout.pod_mount(uid, &dv.pv),
                 devno,
-                usage.read_only,
+                usage.read_only || read_only,
                 usage,
             )
             .await;
@@ -611,8 +815,9 @@ impl Job {
             {
                 return Ok(());
             }
-            // Broken, foreign or with the wrong mode: replace it.
-            sys::unmount(target).await.map_err(step(s))?;
+            // Broken, foreign or with the wrong mode: replace it (a plain unmount; a broken one
+            // was torn down, lazily if need be, before this mount was started).
+            sys::unmount(target, false).await.map_err(step(s))?;
         }
         // The device mount must be there and be this device; never bind an empty directory.
         if sys::stat_dev(global).await != Some(devno) {
@@ -649,9 +854,12 @@ impl Job {
             Ok(()) if still_wanted(self.dv.as_ref(), uid) => {
                 // Only a broken mount is torn down under a pod that still wants it: tell the
                 // user, who may have seen I/O errors, that it is being mounted again.
-                let note = format!(
-                    "the mount of volume \"{pv}\" failed its health check (stat, device numbers or device node); unmounted, mounting it again"
-                );
+                let why = match self.actual.pods.get(uid).map(|p| &p.state.health) {
+                    Some(Health::Broken(why)) => why.clone(),
+                    _ => "failed its health check".into(),
+                };
+                let note =
+                    format!("the mount of volume \"{pv}\" is broken ({why}); unmounted, mounting it again");
                 tracing::warn!(pv, pod_uid = uid, "{note}");
                 self.pod_event(true, "VolumeMountBroken", note);
             }
@@ -687,7 +895,10 @@ impl Job {
         } else {
             let s = "TearDown";
             let target = layout.pod_mount(uid, pv);
-            sys::unmount(&target).await.map_err(step(s))?;
+            // Lazily only when judged broken: a healthy or slow mount that refuses (busy) is
+            // reported and retried, never detached from under its users.
+            let lazy = self.actual.pods.get(uid).is_some_and(|p| p.state.broken());
+            sys::unmount(&target, lazy).await.map_err(step(s))?;
             // Anything left in the directory was written while nothing was mounted: keep it
             // and say so rather than delete data.
             match tokio::fs::remove_dir(&target).await {
@@ -741,7 +952,8 @@ impl Job {
                 });
             }
         }
-        sys::unmount(&global).await.map_err(step(s))?;
+        let lazy = self.actual.device.as_ref().is_some_and(Mounted::broken);
+        sys::unmount(&global, lazy).await.map_err(step(s))?;
         match tokio::fs::remove_dir(&global).await {
             Ok(()) => Ok(()),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
@@ -846,31 +1058,44 @@ fn still_wanted(dv: Option<&DesiredVolume>, uid: &str) -> bool {
     dv.is_some_and(|dv| dv.pods.contains_key(uid))
 }
 
-/// Mounts the device at the global path, formatting it first only when it holds nothing at all.
-/// With `grow`, an existing ext file system is grown to the device's size before the mount (the
-/// offline path, for volumes whose online expansion could not run). Returns whether it grew.
-async fn mount_global(
-    device: &str,
-    devno: DevNo,
-    global: &Path,
+/// How `mount_global` may treat the device.
+struct MountMode {
+    /// Mount read-only.
     read_only: bool,
+    /// A blank device may be formatted: the volume and the device are writable.
+    may_format: bool,
+    /// Grow an existing ext file system to the device's size first (offline expansion).
     grow: bool,
-) -> Result<bool, StepError> {
+    /// A mount already there was judged broken: it may be detached lazily.
+    lazy: bool,
+}
+
+/// Mounts the device at the global path, formatting it first only when it holds nothing at all
+/// and may be written. With `grow`, an existing ext file system is grown to the device's size
+/// before the mount (the offline path, for volumes whose online expansion could not run).
+/// Returns whether it grew.
+async fn mount_global(device: &str, devno: DevNo, global: &Path, mode: MountMode) -> Result<bool, StepError> {
     let s = "MountDevice";
+    let read_only = mode.read_only;
     tokio::fs::create_dir_all(global).await.map_err(step(s))?;
     let existing = sys::mounts_at(global).await.map_err(step(s))?;
     if let Some(top) = existing.last() {
-        if top.devno == devno && sys::stat_dev(global).await == Some(devno) {
+        if top.devno == devno && sys::stat_dev(global).await == Some(devno) && (top.read_only() || !read_only)
+        {
             return Ok(false);
         }
-        // A stale or foreign mount sits there; clear it first.
-        sys::unmount(global).await.map_err(step(s))?;
+        // A stale or foreign mount (or a writable one of a read-only volume) sits there; clear
+        // it first.
+        sys::unmount(global, mode.lazy).await.map_err(step(s))?;
     }
     match sys::probe(device).await.map_err(step(s))? {
-        sys::Probe::Blank if read_only => {
+        sys::Probe::Blank if !mode.may_format => {
             return Err(StepError {
                 step: s,
-                message: format!("{device} holds no file system and the volume is read-only"),
+                message: format!(
+                    "{device} holds no file system and the volume is read-only (csi.readOnly, ReadOnlyMany access or a read-only device); \
+                     it is never formatted here: write a file system to the image first"
+                ),
             });
         }
         sys::Probe::Blank => {
@@ -879,7 +1104,7 @@ async fn mount_global(
         }
         sys::Probe::Found(kind) => {
             tracing::debug!(device, kind, "file system found, not formatting");
-            if grow && kind.starts_with("ext") {
+            if mode.grow && kind.starts_with("ext") {
                 let s = "NodeExpandVolume";
                 sys::loop_refresh(device).await.map_err(step(s))?;
                 sys::fsck_ext(device).await.map_err(step(s))?;

@@ -73,13 +73,19 @@ impl Env {
     }
 
     fn agent(&self, node: &str, label: &str) -> Running {
-        let args = vec![
+        self.agent_with(node, label, &[])
+    }
+
+    /// An agent with extra flags.
+    fn agent_with(&self, node: &str, label: &str, extra: &[String]) -> Running {
+        let mut args = vec![
             format!("--kubeconfig={}", shared().kubeconfig().display()),
             format!("--node-name={node}"),
             format!("--root-dir={}", self.root(node).display()),
             format!("--image-dir={}", self.images.display()),
             "--register-node".to_string(),
         ];
+        args.extend_from_slice(extra);
         Running::start(
             Path::new(env!("CARGO_BIN_EXE_stowage-agent")),
             &args,
@@ -103,12 +109,17 @@ impl Env {
 
     /// A PV of the loop driver pre-bound to a claim, and the claim.
     async fn volume(&self, pv: &str, claim: &str) {
+        self.volume_with(pv, claim, &["ReadWriteMany"]).await
+    }
+
+    /// `volume` with the given access modes (on the PV and the claim).
+    async fn volume_with(&self, pv: &str, claim: &str, modes: &[&str]) {
         let pvs: Api<PersistentVolume> = Api::all(self.client.clone());
         pvs.create(
             &PostParams::default(),
             &builders::pv(pv)
                 .capacity("64Mi")
-                .access_modes(&["ReadWriteMany"])
+                .access_modes(modes)
                 .claim_ref(&self.ns, claim, "")
                 .build(),
         )
@@ -119,7 +130,7 @@ impl Env {
             &PostParams::default(),
             &builders::pvc(&self.ns, claim)
                 .request("64Mi")
-                .access_modes(&["ReadWriteMany"])
+                .access_modes(modes)
                 .class("")
                 .volume_name(pv)
                 .build(),
@@ -1014,5 +1025,376 @@ async fn full_file_system_mounts_and_bad_claims_get_failed_mount_events() {
     )
     .await;
     e.detach(&late.va, &node, &pv2).await;
+    assert_eq!(loops_of(&image), "");
+}
+
+/// One metric sample (a gauge) whose labels all match `want`; 0 when absent.
+fn gauge(agent: &Running, family: &str, want: &[(&str, &str)]) -> f64 {
+    counter(agent, family, want)
+}
+
+/// Every version of the Node's `volumesInUse` the apiserver sends from now on, gathered by a
+/// watch in the background until the returned task is aborted.
+async fn watch_in_use(
+    client: &Client,
+    node: &str,
+) -> (
+    std::sync::Arc<std::sync::Mutex<Vec<Vec<String>>>>,
+    tokio::task::JoinHandle<()>,
+) {
+    use futures::StreamExt;
+    use kube::api::{WatchEvent, WatchParams};
+    let api: Api<Node> = Api::all(client.clone());
+    let current = api.get(node).await.unwrap();
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(vec![
+        current.status.and_then(|s| s.volumes_in_use).unwrap_or_default(),
+    ]));
+    let mut rv = current.metadata.resource_version.unwrap_or_default();
+    let wp = WatchParams::default()
+        .fields(&format!("metadata.name={node}"))
+        .timeout(60);
+    let out = seen.clone();
+    let task = tokio::spawn(async move {
+        loop {
+            let Ok(stream) = api.watch(&wp, &rv).await else {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                continue;
+            };
+            let mut stream = std::pin::pin!(stream);
+            while let Some(ev) = stream.next().await {
+                match ev {
+                    Ok(WatchEvent::Added(n)) | Ok(WatchEvent::Modified(n)) => {
+                        rv = n.metadata.resource_version.clone().unwrap_or_default();
+                        let v = n.status.and_then(|s| s.volumes_in_use).unwrap_or_default();
+                        out.lock().unwrap().push(v);
+                    }
+                    Ok(WatchEvent::Bookmark(b)) => rv = b.metadata.resource_version,
+                    _ => {}
+                }
+            }
+        }
+    });
+    (seen, task)
+}
+
+#[tokio::test]
+async fn unreadable_mount_table_keeps_volumes_in_use_and_mounts() {
+    let (e, _guard) = env("blind").await;
+    let node = unique("node-t");
+    // The agent reads the table through a link we can break: while it points at
+    // /proc/self/mountinfo the agent sees its own table, as in production.
+    let table = e.base.join(format!("mountinfo-{node}"));
+    std::os::unix::fs::symlink("/proc/self/mountinfo", &table).unwrap();
+    let agent = e.agent_with(&node, "blind", &[format!("--mount-table={}", table.display())]);
+    let pv = unique("pv-blind");
+    let image = e.image(&pv);
+    e.volume(&pv, "data").await;
+    let uid = e.pod("app", &node, "data").await;
+    let Mounted {
+        va, target, global, ..
+    } = e.attach_and_mount(&pv, &node, &uid).await;
+    e.wait_in_use(&node, &pv).await;
+    std::fs::write(target.join("keep.txt"), b"mounted before the blind spell").unwrap();
+    let (seen, watch) = watch_in_use(&e.client, &node).await;
+    let errors = |a: &Running| {
+        counter(
+            a,
+            "stowage_agent_observe_errors_total",
+            &[("source", "mount_table")],
+        )
+    };
+    assert_eq!(errors(&agent), 0.0);
+
+    // The table cannot be read any more (a directory where the file was).
+    std::fs::remove_file(&table).unwrap();
+    std::fs::create_dir(&table).unwrap();
+    let note = e.wait_event("default", &node, "MountTableUnreadable").await;
+    assert!(note.contains("last known state"), "{note}");
+    // Meanwhile the pod goes: without the table the agent cannot know what to unmount safely,
+    // so it does nothing and keeps saying the volume is in use.
+    e.delete_pod("app").await;
+    let pods: Api<Pod> = Api::namespaced(e.client.clone(), &e.ns);
+    eventually(LIMIT, || async {
+        match pods.get_opt("app").await.map_err(|e| e.to_string())? {
+            None => Ok(()),
+            Some(_) => Err("pod still there".to_string()),
+        }
+    })
+    .await;
+    let blind_from = errors(&agent);
+    eventually(LIMIT, || async {
+        let n = errors(&agent);
+        if n >= blind_from + 5.0 {
+            Ok(())
+        } else {
+            Err(format!("{n} failed reads"))
+        }
+    })
+    .await;
+    assert!(!mounts_at(&target).is_empty(), "no teardown while blind");
+    assert!(!mounts_at(&global).is_empty());
+    assert_eq!(
+        counter(
+            &agent,
+            "stowage_agent_operations_total",
+            &[("operation", "teardown")]
+        ),
+        0.0
+    );
+    let want = unique_name(&pv);
+    assert!(
+        e.in_use(&node).await.contains(&want),
+        "still listed while the table is unreadable"
+    );
+
+    // Readable again: the agent catches up (the pod is gone) and only then lets go.
+    std::fs::remove_dir(&table).unwrap();
+    std::os::unix::fs::symlink("/proc/self/mountinfo", &table).unwrap();
+    wait_unmounted(&target).await;
+    wait_unmounted(&global).await;
+    e.wait_not_in_use(&node, &pv).await;
+    watch.abort();
+    let versions = seen.lock().unwrap().clone();
+    // The volume left the list only after the table could be read again and it was unmounted:
+    // every version before the first one without it listed it.
+    let first_gone = versions
+        .iter()
+        .position(|v| !v.contains(&want))
+        .expect("the watch saw the volume go");
+    assert!(
+        first_gone > 0,
+        "the list was complete when the watch began: {versions:?}"
+    );
+    assert!(
+        versions[first_gone..].iter().all(|v| !v.contains(&want)),
+        "dropped once, for good (never dropped and listed again): {versions:?}"
+    );
+    assert!(
+        errors(&agent) >= blind_from + 5.0,
+        "the failed reads were counted"
+    );
+    e.detach(&va, &node, &pv).await;
+    assert_eq!(loops_of(&image), "");
+    // The data is still there.
+    let uid2 = e.pod("again", &node, "data").await;
+    let again = e.attach_and_mount(&pv, &node, &uid2).await;
+    assert_eq!(
+        std::fs::read_to_string(again.target.join("keep.txt")).unwrap(),
+        "mounted before the blind spell"
+    );
+    e.release(&["again"], &[&again.target, &again.global], &again.va, &node, &pv)
+        .await;
+}
+
+/// A FUSE mount whose daemon never answers: every `stat` of it blocks in the kernel until the
+/// daemon's end of /dev/fuse is closed (the process killed), then fails with ENOTCONN. No FUSE
+/// library is involved: a shell opens /dev/fuse, mounts with that descriptor and sleeps.
+struct HungFuse(std::process::Child);
+
+impl HungFuse {
+    fn mount(at: &Path) -> Self {
+        let child = std::process::Command::new("sh")
+            .arg("-c")
+            .arg(format!(
+                "exec 3<>/dev/fuse && mount -t fuse -o fd=3,rootmode=40000,user_id=0,group_id=0 hang {} && exec sleep 100000",
+                at.display()
+            ))
+            .spawn()
+            .unwrap();
+        Self(child)
+    }
+
+    /// The daemon dies: the mount stays, every access fails with ENOTCONN.
+    fn kill(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl Drop for HungFuse {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// Threads of `pid` with this name (`/proc/<pid>/task/*/comm`).
+fn threads_named(pid: u32, name: &str) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .map(|rd| {
+            rd.flatten()
+                .filter(|t| std::fs::read_to_string(t.path().join("comm")).is_ok_and(|c| c.trim() == name))
+                .count()
+        })
+        .unwrap_or(0)
+}
+
+#[tokio::test]
+async fn a_hung_mount_is_left_in_place_and_repaired_only_once_it_errors() {
+    let (e, _guard) = env("hung").await;
+    let node = unique("node-h");
+    let agent = e.agent(&node, "hung");
+    let pv = unique("pv-hung");
+    e.image(&pv);
+    e.volume(&pv, "data").await;
+    let uid = e.pod("app", &node, "data").await;
+    let Mounted {
+        va,
+        target,
+        global,
+        mount: first,
+        ..
+    } = e.attach_and_mount(&pv, &node, &uid).await;
+    std::fs::write(target.join("keep.txt"), b"outlives the hang").unwrap();
+    let passes = |a: &Running| counter(a, "stowage_agent_reconcile_passes_total", &[("loop", "volumes")]);
+
+    // The pod's mount stops answering (stat blocks).
+    let mut fuse = HungFuse::mount(&target);
+    eventually(LIMIT, || async {
+        let m = mounts_at(&target);
+        match m.last() {
+            Some(top) if top.fstype == "fuse" => Ok(()),
+            _ => Err(format!("{m:?}")),
+        }
+    })
+    .await;
+    let note = e.wait_event(&e.ns, "app", "VolumeMountUnresponsive").await;
+    assert!(note.contains(&pv), "{note}");
+    // Many passes later: still one probe thread for the one hung mount, nothing torn down.
+    let from = passes(&agent);
+    eventually(LIMIT, || async {
+        let n = passes(&agent);
+        if n >= from + 10.0 {
+            Ok(())
+        } else {
+            Err(format!("{n} passes"))
+        }
+    })
+    .await;
+    let pid = agent.child.id();
+    assert_eq!(
+        threads_named(pid, "mount-probe"),
+        1,
+        "no pile-up of blocked threads"
+    );
+    assert_eq!(gauge(&agent, "stowage_agent_mount_probes_in_flight", &[]), 1.0);
+    assert_eq!(
+        gauge(&agent, "stowage_agent_mount_health", &[("health", "pending")]),
+        1.0
+    );
+    assert_eq!(
+        counter(
+            &agent,
+            "stowage_agent_operations_total",
+            &[("operation", "teardown")]
+        ),
+        0.0,
+        "a slow mount of a running pod is never torn down"
+    );
+    let m = mounts_at(&target);
+    assert_eq!(m.len(), 2, "the pod's mount and the hung one over it: {m:?}");
+    assert_eq!(m[0].id, first.id, "the pod's own mount was never touched");
+    assert!(
+        e.events(&e.ns, "app")
+            .await
+            .iter()
+            .all(|(r, _)| r != "VolumeMountBroken"),
+        "not judged broken for being slow"
+    );
+    assert_eq!(agent.get("/healthz").unwrap().0, 200, "the agent is not stalled");
+
+    // The daemon dies: stat now fails with ENOTCONN, a corrupted mount; repaired.
+    fuse.kill();
+    let note = e.wait_event(&e.ns, "app", "VolumeMountBroken").await;
+    assert!(note.contains("not connected"), "{note}");
+    eventually(LIMIT, || async {
+        let m = mounts_at(&target);
+        if m.len() == 1 && m[0].devno == first.devno && m[0].fstype == "ext4" {
+            Ok(())
+        } else {
+            Err(format!("{m:?}"))
+        }
+    })
+    .await;
+    assert_eq!(
+        std::fs::read_to_string(target.join("keep.txt")).unwrap(),
+        "outlives the hang"
+    );
+    eventually(LIMIT, || async {
+        match gauge(&agent, "stowage_agent_mount_probes_in_flight", &[]) {
+            0.0 => Ok(()),
+            n => Err(format!("{n} probes out")),
+        }
+    })
+    .await;
+    assert_eq!(threads_named(pid, "mount-probe"), 0, "the stuck thread returned");
+    e.release(&["app"], &[&target, &global], &va, &node, &pv).await;
+}
+
+#[tokio::test]
+async fn read_only_many_volume_is_mounted_read_only_and_never_formatted() {
+    let (e, _guard) = env("rox").await;
+    let node = unique("node-o");
+    let _agent = e.agent(&node, "rox");
+
+    // A ReadOnlyMany volume with data on it; the pod does not ask for read-only.
+    let pv = unique("pv-rox");
+    let image = e.image(&pv);
+    let seed = e.base.join("seed");
+    std::fs::create_dir_all(&seed).unwrap();
+    std::fs::write(seed.join("shared.txt"), b"read by many").unwrap();
+    sh(&format!(
+        "mkfs.ext4 -q -F -d {} {}",
+        seed.display(),
+        image.display()
+    ));
+    e.volume_with(&pv, "data", &["ReadOnlyMany"]).await;
+    let uid = e.pod("reader", &node, "data").await;
+    let m = e.attach_and_mount(&pv, &node, &uid).await;
+    assert!(m.mount.read_only(), "pod mount: {:?}", m.mount);
+    let dev_mounts = mounts_at(&m.global);
+    assert!(
+        !dev_mounts.is_empty() && dev_mounts.iter().all(MountEntry::read_only),
+        "device mount: {dev_mounts:?}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(m.target.join("shared.txt")).unwrap(),
+        "read by many"
+    );
+    let write = std::fs::write(m.target.join("new.txt"), b"x");
+    assert_eq!(
+        write.unwrap_err().raw_os_error(),
+        Some(30),
+        "EROFS: nothing can be written"
+    );
+
+    // A blank ReadOnlyMany volume is never formatted: the mount fails and says why.
+    let blank = unique("pv-rox-blank");
+    let blank_image = e.image(&blank);
+    e.volume_with(&blank, "empty", &["ReadOnlyMany"]).await;
+    let uid2 = e.pod("empty-reader", &node, "empty").await;
+    let va2 = e.attach(&blank, &node).await;
+    e.wait_attached(&va2).await;
+    let note = eventually(LIMIT, || async {
+        e.events(&e.ns, "empty-reader")
+            .await
+            .into_iter()
+            .find(|(r, n)| r == "FailedMount" && n.contains("MountDevice"))
+            .map(|(_, n)| n)
+            .ok_or("no FailedMount from MountDevice yet".to_string())
+    })
+    .await;
+    assert!(note.contains("never formatted"), "{note}");
+    let probe = std::process::Command::new("blkid")
+        .arg("-p")
+        .arg(&blank_image)
+        .status()
+        .unwrap();
+    assert_eq!(probe.code(), Some(2), "still blank: no mkfs ran");
+    assert!(mounts_at(&e.layout(&node).pod_mount(&uid2, &blank)).is_empty());
+
+    e.delete_pod("empty-reader").await;
+    e.detach(&va2, &node, &blank).await;
+    e.release(&["reader"], &[&m.target, &m.global], &m.va, &node, &pv)
+        .await;
     assert_eq!(loops_of(&image), "");
 }
