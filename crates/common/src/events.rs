@@ -4,33 +4,66 @@
 //! and counted), as client-go's broadcaster does with its 1,000-event queue. A burst of bad
 //! objects therefore costs a bounded amount of memory instead of one parked task per event.
 //!
-//! kube-runtime's recorder folds events into a series by (object, reason, action) and keeps the
-//! first note, so a changed explanation would never show. Callers here report a condition once
-//! per change already, so every publish is a new event with its own note.
+//! Repeats are folded into a series, as client-go's events.k8s.io recorder does: an event equal
+//! to one sent before (same regarding object, type, reason, action, note and reporting
+//! controller) within [`SERIES_WINDOW`] of that one's last occurrence updates the first Event
+//! object's `series` (count, lastObservedTime) with a PATCH instead of creating another object.
+//! The note is part of the key (kube-runtime's recorder leaves it out and keeps the first note,
+//! so a changed explanation would never show). What the sender remembers is bounded
+//! ([`FOLD_CAPACITY`] keys, least recently seen evicted first), so memory stays bounded however
+//! many objects misbehave.
 
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, LazyLock};
+use std::time::Duration;
 
 use k8s_openapi::api::core::v1::ObjectReference;
-use kube::Client;
-use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use k8s_openapi::api::events::v1::Event as K8sEvent;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{ObjectMeta, Patch, PatchParams, PostParams};
+use kube::{Api, Client};
 use prometheus::{IntCounterVec, Opts};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
+use tokio::time::Instant;
 
 /// Events a component may have waiting; beyond this new ones are dropped (and counted).
 pub const QUEUE_CAPACITY: usize = 1000;
+
+/// A repeat this long after the previous occurrence starts a new Event object instead of
+/// extending the series (client-go's and kube-runtime's 6 minutes).
+pub const SERIES_WINDOW: Duration = Duration::from_secs(6 * 60);
+
+/// Distinct events whose Event object the sender remembers for folding.
+pub const FOLD_CAPACITY: usize = 4096;
 
 /// `stowage_events_total{component, type, outcome}`, process-wide; `metrics::registry` exposes it.
 pub(crate) static EVENTS_TOTAL: LazyLock<IntCounterVec> = LazyLock::new(|| {
     IntCounterVec::new(
         Opts::new(
             "stowage_events_total",
-            "Kubernetes Events by outcome: recorded, failed (refused by the apiserver) or dropped (queue full).",
+            "Kubernetes Events by outcome: recorded (a new Event object), folded (a repeat counted in an existing Event's series), failed (refused by the apiserver) or dropped (queue full).",
         ),
         &["component", "type", "outcome"],
     )
     .expect("static metric definition")
 });
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum EventType {
+    Normal,
+    Warning,
+}
+
+impl EventType {
+    fn as_str(self) -> &'static str {
+        match self {
+            EventType::Normal => "Normal",
+            EventType::Warning => "Warning",
+        }
+    }
+}
 
 struct Pending {
     on: ObjectReference,
@@ -38,6 +71,119 @@ struct Pending {
     reason: String,
     action: String,
     note: String,
+}
+
+/// What makes two events the same occurrence (client-go's isomorphic-event key). The reporting
+/// controller is the sender's own, so it is implied.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub(crate) struct FoldKey {
+    regarding: String,
+    type_: EventType,
+    reason: String,
+    action: String,
+    note: String,
+}
+
+impl FoldKey {
+    fn of(p: &Pending) -> Self {
+        let r = &p.on;
+        // The UID tells a re-created object with the same name apart; without one, the name.
+        let regarding = format!(
+            "{}/{}/{}/{}/{}",
+            r.api_version.as_deref().unwrap_or(""),
+            r.kind.as_deref().unwrap_or(""),
+            r.namespace.as_deref().unwrap_or(""),
+            r.name.as_deref().unwrap_or(""),
+            r.uid.as_deref().unwrap_or("")
+        );
+        Self {
+            regarding,
+            type_: p.type_,
+            reason: p.reason.clone(),
+            action: p.action.clone(),
+            note: p.note.clone(),
+        }
+    }
+}
+
+/// The Event object an earlier occurrence created, and its series so far.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Seen {
+    namespace: String,
+    name: String,
+    /// Occurrences so far (1 = no series yet).
+    count: i32,
+    last: Instant,
+}
+
+/// What to do with one occurrence.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Step {
+    /// A new Event object.
+    Create,
+    /// Count it in the series of the Event object `seen` names.
+    Series { count: i32 },
+}
+
+/// The folding decision: a repeat within the window extends the series; anything else (never
+/// seen, or the last occurrence too long ago) is a new object.
+pub(crate) fn decide(seen: Option<&Seen>, now: Instant) -> Step {
+    match seen {
+        Some(s) if now.saturating_duration_since(s.last) <= SERIES_WINDOW && s.count < i32::MAX => {
+            Step::Series { count: s.count + 1 }
+        }
+        _ => Step::Create,
+    }
+}
+
+/// The bounded memory of sent events: a map plus its recency order; inserting beyond the
+/// capacity forgets the least recently seen key (its next occurrence just starts a new object).
+pub(crate) struct Folds {
+    map: HashMap<FoldKey, (Seen, u64)>,
+    order: BTreeMap<u64, FoldKey>,
+    tick: u64,
+    cap: usize,
+}
+
+impl Folds {
+    pub(crate) fn new(cap: usize) -> Self {
+        Self {
+            map: HashMap::new(),
+            order: BTreeMap::new(),
+            tick: 0,
+            cap: cap.max(1),
+        }
+    }
+
+    pub(crate) fn get(&self, k: &FoldKey) -> Option<&Seen> {
+        self.map.get(k).map(|(s, _)| s)
+    }
+
+    pub(crate) fn put(&mut self, k: FoldKey, seen: Seen) {
+        self.tick += 1;
+        if let Some((_, old)) = self.map.remove(&k) {
+            self.order.remove(&old);
+        }
+        self.order.insert(self.tick, k.clone());
+        self.map.insert(k, (seen, self.tick));
+        while self.map.len() > self.cap {
+            let Some((_, oldest)) = self.order.pop_first() else {
+                break;
+            };
+            self.map.remove(&oldest);
+        }
+    }
+
+    pub(crate) fn forget(&mut self, k: &FoldKey) {
+        if let Some((_, t)) = self.map.remove(k) {
+            self.order.remove(&t);
+        }
+    }
+
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
+        self.map.len()
+    }
 }
 
 /// Aborts the sender when the last handle goes, so a stopped controller (lost leadership)
@@ -57,10 +203,94 @@ pub struct Events {
     _sender: Arc<AbortOnDrop>,
 }
 
-fn type_label(t: EventType) -> &'static str {
-    match t {
-        EventType::Normal => "Normal",
-        EventType::Warning => "Warning",
+/// The sender task's state.
+struct Sender {
+    client: Client,
+    controller: String,
+    instance: String,
+    folds: Folds,
+}
+
+impl Sender {
+    fn api(&self, ns: &str) -> Api<K8sEvent> {
+        Api::namespaced(self.client.clone(), ns)
+    }
+
+    /// Creates, or folds into a series; returns the metric outcome.
+    async fn send(&mut self, p: Pending) -> &'static str {
+        let key = FoldKey::of(&p);
+        let now = Instant::now();
+        if let (Step::Series { count }, Some(seen)) =
+            (decide(self.folds.get(&key), now), self.folds.get(&key))
+        {
+            let seen = seen.clone();
+            let patch = serde_json::json!({
+                "series": {"count": count, "lastObservedTime": MicroTime(Timestamp::now())}
+            });
+            match self
+                .api(&seen.namespace)
+                .patch(&seen.name, &PatchParams::default(), &Patch::Merge(&patch))
+                .await
+            {
+                Ok(_) => {
+                    self.folds.put(
+                        key,
+                        Seen {
+                            count,
+                            last: now,
+                            ..seen
+                        },
+                    );
+                    return "folded";
+                }
+                // Expired (events have a TTL) or deleted: start a new object below.
+                Err(kube::Error::Api(s)) if s.code == 404 => self.folds.forget(&key),
+                Err(e) => {
+                    tracing::warn!(reason = %p.reason, error = %e, "cannot update event series");
+                    return "failed";
+                }
+            }
+        }
+        let ev = self.new_event(&p);
+        let ns = ev.metadata.namespace.clone().unwrap_or_default();
+        match self.api(&ns).create(&PostParams::default(), &ev).await {
+            Ok(created) => {
+                let seen = Seen {
+                    namespace: ns,
+                    name: created.metadata.name.unwrap_or_default(),
+                    count: 1,
+                    last: now,
+                };
+                self.folds.put(key, seen);
+                "recorded"
+            }
+            Err(e) => {
+                tracing::warn!(reason = %p.reason, error = %e, "cannot record event");
+                "failed"
+            }
+        }
+    }
+
+    fn new_event(&self, p: &Pending) -> K8sEvent {
+        let now = Timestamp::now();
+        let ns = p.on.namespace.clone().unwrap_or_else(|| "default".into());
+        let base = p.on.name.as_deref().unwrap_or(&self.controller);
+        K8sEvent {
+            metadata: ObjectMeta {
+                namespace: Some(ns),
+                name: Some(format!("{base}.{:x}", now.as_nanosecond())),
+                ..Default::default()
+            },
+            event_time: Some(MicroTime(now)),
+            action: Some(p.action.clone()),
+            reason: Some(p.reason.clone()),
+            note: Some(p.note.chars().take(1024).collect()),
+            regarding: Some(p.on.clone()),
+            reporting_controller: Some(self.controller.clone()),
+            reporting_instance: Some(self.instance.clone()),
+            type_: Some(p.type_.as_str().into()),
+            ..Default::default()
+        }
     }
 }
 
@@ -68,39 +298,28 @@ impl Events {
     /// `controller` is the reporting component, e.g. `stowage-binder`. Spawns the sender on the
     /// current runtime.
     pub fn new(client: Client, controller: &str) -> Self {
-        let reporter = Reporter {
+        let mut sender = Sender {
+            client,
             controller: controller.into(),
-            instance: std::env::var("POD_NAME").ok(),
+            instance: std::env::var("POD_NAME").unwrap_or_else(|_| controller.into()),
+            folds: Folds::new(FOLD_CAPACITY),
         };
         let component: Arc<str> = controller.into();
         let (tx, mut rx) = mpsc::channel::<Pending>(QUEUE_CAPACITY);
         let label = component.clone();
-        let sender = tokio::spawn(async move {
+        let task = tokio::spawn(async move {
             while let Some(p) = rx.recv().await {
-                let ev = Event {
-                    type_: p.type_,
-                    reason: p.reason,
-                    note: Some(p.note),
-                    action: p.action,
-                    secondary: None,
-                };
-                let recorder = Recorder::new(client.clone(), reporter.clone());
-                let outcome = match recorder.publish(&ev, &p.on).await {
-                    Ok(()) => "recorded",
-                    Err(e) => {
-                        tracing::warn!(reason = %ev.reason, error = %e, "cannot record event");
-                        "failed"
-                    }
-                };
+                let type_ = p.type_;
+                let outcome = sender.send(p).await;
                 EVENTS_TOTAL
-                    .with_label_values(&[&*label, type_label(p.type_), outcome])
+                    .with_label_values(&[&*label, type_.as_str(), outcome])
                     .inc();
             }
         });
         Self {
             tx,
             component,
-            _sender: Arc::new(AbortOnDrop(sender)),
+            _sender: Arc::new(AbortOnDrop(task)),
         }
     }
 
@@ -123,7 +342,7 @@ impl Events {
         if self.tx.try_send(p).is_err() {
             tracing::warn!(reason, object = ?on.name, "event queue full, event dropped");
             EVENTS_TOTAL
-                .with_label_values(&[&*self.component, type_label(type_), "dropped"])
+                .with_label_values(&[&*self.component, type_.as_str(), "dropped"])
                 .inc();
         }
     }
@@ -153,5 +372,100 @@ mod tests {
             events.warning(&on, "Test", "Testing", format!("note {i}"));
         }
         assert_eq!(dropped(), 5);
+    }
+
+    fn key(note: &str) -> FoldKey {
+        FoldKey::of(&Pending {
+            on: ObjectReference {
+                kind: Some("PersistentVolumeClaim".into()),
+                namespace: Some("app".into()),
+                name: Some("c".into()),
+                uid: Some("u1".into()),
+                ..Default::default()
+            },
+            type_: EventType::Warning,
+            reason: "ProvisioningFailed".into(),
+            action: "Provisioning".into(),
+            note: note.into(),
+        })
+    }
+
+    fn seen(count: i32, last: Instant) -> Seen {
+        Seen {
+            namespace: "app".into(),
+            name: "c.1".into(),
+            count,
+            last,
+        }
+    }
+
+    #[test]
+    fn a_repeat_within_the_window_extends_the_series_else_a_new_object() {
+        let t0 = Instant::now();
+        assert_eq!(decide(None, t0), Step::Create);
+        assert_eq!(
+            decide(Some(&seen(1, t0)), t0 + Duration::from_secs(1)),
+            Step::Series { count: 2 }
+        );
+        assert_eq!(
+            decide(Some(&seen(7, t0)), t0 + SERIES_WINDOW),
+            Step::Series { count: 8 }
+        );
+        assert_eq!(
+            decide(Some(&seen(7, t0)), t0 + SERIES_WINDOW + Duration::from_millis(1)),
+            Step::Create,
+            "a quiet spell longer than the window starts over"
+        );
+        assert_eq!(decide(Some(&seen(i32::MAX, t0)), t0), Step::Create);
+    }
+
+    #[test]
+    fn the_key_tells_notes_objects_and_types_apart() {
+        assert_eq!(key("a"), key("a"));
+        assert_ne!(key("a"), key("b"), "a changed explanation is a new event");
+        let mut other = key("a");
+        other.type_ = EventType::Normal;
+        assert_ne!(key("a"), other);
+        let recreated = FoldKey::of(&Pending {
+            on: ObjectReference {
+                kind: Some("PersistentVolumeClaim".into()),
+                namespace: Some("app".into()),
+                name: Some("c".into()),
+                uid: Some("u2".into()),
+                ..Default::default()
+            },
+            type_: EventType::Warning,
+            reason: "ProvisioningFailed".into(),
+            action: "Provisioning".into(),
+            note: "a".into(),
+        });
+        assert_ne!(
+            key("a"),
+            recreated,
+            "a re-created object with the same name is another object"
+        );
+    }
+
+    #[test]
+    fn the_fold_memory_is_bounded_and_forgets_the_least_recently_seen() {
+        let t0 = Instant::now();
+        let mut f = Folds::new(3);
+        for n in ["a", "b", "c"] {
+            f.put(key(n), seen(1, t0));
+        }
+        // Touch "a": now "b" is the least recently seen.
+        f.put(key("a"), seen(2, t0));
+        f.put(key("d"), seen(1, t0));
+        assert_eq!(f.len(), 3);
+        assert!(f.get(&key("b")).is_none());
+        assert_eq!(f.get(&key("a")).map(|s| s.count), Some(2));
+        assert!(f.get(&key("c")).is_some() && f.get(&key("d")).is_some());
+        for i in 0..10_000 {
+            f.put(key(&i.to_string()), seen(1, t0));
+        }
+        assert_eq!(f.len(), 3, "memory stays bounded");
+        assert_eq!(f.order.len(), 3);
+        f.forget(&key("9999"));
+        assert_eq!((f.len(), f.order.len()), (2, 2));
     }
 }
