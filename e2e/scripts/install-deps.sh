@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # Installs the OS tools stowage needs on a fresh Debian machine: losetup/mount (util-linux, mount),
-# mkfs.ext4/resize2fs (e2fsprogs), blkid. Go and Rust come with the machine image.
+# mkfs.ext4/resize2fs (e2fsprogs), blkid; for `make image` (e2e/scripts/image.sh): mmdebstrap (the
+# Debian base layer), skopeo (checks the OCI archive), jq (writes its JSON). Go and Rust come with
+# the machine image.
 set -euo pipefail
 missing=()
-for tool in losetup:util-linux mount:mount mkfs.ext4:e2fsprogs resize2fs:e2fsprogs blkid:util-linux findmnt:util-linux curl:curl; do
+for tool in losetup:util-linux mount:mount mkfs.ext4:e2fsprogs resize2fs:e2fsprogs blkid:util-linux findmnt:util-linux curl:curl \
+  mmdebstrap:mmdebstrap skopeo:skopeo jq:jq; do
   command -v "${tool%%:*}" >/dev/null 2>&1 || missing+=("${tool##*:}")
 done
 for tool in go cargo; do
@@ -13,5 +16,6 @@ if [ ${#missing[@]} -gt 0 ]; then
   echo "deps: installing ${missing[*]}"
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
-  apt-get install -y -qq "${missing[@]}" >/dev/null
+  # No recommends: skopeo's would add container networking plugins the build does not use.
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
