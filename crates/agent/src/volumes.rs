@@ -1164,6 +1164,23 @@ mod tests {
 
     use super::*;
 
+    #[tokio::test]
+    async fn an_unreadable_directory_is_an_error_not_an_empty_one() {
+        let dir = std::env::temp_dir().join(format!("stowage-list-{}", std::process::id()));
+        std::fs::create_dir_all(dir.join("v1")).unwrap();
+        assert_eq!(list(&dir).await.unwrap(), vec!["v1".to_string()]);
+        assert!(
+            list(&dir.join("missing")).await.unwrap().is_empty(),
+            "absent is empty"
+        );
+        // Not a directory (as any other read error): the pass must not go on without it.
+        std::fs::write(dir.join("file"), b"").unwrap();
+        let e = list(&dir.join("file")).await.unwrap_err();
+        assert_eq!(e.reason(), "VolumeDirUnreadable");
+        assert_eq!(e.source_label(), "volume_dirs");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
     #[test]
     fn resize_patch_clears_only_resize_state() {
         let pvc = PersistentVolumeClaim {
