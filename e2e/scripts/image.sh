@@ -159,6 +159,8 @@ fi
 epoch=$(git log -1 --format=%ct 2>/dev/null || echo 0)
 created=$(date -u -d "@$epoch" +%Y-%m-%dT%H:%M:%SZ)
 revision=$(git rev-parse HEAD 2>/dev/null || echo unknown)
+# Built from uncommitted changes: say so in the revision label.
+if [ "$revision" != unknown ] && ! git diff --quiet HEAD -- 2>/dev/null; then revision="$revision-dirty"; fi
 
 phase "packing the binaries layer"
 stage="$tmp/bin-layer"
