@@ -5,7 +5,7 @@
 //! The decisions follow upstream's persistentvolume-binder (syncClaim/syncVolume) step by step;
 //! where stowage deliberately differs it says so (see docs/binder.md).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::{ObjectReference, PersistentVolume, PersistentVolumeClaim};
@@ -26,6 +26,9 @@ pub struct Cache {
     pub index: VolumeIndex,
     /// PV name → claim key holding it for an in-flight bind.
     pub reserved: HashMap<String, String>,
+    /// Built-in driver's volume handle → the PVs naming it (normally one; more means an image
+    /// shared by several PVs, which is never deleted while another PV names it).
+    pub handles: HashMap<String, BTreeSet<String>>,
 }
 
 impl Cache {
@@ -43,8 +46,35 @@ impl Cache {
             return false;
         }
         self.index.upsert(&pv);
+        self.forget_handle(&name);
+        if let Some(h) = loop_handle(&pv) {
+            self.handles
+                .entry(h.to_string())
+                .or_default()
+                .insert(name.clone());
+        }
         self.pvs.insert(name, pv);
         true
+    }
+
+    fn forget_handle(&mut self, name: &str) {
+        if let Some(h) = self.pvs.get(name).and_then(|p| loop_handle(p))
+            && let Some(set) = self.handles.get_mut(h)
+        {
+            set.remove(name);
+            if set.is_empty() {
+                self.handles.remove(h);
+            }
+        }
+    }
+
+    /// The other PVs that name the same built-in image as `pv`.
+    pub fn sharing_handle(&self, pv: &PersistentVolume) -> Vec<String> {
+        let name = pv.name_any();
+        loop_handle(pv)
+            .and_then(|h| self.handles.get(h))
+            .map(|set| set.iter().filter(|n| **n != name).cloned().collect())
+            .unwrap_or_default()
     }
 
     pub fn put_claim(&mut self, c: Arc<PersistentVolumeClaim>) -> bool {
@@ -61,6 +91,7 @@ impl Cache {
 
     pub fn remove_pv(&mut self, name: &str) -> Option<Arc<PersistentVolume>> {
         self.index.remove(name);
+        self.forget_handle(name);
         self.pvs.remove(name)
     }
 
@@ -785,10 +816,13 @@ fn sync_claim_phase(claim: &PersistentVolumeClaim, cache: &Cache, env: &Env) -> 
                 });
             }
             if prov == LOOP_DRIVER {
-                out.push(Action::ProvisionLoop {
-                    claim: key,
-                    class: name.into(),
-                });
+                match loop_refusal(claim, cache) {
+                    Some(why) => out.push(ev(target, true, "ProvisioningFailed", why)),
+                    None => out.push(Action::ProvisionLoop {
+                        claim: key,
+                        class: name.into(),
+                    }),
+                }
             } else {
                 out.push(ev(
                     target,
@@ -811,13 +845,63 @@ fn sync_claim_phase(claim: &PersistentVolumeClaim, cache: &Cache, env: &Env) -> 
     out
 }
 
+/// Why the built-in provisioner will not (or can no longer) provision a volume for `claim`:
+/// a multi-node writer access mode, or an image creation that failed for good (the provisioned
+/// PV is `Failed`, its message says why). `None`: go ahead (or keep waiting for the image).
+pub fn loop_refusal(claim: &PersistentVolumeClaim, cache: &Cache) -> Option<String> {
+    let modes = claim_modes(claim);
+    let refused: Vec<&str> = MULTI_NODE_WRITER_MODES
+        .iter()
+        .copied()
+        .filter(|m| modes.contains(*m))
+        .collect();
+    if !refused.is_empty() {
+        return Some(format!(
+            "{LOOP_DRIVER} cannot provision access mode {}: an ext4 file system on a loop image cannot be mounted read-write by two kernels (nodes) at once without corrupting it; ask for ReadWriteOnce or ReadWriteOncePod, or ReadOnlyMany to share it read-only",
+            refused.join(",")
+        ));
+    }
+    let name = crate::loopdev::provisioned_name(claim)?;
+    let pv = cache.pvs.get(&name)?;
+    if has_ann(pv.as_ref(), ANN_IMAGE_PENDING) && pv_phase(pv) == "Failed" {
+        let msg = pv
+            .status
+            .as_ref()
+            .and_then(|s| s.message.as_deref())
+            .unwrap_or("the image could not be created");
+        return Some(format!(
+            "{msg}; this will not pass by retrying: delete the claim (its volume {name} is deleted with it) and ask for a size the image directory's file system can hold"
+        ));
+    }
+    None
+}
+
+/// Whether the built-in deleter may hold (and act on) this volume: made by this provisioner,
+/// policy Delete, and a handle that can name an image of it.
+pub fn deleter_wanted(pv: &PersistentVolume) -> bool {
+    provisioned_here(pv) && reclaim_policy(pv) == "Delete" && loop_handle(pv).is_some_and(plain_handle)
+}
+
+/// Whether the claim the volume's claimRef names (with its UID) is in the cache.
+fn claim_alive(pv: &PersistentVolume, cache: &Cache) -> bool {
+    claim_ref(pv).is_some_and(|(ns, n, uid)| {
+        !uid.is_empty()
+            && cache
+                .claims
+                .get(&format!("{ns}/{n}"))
+                .is_some_and(|c| c.metadata.uid.as_deref() == Some(uid))
+    })
+}
+
 /// syncVolume: the actions that keep one PV's phase and reclaim in line with its claim.
 pub fn sync_volume(pv: &PersistentVolume, cache: &Cache, _env: &Env) -> Vec<Action> {
     let name = pv.name_any();
     let mut out = Vec::new();
     let ours = csi_driver(pv) == Some(LOOP_DRIVER);
+    let want = ours && deleter_wanted(pv);
     if ours {
-        let want = reclaim_policy(pv) == "Delete";
+        // Only volumes this provisioner made carry its finalizer; one found elsewhere (older
+        // versions put it on every Delete volume) is removed, so their deletion can finish.
         let has = pv.finalizers().iter().any(|f| f == FINALIZER_LOOP_DELETER);
         if want != has && !(want && being_deleted(pv)) {
             out.push(Action::SetDeleterFinalizer {
@@ -825,9 +909,20 @@ pub fn sync_volume(pv: &PersistentVolume, cache: &Cache, _env: &Env) -> Vec<Acti
                 present: want,
             });
         }
-        if has_ann(pv, ANN_IMAGE_PENDING) {
-            out.push(Action::CreateLoopImage { pv: name });
-            return out;
+        if has_ann(pv, ANN_IMAGE_PENDING) && provisioned_here(pv) {
+            // Never handed to a claim (binding waits for the image), so it holds no data.
+            if being_deleted(pv) && want {
+                out.extend(reclaim_loop(pv, cache));
+                return out;
+            }
+            if claim_alive(pv, cache) {
+                // Failed = creation failed for good: the claim reports it; no more retries.
+                if pv_phase(pv) != "Failed" {
+                    out.push(Action::CreateLoopImage { pv: name });
+                }
+                return out;
+            }
+            // Its claim is gone: release and reclaim it like any other volume.
         }
     }
     let phase = pv_phase(pv);
@@ -838,6 +933,12 @@ pub fn sync_volume(pv: &PersistentVolume, cache: &Cache, _env: &Env) -> Vec<Acti
             message: String::new(),
         })
     };
+    // An unclaimed volume of ours an admin deleted: nothing uses it, its policy says delete.
+    let unclaimed = claim_ref(pv).is_none_or(|(_, _, uid)| uid.is_empty());
+    if unclaimed && want && being_deleted(pv) {
+        out.extend(reclaim_loop(pv, cache));
+        return out;
+    }
     let Some((ns, cname, uid)) = claim_ref(pv) else {
         out.extend(set_phase("Available"));
         return out;
@@ -856,7 +957,7 @@ pub fn sync_volume(pv: &PersistentVolume, cache: &Cache, _env: &Env) -> Vec<Acti
             out.push(Action::Release { pv: name });
             return out;
         }
-        out.extend(reclaim(pv));
+        out.extend(reclaim(pv, cache));
         return out;
     };
     let vol = claim_volume_name(claim);
@@ -889,7 +990,7 @@ pub fn sync_volume(pv: &PersistentVolume, cache: &Cache, _env: &Env) -> Vec<Acti
             });
             return out;
         }
-        out.extend(reclaim(pv));
+        out.extend(reclaim(pv, cache));
         return out;
     }
     out.push(Action::Unbind { pv: name });
@@ -897,11 +998,10 @@ pub fn sync_volume(pv: &PersistentVolume, cache: &Cache, _env: &Env) -> Vec<Acti
 }
 
 /// reclaimVolume for a Released (or Failed) volume.
-fn reclaim(pv: &PersistentVolume) -> Vec<Action> {
-    let name = pv.name_any();
+fn reclaim(pv: &PersistentVolume, cache: &Cache) -> Vec<Action> {
     match reclaim_policy(pv) {
         "Retain" => vec![],
-        "Delete" if csi_driver(pv) == Some(LOOP_DRIVER) => vec![Action::DeleteLoopVolume { pv: name }],
+        "Delete" if csi_driver(pv) == Some(LOOP_DRIVER) => reclaim_loop(pv, cache),
         // Other drivers' volumes are deleted by their external provisioner.
         "Delete" => vec![],
         "Recycle" => failed(
@@ -915,6 +1015,50 @@ fn reclaim(pv: &PersistentVolume) -> Vec<Action> {
             &format!("volume has unrecognized PersistentVolumeReclaimPolicy {other:?}"),
         ),
     }
+}
+
+/// Event reason for a Delete-policy volume of the built-in driver whose image is kept.
+pub const DELETE_REFUSED: &str = "VolumeDeleteRefused";
+
+/// Deletes only what this provisioner made and no other PV still names (as external-provisioner's
+/// `shouldDelete`); everything else stays Released, with a Warning saying why.
+fn reclaim_loop(pv: &PersistentVolume, cache: &Cache) -> Vec<Action> {
+    let name = pv.name_any();
+    let handle = loop_handle(pv).unwrap_or("");
+    let target = Target::Volume(name.clone());
+    if !provisioned_here(pv) {
+        return vec![ev(
+            target,
+            true,
+            DELETE_REFUSED,
+            format!(
+                "volume {name} was not provisioned by {LOOP_DRIVER} (annotation {ANN_PROVISIONED_BY} is {:?}), so its image {handle}.img is not deleted and the volume stays Released; delete the volume (and the image, if nobody needs it) by hand, or set its reclaim policy to Retain",
+                ann(pv, ANN_PROVISIONED_BY).unwrap_or("")
+            ),
+        )];
+    }
+    if !plain_handle(handle) {
+        return failed(
+            pv,
+            DELETE_REFUSED,
+            &format!(
+                "volume handle {handle:?} is not a plain file name, so it names no image of {LOOP_DRIVER}; nothing was deleted"
+            ),
+        );
+    }
+    let sharing = cache.sharing_handle(pv);
+    if !sharing.is_empty() {
+        return vec![ev(
+            target,
+            true,
+            DELETE_REFUSED,
+            format!(
+                "image {handle}.img is also the volume of PersistentVolume(s) {}; it is kept, and deleted with this volume once no other PersistentVolume names it",
+                sharing.join(", ")
+            ),
+        )];
+    }
+    vec![Action::DeleteLoopVolume { pv: name }]
 }
 
 fn failed(pv: &PersistentVolume, reason: &'static str, msg: &str) -> Vec<Action> {

@@ -71,6 +71,9 @@ struct Done {
     /// Objects the batch deleted.
     deleted_pvs: Vec<String>,
     wake: Vec<Key>,
+    /// Events the writes produced, with the object they are about (it may be gone from the
+    /// cache by the time they land); the decision task sends each once per change of its text.
+    events: Vec<(Event, ObjectReference)>,
     error: Option<(&'static str, String)>,
 }
 
@@ -135,6 +138,8 @@ struct Brain {
     woken: HashSet<String>,
     /// Last event per object, so a condition that persists is reported once, not every resync.
     last_event: HashMap<Target, (&'static str, String)>,
+    /// Consecutive failures (other than conflicts) per key, for the retry backoff.
+    failing: HashMap<Key, u32>,
     cluster: Arc<Cluster>,
     writer: Writer,
 }
@@ -154,6 +159,7 @@ pub async fn run(cluster: Arc<Cluster>, metrics: Metrics, config: Config) -> any
         unbound_by_class: HashMap::new(),
         woken: HashSet::new(),
         last_event: HashMap::new(),
+        failing: HashMap::new(),
         writer: Writer {
             pvs: Api::all(client.clone()),
             events: Events::new(client.clone(), "stowage-binder"),
@@ -274,7 +280,12 @@ impl Brain {
 
     fn pv_gone(&mut self, pv: &PersistentVolume) {
         let name = pv.name_any();
+        // The other volumes naming the same image may now delete it.
+        for other in self.cache.sharing_handle(pv) {
+            self.queue.add(Key::Volume(other));
+        }
         self.cache.remove_pv(&name);
+        self.failing.remove(&Key::Volume(name.clone()));
         self.last_event.remove(&Target::Volume(name));
         if let Some((ns, n, _)) = claim_ref(pv) {
             self.queue.add(Key::Claim(format!("{ns}/{n}")));
@@ -293,6 +304,7 @@ impl Brain {
         let key = claim_key(c);
         self.cache.remove_claim(&key);
         self.track_claim(&key, None);
+        self.failing.remove(&Key::Claim(key.clone()));
         self.last_event.remove(&Target::Claim(key.clone()));
         let vol = claim_volume_name(c);
         if !vol.is_empty() {
@@ -414,6 +426,7 @@ impl Brain {
         }
         if writes.is_empty() {
             self.queue.forget(&key);
+            self.failing.remove(&key);
             return;
         }
         // Claim to reserve, objects as the cache has them now.
@@ -446,6 +459,7 @@ impl Brain {
                 claims: vec![],
                 deleted_pvs: vec![],
                 wake: vec![],
+                events: vec![],
                 error: None,
             };
             for w in writes {
@@ -461,14 +475,29 @@ impl Brain {
     }
 
     fn event(&mut self, e: Event) {
+        if let Some(reference) = self.reference(&e.target) {
+            self.send_event(e, reference);
+        }
+    }
+
+    /// Sends `e` unless it repeats the last event about the same object: a condition that
+    /// persists is reported once per change of its text, however often it is retried.
+    fn send_event(&mut self, e: Event, reference: ObjectReference) {
         let key = (e.reason, e.note.clone());
         if self.last_event.get(&e.target) == Some(&key) {
             return;
         }
-        let Some(reference) = self.reference(&e.target) else {
-            return;
+        let known = match &e.target {
+            Target::Claim(k) => self.cache.claims.contains_key(k),
+            Target::Volume(n) => self.cache.pvs.contains_key(n),
         };
-        self.last_event.insert(e.target.clone(), key);
+        // Only objects still known are remembered (their removal forgets them).
+        if known {
+            self.last_event.insert(e.target.clone(), key);
+        }
+        if e.warning {
+            self.writer.metrics.warnings.with_label_values(&[e.reason]).inc();
+        }
         if e.warning {
             self.writer
                 .events
@@ -505,6 +534,7 @@ impl Brain {
                 claims: vec![],
                 deleted_pvs: vec![],
                 wake: vec![],
+                events: vec![],
                 error: Some(("Panic", "write task panicked".into())),
             }
         });
@@ -531,6 +561,9 @@ impl Brain {
         for k in done.wake {
             self.queue.add(k);
         }
+        for (e, reference) in done.events {
+            self.send_event(e, reference);
+        }
         match done.error {
             Some((category, msg)) => {
                 self.writer
@@ -538,7 +571,15 @@ impl Brain {
                     .errors
                     .with_label_values(&[done.key.kind(), category])
                     .inc();
-                let delay = self.queue.retry(done.key.clone(), now);
+                let delay = if category == "Conflict" {
+                    self.queue.retry(done.key.clone(), now)
+                } else {
+                    let n = self.failing.entry(done.key.clone()).or_insert(0);
+                    let delay = failure_backoff(*n);
+                    *n = n.saturating_add(1);
+                    self.queue.add_at(done.key.clone(), now + delay);
+                    delay
+                };
                 tracing::debug!(key = ?done.key, %msg, ?delay, "sync failed, retrying");
                 if category != "Conflict" {
                     tracing::warn!(key = ?done.key, error = %msg, "binder write failed");
@@ -546,12 +587,76 @@ impl Brain {
             }
             None => {
                 self.queue.forget(&done.key);
+                self.failing.remove(&done.key);
                 if landed.dirty {
                     self.queue.add(done.key);
                 }
             }
         }
     }
+}
+
+/// An event about the claim `reference` names.
+fn claim_event(
+    reference: ObjectReference,
+    warning: bool,
+    reason: &'static str,
+    note: String,
+) -> (Event, ObjectReference) {
+    let e = Event {
+        target: Target::Claim(ref_key(&reference)),
+        warning,
+        reason,
+        note,
+    };
+    (e, reference)
+}
+
+/// The cache key (namespace/name) of the claim `r` names.
+fn ref_key(r: &ObjectReference) -> String {
+    format!(
+        "{}/{}",
+        r.namespace.as_deref().unwrap_or(""),
+        r.name.as_deref().unwrap_or("")
+    )
+}
+
+/// An event about volume `pv`.
+fn volume_event(
+    pv: &PersistentVolume,
+    warning: bool,
+    reason: &'static str,
+    note: String,
+) -> (Event, ObjectReference) {
+    let e = Event {
+        target: Target::Volume(pv.name_any()),
+        warning,
+        reason,
+        note,
+    };
+    (e, pv.object_ref(&()))
+}
+
+/// A reference to the claim a volume's claimRef names.
+fn claim_of(pv: &PersistentVolume) -> Option<ObjectReference> {
+    claim_ref(pv).map(|(ns, n, uid)| ObjectReference {
+        kind: Some("PersistentVolumeClaim".into()),
+        api_version: Some("v1".into()),
+        namespace: Some(ns.into()),
+        name: Some(n.into()),
+        uid: (!uid.is_empty()).then(|| uid.into()),
+        ..Default::default()
+    })
+}
+
+/// Retry delay after `n` earlier consecutive failures that are not conflicts (an image that
+/// cannot be created or removed, an API error): 1 s doubling to 5 min, external-provisioner's
+/// defaults for provisioning and deletion retries. Conflicts keep the queue's quick 5 ms → 60 s
+/// steps: they pass as soon as the cache catches up.
+pub fn failure_backoff(n: u32) -> Duration {
+    const START: Duration = Duration::from_secs(1);
+    const MAX: Duration = Duration::from_secs(300);
+    START.saturating_mul(1u32 << n.min(16)).min(MAX)
 }
 
 /// The last copy of object `key` written in this batch, else the one the batch started from.
@@ -649,14 +754,6 @@ impl Writer {
 
     fn claim(snap: &Snapshot, done: &Done, key: &str) -> Option<PersistentVolumeClaim> {
         newest(&done.claims, &snap.claims, key, claim_key)
-    }
-
-    fn event_on(&self, target: ObjectReference, warning: bool, reason: &str, note: String) {
-        if warning {
-            self.events.warning(&target, reason, "Provisioning", note);
-        } else {
-            self.events.normal(&target, reason, "Provisioning", note);
-        }
     }
 
     /// Whether the claim a volume points at still exists with the UID it names (a live read:
@@ -835,7 +932,8 @@ impl Writer {
         };
         let Some(pv) = loopdev::provisioned_pv(&c, sc) else {
             let note = "claim has no storage request; cannot provision".to_string();
-            self.event_on(c.object_ref(&()), true, "ProvisioningFailed", note);
+            done.events
+                .push(claim_event(c.object_ref(&()), true, "ProvisioningFailed", note));
             return Ok(());
         };
         self.count("provision_volume");
@@ -850,7 +948,8 @@ impl Writer {
             Err(e) => {
                 self.metrics.provisioning.with_label_values(&["failed"]).inc();
                 let note = format!("failed to create volume {name}: {e}");
-                self.event_on(c.object_ref(&()), true, "ProvisioningFailed", note);
+                done.events
+                    .push(claim_event(c.object_ref(&()), true, "ProvisioningFailed", note));
                 return Err(WriteError::Api(e));
             }
         }
@@ -861,35 +960,49 @@ impl Writer {
         let Some(mut v) = Self::pv(snap, done, pv) else {
             return Ok(());
         };
-        let claim_target = claim_ref(&v).map(|(ns, n, uid)| ObjectReference {
-            kind: Some("PersistentVolumeClaim".into()),
-            api_version: Some("v1".into()),
-            namespace: Some(ns.into()),
-            name: Some(n.into()),
-            uid: (!uid.is_empty()).then(|| uid.into()),
-            ..Default::default()
-        });
+        let claim = claim_of(&v);
         let handle = volume_handle(&v).unwrap_or_default().to_string();
-        let size = pv_capacity(&v).and_then(|b| u64::try_from(b).ok()).unwrap_or(0);
+        let capacity = pv_capacity(&v).unwrap_or(0);
         let dir = self.image_dir.clone();
         let h = handle.clone();
-        let made = tokio::task::spawn_blocking(move || loopdev::ensure_image(&dir, &h, size))
-            .await
-            .unwrap_or_else(|e| {
-                Err(loopdev::ImageError::Io {
-                    path: PathBuf::new(),
-                    source: std::io::Error::other(e),
-                })
-            });
+        let made = tokio::task::spawn_blocking(move || {
+            // A size no file offset can express is refused here, never rounded or truncated.
+            let size = u64::try_from(capacity).map_err(|_| loopdev::ImageError::Io {
+                path: dir.join(format!("{h}.img")),
+                source: std::io::Error::new(
+                    std::io::ErrorKind::InvalidInput,
+                    format!("{capacity} bytes is more than a file can hold"),
+                ),
+            })?;
+            loopdev::ensure_image(&dir, &h, size)
+        })
+        .await
+        .unwrap_or_else(|e| {
+            Err(loopdev::ImageError::Io {
+                path: PathBuf::new(),
+                source: std::io::Error::other(e),
+            })
+        });
         if let Err(e) = made {
             self.metrics.provisioning.with_label_values(&["failed"]).inc();
-            if let Some(t) = claim_target {
-                self.event_on(
-                    t,
-                    true,
-                    "ProvisioningFailed",
-                    format!("cannot create the image of volume {pv}: {e}"),
-                );
+            let msg = format!(
+                "cannot create the {} image of volume {pv}: {e}",
+                core::human(capacity)
+            );
+            if e.permanent() {
+                // No retry can fix it: the volume ends Failed (still pending, so nothing binds
+                // to it) and deletable; its claim reports the reason (`core::loop_refusal`).
+                let next = core::with_pv_phase(&v, "Failed", &msg);
+                done.pvs
+                    .push(self.writes().replace_pv_status(&next, "volume_phase").await?);
+                if let Some(t) = claim {
+                    done.wake.push(Key::Claim(ref_key(&t)));
+                }
+                return Ok(());
+            }
+            if let Some(t) = claim {
+                let note = format!("{msg}; retrying");
+                done.events.push(claim_event(t, true, "ProvisioningFailed", note));
             }
             return Err(e.into());
         }
@@ -897,27 +1010,66 @@ impl Writer {
         done.pvs
             .push(self.writes().replace_pv(&v, "provision_image").await?);
         self.metrics.provisioning.with_label_values(&["succeeded"]).inc();
-        if let Some(t) = claim_target {
+        if let Some(t) = claim {
             let note = format!(
                 "Successfully provisioned volume {pv} ({} image {handle}.img)",
-                core::human(u128::from(size))
+                core::human(capacity)
             );
-            self.event_on(t.clone(), false, "ProvisioningSucceeded", note);
-            if let (Some(ns), Some(n)) = (t.namespace, t.name) {
-                done.wake.push(Key::Claim(format!("{ns}/{n}")));
-            }
+            done.wake.push(Key::Claim(ref_key(&t)));
+            done.events
+                .push(claim_event(t, false, "ProvisioningSucceeded", note));
         }
         Ok(())
     }
 
+    /// Other PVs naming the built-in image `handle`, from a live (paged) list: the cache may lag
+    /// a PV just created, and removing an image is final.
+    async fn live_sharing(&self, name: &str, handle: &str) -> Result<Vec<String>, WriteError> {
+        let mut out = Vec::new();
+        let mut lp = kube::api::ListParams::default().limit(500);
+        loop {
+            self.count("list_volumes");
+            let page = self.pvs.list(&lp).await?;
+            out.extend(
+                page.items
+                    .iter()
+                    .filter(|p| p.name_any() != name && loop_handle(p) == Some(handle))
+                    .map(|p| p.name_any()),
+            );
+            match page.metadata.continue_.filter(|c| !c.is_empty()) {
+                Some(c) => lp = lp.continue_token(&c),
+                None => return Ok(out),
+            }
+        }
+    }
+
     async fn delete_volume(&self, snap: &Snapshot, done: &mut Done, pv: &str) -> Result<(), WriteError> {
-        let Some(mut v) = Self::pv(snap, done, pv) else {
+        if Self::pv(snap, done, pv).is_none() {
+            return Ok(());
+        }
+        // Decide on the live object: what follows cannot be undone.
+        let Some(mut v) = self.pvs.get_opt(pv).await? else {
             return Ok(());
         };
-        if self.claim_still_there(&v).await? {
+        if !core::deleter_wanted(&v) {
+            return Ok(()); // its next sync says why and drops the finalizer
+        }
+        // A volume whose image is still pending was never handed to its claim: no data.
+        if !has_ann(&v, ANN_IMAGE_PENDING) && self.claim_still_there(&v).await? {
             return Err(WriteError::ClaimStillThere(format!("{:?}", claim_ref(&v))));
         }
         let handle = volume_handle(&v).unwrap_or_default().to_string();
+        let sharing = self.live_sharing(pv, &handle).await?;
+        if !sharing.is_empty() {
+            self.metrics.deletions.with_label_values(&["refused"]).inc();
+            let note = format!(
+                "image {handle}.img is also the volume of PersistentVolume(s) {}; it is kept, and deleted with this volume once no other PersistentVolume names it",
+                sharing.join(", ")
+            );
+            done.events
+                .push(volume_event(&v, true, core::DELETE_REFUSED, note));
+            return Ok(());
+        }
         let dir = self.image_dir.clone();
         let removed = tokio::task::spawn_blocking(move || loopdev::remove_image(&dir, &handle))
             .await
@@ -927,19 +1079,18 @@ impl Writer {
                     source: std::io::Error::other(e),
                 })
             });
-        let reference = v.object_ref(&());
         match removed {
             Ok(true) => {}
             Ok(false) => {
                 let note = format!("image of volume {pv} was already gone; deleting the volume object");
-                self.events
-                    .normal(&reference, "VolumeImageMissing", "Deleting", note);
+                done.events
+                    .push(volume_event(&v, false, "VolumeImageMissing", note));
             }
             Err(e) => {
                 self.metrics.deletions.with_label_values(&["failed"]).inc();
                 let msg = format!("cannot delete the image of volume {pv}: {e}");
-                self.events
-                    .warning(&reference, "VolumeFailedDelete", "Deleting", msg.clone());
+                done.events
+                    .push(volume_event(&v, true, "VolumeFailedDelete", msg.clone()));
                 if pv_phase(&v) != "Failed" {
                     done.pvs.push(
                         self.writes()

@@ -15,6 +15,8 @@ pub mod selector;
 
 #[cfg(test)]
 mod model_tests;
+#[cfg(test)]
+mod safety_tests;
 
 pub use exec::{Config, run};
 pub use metrics::Metrics;

@@ -31,19 +31,31 @@ pub enum ImageError {
 }
 
 pub fn image_path(dir: &Path, handle: &str) -> Result<PathBuf, ImageError> {
-    let plain = !handle.is_empty()
-        && handle != "."
-        && handle != ".."
-        && !handle.contains(['/', '\\', '\0'])
-        && handle.len() <= 240;
-    if !plain {
+    if !plain_handle(handle) {
         return Err(ImageError::BadHandle(handle.into()));
     }
     Ok(dir.join(format!("{handle}.img")))
 }
 
+impl ImageError {
+    /// Errors no retry can fix: a bad handle, a size the file system cannot hold (EFBIG, or
+    /// beyond what a file offset can express), a name too long. Anything else (EIO, ENOSPC, a
+    /// missing directory that may yet be mounted) may pass and is retried.
+    pub fn permanent(&self) -> bool {
+        match self {
+            ImageError::BadHandle(_) => true,
+            ImageError::Io { source, .. } => matches!(
+                source.kind(),
+                ErrorKind::FileTooLarge | ErrorKind::InvalidInput | ErrorKind::InvalidFilename
+            ),
+        }
+    }
+}
+
 /// Creates the sparse image of `size` bytes, or grows an existing smaller one; never shrinks or
-/// rewrites an existing image (it may hold data). Idempotent by name.
+/// rewrites an existing image (it may hold data). Idempotent by name. When the size cannot be
+/// set, an empty file (one this call or an earlier failed one made) is removed again, so a failed
+/// creation leaves nothing behind; a file with content is never removed here.
 pub fn ensure_image(dir: &Path, handle: &str, size: u64) -> Result<PathBuf, ImageError> {
     let path = image_path(dir, handle)?;
     let io = |source| ImageError::Io {
@@ -58,8 +70,14 @@ pub fn ensure_image(dir: &Path, handle: &str, size: u64) -> Result<PathBuf, Imag
         .map_err(io)?;
     let len = f.metadata().map_err(io)?.len();
     if len < size {
-        f.set_len(size).map_err(io)?;
-        f.sync_all().map_err(io)?;
+        let grown = f.set_len(size).and_then(|()| f.sync_all());
+        if let Err(e) = grown {
+            if len == 0 {
+                drop(f);
+                let _ = std::fs::remove_file(&path);
+            }
+            return Err(io(e));
+        }
     }
     Ok(path)
 }
@@ -191,5 +209,27 @@ mod tests {
         assert_eq!(std::fs::metadata(&p).unwrap().len(), 2 << 20);
         assert!(remove_image(dir.path(), "v").unwrap());
         assert!(!remove_image(dir.path(), "v").unwrap());
+    }
+
+    #[test]
+    fn a_size_the_file_system_cannot_hold_is_permanent_and_leaves_no_file() {
+        let dir = tempfile::tempdir().unwrap();
+        // Beyond any off_t: refused before the file system is asked.
+        let e = ensure_image(dir.path(), "huge", u64::MAX).unwrap_err();
+        assert!(e.permanent(), "{e}");
+        assert!(
+            !dir.path().join("huge.img").exists(),
+            "no empty image left behind"
+        );
+        // An existing image with content is never removed, even when growing it fails.
+        std::fs::write(dir.path().join("kept.img"), b"data").unwrap();
+        assert!(ensure_image(dir.path(), "kept", u64::MAX).is_err());
+        assert_eq!(std::fs::read(dir.path().join("kept.img")).unwrap(), b"data");
+        assert!(ImageError::BadHandle("../x".into()).permanent());
+        let eio = ImageError::Io {
+            path: PathBuf::new(),
+            source: std::io::Error::other("EIO"),
+        };
+        assert!(!eio.permanent(), "I/O errors may pass: retried");
     }
 }

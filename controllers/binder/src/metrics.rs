@@ -37,6 +37,8 @@ pub struct Metrics {
     /// Built-in provisioning and deletion outcomes.
     pub provisioning: IntCounterVec,
     pub deletions: IntCounterVec,
+    /// Warning events sent (once per change of their text), by reason.
+    pub warnings: IntCounterVec,
     stores: SharedStores,
 }
 
@@ -111,6 +113,14 @@ impl Metrics {
                 &["result"],
             )
             .unwrap(),
+            warnings: IntCounterVec::new(
+                Opts::new(
+                    "stowage_binder_warning_events_total",
+                    "Warning events the binder sent (once per change of their text), by reason.",
+                ),
+                &["reason"],
+            )
+            .unwrap(),
             stores: Arc::new(RwLock::new(None)),
         };
         register(registry, m.reconciles.clone());
@@ -123,11 +133,13 @@ impl Metrics {
         register(registry, m.bind_latency.clone());
         register(registry, m.provisioning.clone());
         register(registry, m.deletions.clone());
+        register(registry, m.warnings.clone());
         // Known outcomes start at zero, so the families are visible from the first scrape.
         for result in ["succeeded", "failed"] {
             m.provisioning.with_label_values(&[result]);
             m.deletions.with_label_values(&[result]);
         }
+        m.deletions.with_label_values(&["refused"]);
         for kind in ["claim", "volume"] {
             m.reconciles.with_label_values(&[kind]);
         }

@@ -171,6 +171,33 @@ pub fn refers_to(pv: &PersistentVolume, claim: &PersistentVolumeClaim) -> bool {
     }
 }
 
+/// Whether this provisioner made the volume (external-provisioner's `shouldDelete`: the
+/// provisioned-by annotation names the driver). Only such volumes are ever deleted by it;
+/// a hand-made volume's image belongs to whoever made it.
+pub fn provisioned_here(pv: &PersistentVolume) -> bool {
+    ann(pv, ANN_PROVISIONED_BY) == Some(LOOP_DRIVER)
+}
+
+/// The built-in driver's volume handle, when the volume is one of its volumes.
+pub fn loop_handle(pv: &PersistentVolume) -> Option<&str> {
+    (csi_driver(pv) == Some(LOOP_DRIVER))
+        .then(|| volume_handle(pv))
+        .flatten()
+}
+
+/// A handle that names a file directly inside the image dir (no path can escape it).
+pub fn plain_handle(handle: &str) -> bool {
+    !handle.is_empty()
+        && handle != "."
+        && handle != ".."
+        && !handle.contains(['/', '\\', '\0'])
+        && handle.len() <= 240
+}
+
+/// Access modes that let several nodes write one volume: refused for the built-in driver, whose
+/// ext4 on a loop image cannot be mounted read-write by two kernels at once.
+pub const MULTI_NODE_WRITER_MODES: &[&str] = &["ReadWriteMany"];
+
 pub fn being_deleted<K: ResourceExt>(o: &K) -> bool {
     o.meta().deletion_timestamp.is_some()
 }

@@ -136,7 +136,8 @@ async fn released_volumes_follow_their_reclaim_policy() {
         "Retain never loses data"
     );
 
-    // Delete, built-in driver: image removed, then the volume object.
+    // Delete, built-in driver, a volume it provisioned: image removed, then the volume object.
+    // (Hand-made volumes keep their image: tests/safety.rs.)
     let img = h.images.path().join("gone.img");
     std::fs::write(&img, b"scratch").unwrap();
     h.create_pv(
@@ -144,6 +145,7 @@ async fn released_volumes_follow_their_reclaim_policy() {
             .class("del")
             .reclaim("Delete")
             .driver("loop.stowage.dev", "gone")
+            .annotation("pv.kubernetes.io/provisioned-by", "loop.stowage.dev")
             .build(),
     )
     .await;
@@ -204,6 +206,7 @@ async fn a_delete_volume_whose_image_is_already_gone_still_finishes() {
             .class("del")
             .reclaim("Delete")
             .driver("loop.stowage.dev", "noimg")
+            .annotation("pv.kubernetes.io/provisioned-by", "loop.stowage.dev")
             .build(),
     )
     .await;

@@ -1,0 +1,259 @@
+//! The data-safety decisions of the built-in driver, as pure functions: only volumes this
+//! provisioner made are deleted, never an image another PV names, a failed image creation ends
+//! deletable, and multi-node writer modes are refused (issue 15, items 2, 6 and 7).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
+use k8s_openapi::api::storage::v1::StorageClass;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use stowage_testkit::builders::{pv, pvc, storage_class};
+
+use crate::core::{self, Action, Cache, DELETE_REFUSED, Env};
+use crate::exec::failure_backoff;
+use crate::objects::*;
+
+fn loop_class(name: &str) -> Option<Arc<StorageClass>> {
+    (name == "loop").then(|| Arc::new(storage_class("loop", LOOP_DRIVER).build()))
+}
+
+fn no_node(_: &str) -> Option<BTreeMap<String, String>> {
+    None
+}
+
+fn env() -> Env<'static> {
+    Env {
+        class: &loop_class,
+        default_class: None,
+        node_labels: &no_node,
+    }
+}
+
+fn cache(pvs: &[&PersistentVolume], claims: &[&PersistentVolumeClaim]) -> Cache {
+    let mut c = Cache::default();
+    for p in pvs {
+        c.put_pv(Arc::new((*p).clone()));
+    }
+    for cl in claims {
+        c.put_claim(Arc::new((*cl).clone()));
+    }
+    c
+}
+
+fn phase(mut v: PersistentVolume, p: &str) -> PersistentVolume {
+    v.status.get_or_insert_with(Default::default).phase = Some(p.into());
+    v
+}
+
+fn deleting(mut v: PersistentVolume) -> PersistentVolume {
+    v.metadata.deletion_timestamp = Some(Time(k8s_openapi::jiff::Timestamp::UNIX_EPOCH));
+    v
+}
+
+fn with_finalizer(mut v: PersistentVolume) -> PersistentVolume {
+    v.metadata.finalizers = Some(vec![FINALIZER_LOOP_DELETER.into()]);
+    v
+}
+
+/// A Delete-policy loop volume bound to claim app/gone (which no longer exists), Released.
+fn released(name: &str, handle: &str, ours: bool) -> PersistentVolume {
+    let mut b = pv(name)
+        .reclaim("Delete")
+        .driver(LOOP_DRIVER, handle)
+        .claim_ref("app", "gone", "uid-gone");
+    if ours {
+        b = b.annotation(ANN_PROVISIONED_BY, LOOP_DRIVER);
+    }
+    phase(with_finalizer(b.build()), "Released")
+}
+
+fn refusal(actions: &[Action]) -> Option<String> {
+    actions.iter().find_map(|a| match a {
+        Action::Event(e) if e.reason == DELETE_REFUSED && e.warning => Some(e.note.clone()),
+        _ => None,
+    })
+}
+
+fn deletes(actions: &[Action]) -> bool {
+    actions
+        .iter()
+        .any(|a| matches!(a, Action::DeleteLoopVolume { .. }))
+}
+
+#[test]
+fn a_hand_made_delete_volume_is_never_deleted_and_loses_the_finalizer() {
+    let v = released("precious", "precious", false);
+    let out = core::sync_volume(&v, &cache(&[&v], &[]), &env());
+    assert!(!deletes(&out), "{out:?}");
+    let note = refusal(&out).expect("a Warning says why");
+    assert!(note.contains("not provisioned by loop.stowage.dev"), "{note}");
+    assert!(out.contains(&Action::SetDeleterFinalizer {
+        pv: "precious".into(),
+        present: false
+    }));
+    assert!(
+        !out.iter().any(|a| matches!(a, Action::VolumePhase { .. })),
+        "it stays Released"
+    );
+    // The provisioned-by annotation naming another provisioner is not ours either.
+    let mut other = v.clone();
+    other
+        .metadata
+        .annotations
+        .get_or_insert_with(Default::default)
+        .insert(ANN_PROVISIONED_BY.into(), "example.com/other".into());
+    assert!(!deletes(&core::sync_volume(
+        &other,
+        &cache(&[&other], &[]),
+        &env()
+    )));
+}
+
+#[test]
+fn the_deleter_finalizer_is_only_wanted_on_our_deletable_volumes() {
+    let hand = pv("h").reclaim("Delete").build();
+    assert!(!core::deleter_wanted(&hand));
+    let ours = pv("o")
+        .reclaim("Delete")
+        .annotation(ANN_PROVISIONED_BY, LOOP_DRIVER)
+        .build();
+    assert!(core::deleter_wanted(&ours));
+    let retain = pv("r").annotation(ANN_PROVISIONED_BY, LOOP_DRIVER).build();
+    assert!(!core::deleter_wanted(&retain));
+    let bad = pv("b")
+        .reclaim("Delete")
+        .driver(LOOP_DRIVER, "../etc")
+        .annotation(ANN_PROVISIONED_BY, LOOP_DRIVER)
+        .build();
+    assert!(!core::deleter_wanted(&bad));
+    // An admin deleting a hand-made volume that an older version gave the finalizer: dropped.
+    let stuck = deleting(with_finalizer(pv("old").reclaim("Delete").build()));
+    let out = core::sync_volume(&stuck, &cache(&[&stuck], &[]), &env());
+    assert!(out.contains(&Action::SetDeleterFinalizer {
+        pv: "old".into(),
+        present: false
+    }));
+    assert!(!deletes(&out));
+}
+
+#[test]
+fn an_image_another_volume_names_is_kept() {
+    let a = released("a", "shared", true);
+    let b = phase(pv("b").driver(LOOP_DRIVER, "shared").build(), "Available");
+    let out = core::sync_volume(&a, &cache(&[&a, &b], &[]), &env());
+    assert!(!deletes(&out), "{out:?}");
+    assert!(refusal(&out).expect("a Warning says why").contains("b"));
+    // Once b is gone, a's image is deleted.
+    let out = core::sync_volume(&a, &cache(&[&a], &[]), &env());
+    assert!(deletes(&out), "{out:?}");
+    let c = cache(&[&a, &b], &[]);
+    assert_eq!(c.sharing_handle(&a), vec!["b".to_string()]);
+    let mut c = c;
+    c.remove_pv("b");
+    assert!(c.sharing_handle(&a).is_empty());
+    assert!(c.handles.get("shared").is_some_and(|s| s.len() == 1));
+}
+
+#[test]
+fn an_unclaimed_volume_of_ours_deleted_by_an_admin_is_reclaimed() {
+    let v = deleting(with_finalizer(
+        pv("free")
+            .reclaim("Delete")
+            .annotation(ANN_PROVISIONED_BY, LOOP_DRIVER)
+            .build(),
+    ));
+    let out = core::sync_volume(&v, &cache(&[&v], &[]), &env());
+    assert!(deletes(&out), "{out:?}");
+}
+
+fn provisioned(claim: &PersistentVolumeClaim) -> PersistentVolume {
+    let class = storage_class("loop", LOOP_DRIVER).build();
+    crate::loopdev::provisioned_pv(claim, &class).expect("claim with a request")
+}
+
+fn claim_1ei() -> PersistentVolumeClaim {
+    let mut c = pvc("app", "huge").request("1Ei").class("loop").build();
+    c.metadata.uid = Some("u-1".into());
+    c
+}
+
+#[test]
+fn a_permanent_image_failure_stops_retrying_and_is_reported_on_the_claim() {
+    let c = claim_1ei();
+    let pending = phase(provisioned(&c), "Pending");
+    let out = core::sync_volume(&pending, &cache(&[&pending], &[&c]), &env());
+    assert!(out.contains(&Action::CreateLoopImage { pv: "pvc-u-1".into() }));
+    let mut failed = phase(provisioned(&c), "Failed");
+    failed.status.as_mut().unwrap().message = Some("cannot create the image: File too large".into());
+    let cache1 = cache(&[&failed], &[&c]);
+    let out = core::sync_volume(&failed, &cache1, &env());
+    assert!(
+        !out.iter().any(|a| matches!(a, Action::CreateLoopImage { .. })),
+        "{out:?}"
+    );
+    let out = core::sync_claim(&c, &cache1, &env());
+    assert!(!out.iter().any(|a| matches!(a, Action::ProvisionLoop { .. })));
+    let note = out
+        .iter()
+        .find_map(|a| match a {
+            Action::Event(e) if e.reason == "ProvisioningFailed" => Some(e.note.clone()),
+            _ => None,
+        })
+        .expect("ProvisioningFailed");
+    assert!(note.contains("File too large"), "{note}");
+    assert!(out.iter().any(|a| matches!(
+        a,
+        Action::ClaimCondition {
+            reason: "ProvisioningFailed",
+            ..
+        }
+    )));
+    // The claim is deleted: the failed volume is released, then deleted.
+    let out = core::sync_volume(&failed, &cache(&[&failed], &[]), &env());
+    assert!(deletes(&out), "{out:?}");
+    // The volume is deleted by an admin while its claim waits: deleted (it never held data).
+    let gone = deleting(failed.clone());
+    assert!(deletes(&core::sync_volume(
+        &gone,
+        &cache(&[&gone], &[&c]),
+        &env()
+    )));
+}
+
+#[test]
+fn multi_node_writer_modes_are_refused_for_the_loop_driver() {
+    for (modes, refused) in [
+        (&["ReadWriteMany"][..], true),
+        (&["ReadWriteOnce", "ReadWriteMany"][..], true),
+        (&["ReadWriteOnce"][..], false),
+        (&["ReadWriteOncePod"][..], false),
+        (&["ReadOnlyMany"][..], false),
+    ] {
+        let mut c = pvc("app", "c").access_modes(modes).class("loop").build();
+        c.metadata.uid = Some("u".into());
+        let out = core::sync_claim(&c, &cache(&[], &[&c]), &env());
+        let provisions = out.iter().any(|a| matches!(a, Action::ProvisionLoop { .. }));
+        assert_eq!(provisions, !refused, "{modes:?}: {out:?}");
+        if refused {
+            let note = out
+                .iter()
+                .find_map(|a| match a {
+                    Action::Event(e) if e.reason == "ProvisioningFailed" && e.warning => Some(e.note.clone()),
+                    _ => None,
+                })
+                .expect("ProvisioningFailed");
+            assert!(note.contains("two kernels"), "{note}");
+        }
+    }
+}
+
+#[test]
+fn failure_retries_back_off_exponentially_to_five_minutes() {
+    assert_eq!(failure_backoff(0), Duration::from_secs(1));
+    assert_eq!(failure_backoff(1), Duration::from_secs(2));
+    let steps: Vec<Duration> = (0..40).map(failure_backoff).collect();
+    assert!(steps.windows(2).all(|w| w[0] <= w[1]));
+    assert_eq!(*steps.last().unwrap(), Duration::from_secs(300));
+}

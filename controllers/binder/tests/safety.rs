@@ -1,0 +1,307 @@
+//! Data safety of the built-in driver against the real apiserver with a real image directory
+//! (issue 15): only volumes this provisioner made are deleted, never an image another PV names,
+//! a failed image creation ends deletable, multi-node writer modes are refused, and a failing
+//! claim does not flood the cluster with Event objects.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{Harness, WAIT};
+use k8s_openapi::api::core::v1::PersistentVolume;
+use k8s_openapi::api::storage::v1::StorageClass;
+use kube::ResourceExt;
+use stowage_testkit::builders::{pv, pvc, storage_class};
+use stowage_testkit::eventually;
+
+const DELETER: &str = "loop.stowage.dev/deleter";
+
+fn has_deleter(v: &PersistentVolume) -> bool {
+    v.finalizers().iter().any(|f| f == DELETER)
+}
+
+/// Waits until the binder is done with a deleted volume: gone, or waiting only on finalizers
+/// that are not the binder's (pv-protection is not under test here).
+async fn released_by_binder(h: &Harness, name: &str) {
+    eventually(WAIT, || async {
+        match h.pvs().get_opt(name).await.map_err(|e| e.to_string())? {
+            None => Ok(()),
+            Some(v) if v.metadata.deletion_timestamp.is_some() && !has_deleter(&v) => Ok(()),
+            Some(v) => Err(format!(
+                "volume {name} phase {:?}, deleting {}, finalizers {:?}",
+                v.status.and_then(|s| s.phase),
+                v.metadata.deletion_timestamp.is_some(),
+                v.metadata.finalizers
+            )),
+        }
+    })
+    .await;
+}
+
+/// Waits for the claim's Pending condition with `reason`, returning its message.
+async fn pending_because(h: &Harness, ns: &str, name: &str, reason: &str) -> String {
+    let c = h
+        .claim_until(ns, name, &format!("Pending with a {reason} condition"), |c| {
+            let st = c.status.as_ref();
+            st.and_then(|s| s.phase.as_deref()) == Some("Pending")
+                && st.and_then(|s| s.conditions.as_ref()).is_some_and(|cs| {
+                    cs.iter()
+                        .any(|c| c.type_ == "stowage.dev/Pending" && c.reason.as_deref() == Some(reason))
+                })
+        })
+        .await;
+    c.status
+        .and_then(|s| s.conditions)
+        .unwrap_or_default()
+        .into_iter()
+        .find(|c| c.type_ == "stowage.dev/Pending")
+        .and_then(|c| c.message)
+        .unwrap_or_default()
+}
+
+fn counter(h: &Harness, name: &str, label: (&str, &str)) -> f64 {
+    let m = stowage_testkit::scrape::parse(&h.metrics_text()).unwrap();
+    m.samples
+        .get(name)
+        .into_iter()
+        .flatten()
+        .filter(|(l, _)| l.get(label.0).map(String::as_str) == Some(label.1))
+        .map(|(_, v)| v)
+        .sum()
+}
+
+/// The issue's first scenario: a hand-made volume of the built-in driver with policy Delete,
+/// bound and then released, must not lose the admin's image.
+#[tokio::test]
+async fn a_hand_made_delete_volume_keeps_its_image_when_released() {
+    let h = Harness::start().await;
+    h.namespace("app").await;
+    let img = h.images.path().join("precious.img");
+    std::fs::write(&img, b"precious").unwrap();
+    h.create_pv(
+        pv("precious")
+            .class("own")
+            .reclaim("Delete")
+            .driver("loop.stowage.dev", "precious")
+            .build(),
+    )
+    .await;
+    h.create_pvc(pvc("app", "c").class("own").build()).await;
+    h.claim_phase("app", "c", "Bound").await;
+    let v = h.volume_phase("precious", "Bound").await;
+    assert!(
+        !has_deleter(&v),
+        "never held by the deleter: {:?}",
+        v.finalizers()
+    );
+    h.delete_claim("app", "c").await;
+    let note = h.event("precious", "VolumeDeleteRefused").await;
+    assert!(note.contains("not provisioned by loop.stowage.dev"), "{note}");
+    let v = h.volume_phase("precious", "Released").await;
+    assert!(!has_deleter(&v));
+    assert_eq!(
+        std::fs::read(&img).unwrap(),
+        b"precious",
+        "the admin's image survives"
+    );
+    eventually(WAIT, || async {
+        let n = counter(
+            &h,
+            "stowage_binder_warning_events_total",
+            ("reason", "VolumeDeleteRefused"),
+        );
+        if n >= 1.0 {
+            Ok(())
+        } else {
+            Err(format!("warning counter {n}"))
+        }
+    })
+    .await;
+}
+
+/// Volumes made by older versions carry the deleter finalizer on hand-made volumes; an admin
+/// deleting such an unclaimed volume must see it go, and its image stay.
+#[tokio::test]
+async fn an_unclaimed_hand_made_delete_volume_deleted_by_an_admin_goes_and_keeps_its_image() {
+    let h = Harness::start().await;
+    let img = h.images.path().join("manual.img");
+    std::fs::write(&img, b"keep me").unwrap();
+    let mut v = pv("manual")
+        .class("own")
+        .reclaim("Delete")
+        .driver("loop.stowage.dev", "manual")
+        .build();
+    v.metadata.finalizers = Some(vec![DELETER.into()]);
+    h.create_pv(v).await;
+    h.volume_phase("manual", "Available").await;
+    h.pvs().delete("manual", &Default::default()).await.unwrap();
+    released_by_binder(&h, "manual").await;
+    assert_eq!(std::fs::read(&img).unwrap(), b"keep me");
+    // What is left is pv-protection's (its controller is not running here).
+    h.delete_volume("manual").await;
+    eventually(WAIT, || async {
+        match h.pvs().get_opt("manual").await.map_err(|e| e.to_string())? {
+            None => Ok(()),
+            Some(v) => Err(format!("still there: {:?}", v.metadata.finalizers)),
+        }
+    })
+    .await;
+    assert_eq!(std::fs::read(&img).unwrap(), b"keep me");
+}
+
+/// Two PVs naming one image: releasing one never deletes the image the other still names; once
+/// the other is gone, the provisioned one is deleted with its image.
+#[tokio::test]
+async fn two_volumes_sharing_a_handle_never_delete_each_others_image() {
+    let h = Harness::start().await;
+    h.namespace("app").await;
+    let img = h.images.path().join("shared.img");
+    std::fs::write(&img, b"both").unwrap();
+    h.create_pv(
+        pv("made")
+            .class("a")
+            .reclaim("Delete")
+            .driver("loop.stowage.dev", "shared")
+            .annotation("pv.kubernetes.io/provisioned-by", "loop.stowage.dev")
+            .build(),
+    )
+    .await;
+    h.create_pv(pv("copy").class("b").driver("loop.stowage.dev", "shared").build())
+        .await;
+    h.create_pvc(pvc("app", "c").class("a").build()).await;
+    h.claim_phase("app", "c", "Bound").await;
+    let v = h.volume_phase("made", "Bound").await;
+    assert!(
+        has_deleter(&v),
+        "a volume this provisioner made is held by its deleter"
+    );
+    h.delete_claim("app", "c").await;
+    let note = h.event("made", "VolumeDeleteRefused").await;
+    assert!(note.contains("copy"), "names the other volume: {note}");
+    h.volume_phase("made", "Released").await;
+    assert_eq!(
+        std::fs::read(&img).unwrap(),
+        b"both",
+        "the other volume's data survives"
+    );
+
+    h.delete_volume("copy").await;
+    released_by_binder(&h, "made").await;
+    assert!(!img.exists(), "deleted with the last volume that names it");
+}
+
+/// The issue's second scenario: a 1Ei claim. Image creation fails for good (EFBIG on the image
+/// dir's file system): the claim says why, no empty image is left, the failure is reported as
+/// one Event object however often the claim is synced, and deleting the claim cleans up.
+#[tokio::test]
+async fn a_claim_too_big_for_the_image_dir_fails_for_good_and_cleans_up() {
+    let h = Harness::start_with(|c| c.resync = Duration::from_secs(1)).await;
+    h.namespace("app").await;
+    h.create::<StorageClass>(storage_class("loop", "loop.stowage.dev").build())
+        .await;
+    let c = h
+        .create_pvc(pvc("app", "huge").request("1Ei").class("loop").build())
+        .await;
+    let name = format!("pvc-{}", c.metadata.uid.clone().unwrap());
+    let msg = pending_because(&h, "app", "huge", "ProvisioningFailed").await;
+    assert!(msg.contains("File too large"), "{msg}");
+    let v = h.volume_phase(&name, "Failed").await;
+    assert!(
+        v.annotations().contains_key("loop.stowage.dev/image-pending"),
+        "never bindable"
+    );
+    let leftovers: Vec<_> = std::fs::read_dir(h.images.path()).unwrap().collect();
+    assert!(leftovers.is_empty(), "no empty image left behind: {leftovers:?}");
+
+    // Many syncs later (1 s resync), still one ProvisioningFailed Event object for the claim.
+    let syncs = counter(&h, "stowage_binder_reconcile_total", ("kind", "claim"));
+    eventually(WAIT, || async {
+        let now = counter(&h, "stowage_binder_reconcile_total", ("kind", "claim"));
+        if now >= syncs + 5.0 {
+            Ok(())
+        } else {
+            Err(format!("{now} claim syncs, want {}", syncs + 5.0))
+        }
+    })
+    .await;
+    let events = h.events(Some("app"), "huge", "ProvisioningFailed").await;
+    assert_eq!(
+        events.len(),
+        1,
+        "one Event object, not one per retry: {events:#?}"
+    );
+
+    h.delete_claim("app", "huge").await;
+    released_by_binder(&h, &name).await;
+    let leftovers: Vec<_> = std::fs::read_dir(h.images.path()).unwrap().collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
+}
+
+/// Deleting the failed volume itself (not the claim) must not hang on the deleter finalizer.
+#[tokio::test]
+async fn a_failed_provisioned_volume_deleted_by_an_admin_does_not_hang() {
+    let h = Harness::start().await;
+    h.namespace("app").await;
+    h.create::<StorageClass>(storage_class("loop", "loop.stowage.dev").build())
+        .await;
+    let c = h
+        .create_pvc(pvc("app", "huge").request("1Ei").class("loop").build())
+        .await;
+    let name = format!("pvc-{}", c.metadata.uid.clone().unwrap());
+    let first = h.volume_phase(&name, "Failed").await;
+    h.pvs().delete(&name, &Default::default()).await.unwrap();
+    // Gone, or re-created for the claim that still asks for it (a new object, same name).
+    eventually(WAIT, || async {
+        match h.pvs().get_opt(&name).await.map_err(|e| e.to_string())? {
+            Some(v) if v.metadata.uid == first.metadata.uid && has_deleter(&v) => {
+                Err(format!("still held: {:?}", v.metadata.finalizers))
+            }
+            _ => Ok(()),
+        }
+    })
+    .await;
+    let leftovers: Vec<_> = std::fs::read_dir(h.images.path()).unwrap().collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
+}
+
+/// The issue's third scenario: a ReadWriteMany loop claim must not be provisioned.
+#[tokio::test]
+async fn a_read_write_many_loop_claim_is_refused() {
+    let h = Harness::start().await;
+    h.namespace("app").await;
+    h.create::<StorageClass>(storage_class("loop", "loop.stowage.dev").build())
+        .await;
+    h.create_pvc(
+        pvc("app", "shared")
+            .access_modes(&["ReadWriteMany"])
+            .class("loop")
+            .build(),
+    )
+    .await;
+    let msg = pending_because(&h, "app", "shared", "ProvisioningFailed").await;
+    assert!(
+        msg.contains("ReadWriteMany") && msg.contains("two kernels"),
+        "{msg}"
+    );
+    let note = h.event("shared", "ProvisioningFailed").await;
+    assert_eq!(note, msg);
+    assert!(
+        h.pvs().list(&Default::default()).await.unwrap().items.is_empty(),
+        "no volume created"
+    );
+    assert!(
+        std::fs::read_dir(h.images.path()).unwrap().next().is_none(),
+        "no image created"
+    );
+
+    // ReadOnlyMany is provisioned (the node side makes it read-only).
+    h.create_pvc(
+        pvc("app", "ro")
+            .access_modes(&["ReadOnlyMany"])
+            .request("16Mi")
+            .class("loop")
+            .build(),
+    )
+    .await;
+    h.claim_phase("app", "ro", "Bound").await;
+}
