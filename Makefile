@@ -21,7 +21,14 @@ build: ## Build both binaries
 
 .PHONY: test
 test: deps controlplane ## Run unit, property and integration tests against the real control plane
+	$(CARGO) build --workspace --bins
+	@# The image tests unpack an archive of the binaries under test; debug ones cost no second build.
+	STOWAGE_IMAGE_BIN_DIR=target/debug ./e2e/scripts/image.sh
 	$(CARGO) test --workspace --no-fail-fast
+
+.PHONY: image
+image: deps ## Build the OCI image archive target/image/stowage-<version>.oci.tar offline (Debian packages + release binaries)
+	@./e2e/scripts/image.sh
 
 .PHONY: lint
 lint: ## cargo fmt --check, clippy -D warnings, helm lint
