@@ -1028,7 +1028,6 @@ impl Writer {
         let mut out = Vec::new();
         let mut lp = kube::api::ListParams::default().limit(500);
         loop {
-            self.count("list_volumes");
             let page = self.pvs.list(&lp).await?;
             out.extend(
                 page.items
@@ -1061,7 +1060,6 @@ impl Writer {
         let handle = volume_handle(&v).unwrap_or_default().to_string();
         let sharing = self.live_sharing(pv, &handle).await?;
         if !sharing.is_empty() {
-            self.metrics.deletions.with_label_values(&["refused"]).inc();
             let note = format!(
                 "image {handle}.img is also the volume of PersistentVolume(s) {}; it is kept, and deleted with this volume once no other PersistentVolume names it",
                 sharing.join(", ")

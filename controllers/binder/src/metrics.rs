@@ -139,7 +139,6 @@ impl Metrics {
             m.provisioning.with_label_values(&[result]);
             m.deletions.with_label_values(&[result]);
         }
-        m.deletions.with_label_values(&["refused"]);
         for kind in ["claim", "volume"] {
             m.reconciles.with_label_values(&[kind]);
         }

@@ -305,3 +305,43 @@ async fn a_read_write_many_loop_claim_is_refused() {
     .await;
     h.claim_phase("app", "ro", "Bound").await;
 }
+
+/// The event storm on a volume with an unsafe handle: refused once, not once per retry.
+#[tokio::test]
+async fn a_volume_with_an_unsafe_handle_is_refused_with_one_event() {
+    let h = Harness::start_with(|c| c.resync = Duration::from_secs(1)).await;
+    h.namespace("app").await;
+    h.create_pv(
+        pv("unsafe")
+            .class("u")
+            .reclaim("Delete")
+            .driver("loop.stowage.dev", "../outside")
+            .annotation("pv.kubernetes.io/provisioned-by", "loop.stowage.dev")
+            .build(),
+    )
+    .await;
+    h.create_pvc(pvc("app", "c").class("u").build()).await;
+    h.claim_phase("app", "c", "Bound").await;
+    let v = h.volume_phase("unsafe", "Bound").await;
+    assert!(
+        !has_deleter(&v),
+        "nothing of ours to delete, so nothing to hold it"
+    );
+    h.delete_claim("app", "c").await;
+    let v = h.volume_phase("unsafe", "Failed").await;
+    let msg = v.status.and_then(|s| s.message).unwrap_or_default();
+    assert!(msg.contains("not a plain file name"), "{msg}");
+    let syncs = counter(&h, "stowage_binder_reconcile_total", ("kind", "volume"));
+    eventually(WAIT, || async {
+        let now = counter(&h, "stowage_binder_reconcile_total", ("kind", "volume"));
+        if now >= syncs + 5.0 {
+            Ok(())
+        } else {
+            Err(format!("{now} volume syncs, want {}", syncs + 5.0))
+        }
+    })
+    .await;
+    let refused = h.events(None, "unsafe", "VolumeDeleteRefused").await;
+    assert_eq!(refused.len(), 1, "{refused:#?}");
+    assert!(h.events(None, "unsafe", "VolumeFailedDelete").await.is_empty());
+}
