@@ -120,6 +120,14 @@ struct Writer {
     events: Events,
     metrics: Metrics,
     image_dir: PathBuf,
+    /// The newest live list of built-in handles (see `live_handles`).
+    live: Arc<tokio::sync::Mutex<Option<LiveHandles>>>,
+}
+
+/// Built-in handle → PV names, from a live list started at `started`.
+struct LiveHandles {
+    started: Instant,
+    by_handle: Arc<HashMap<String, Vec<String>>>,
 }
 
 /// The single decision task's state.
@@ -166,6 +174,7 @@ pub async fn run(cluster: Arc<Cluster>, metrics: Metrics, config: Config) -> any
             client,
             metrics,
             image_dir: config.image_dir.clone(),
+            live: Arc::default(),
         },
         cluster,
     };
@@ -1022,27 +1031,42 @@ impl Writer {
         Ok(())
     }
 
-    /// Other PVs naming the built-in image `handle`, from a live (paged) list: the cache may lag
-    /// a PV just created, and removing an image is final.
-    async fn live_sharing(&self, name: &str, handle: &str) -> Result<Vec<String>, WriteError> {
-        let mut out = Vec::new();
+    /// Every built-in handle and the PVs naming it, from a live (paged) list that started no
+    /// earlier than `since`: the cache may lag a PV just created, and removing an image is
+    /// final. One list at a time, shared by every deletion that began before it started, so a
+    /// burst of deletions costs a few lists, not one each.
+    async fn live_handles(&self, since: Instant) -> Result<Arc<HashMap<String, Vec<String>>>, WriteError> {
+        let mut last = self.live.lock().await;
+        if let Some(l) = last.as_ref()
+            && l.started >= since
+        {
+            return Ok(l.by_handle.clone());
+        }
+        let started = Instant::now();
+        let mut by_handle: HashMap<String, Vec<String>> = HashMap::new();
         let mut lp = kube::api::ListParams::default().limit(500);
         loop {
             let page = self.pvs.list(&lp).await?;
-            out.extend(
-                page.items
-                    .iter()
-                    .filter(|p| p.name_any() != name && loop_handle(p) == Some(handle))
-                    .map(|p| p.name_any()),
-            );
+            for p in &page.items {
+                if let Some(h) = loop_handle(p) {
+                    by_handle.entry(h.to_string()).or_default().push(p.name_any());
+                }
+            }
             match page.metadata.continue_.filter(|c| !c.is_empty()) {
                 Some(c) => lp = lp.continue_token(&c),
-                None => return Ok(out),
+                None => break,
             }
         }
+        let by_handle = Arc::new(by_handle);
+        *last = Some(LiveHandles {
+            started,
+            by_handle: by_handle.clone(),
+        });
+        Ok(by_handle)
     }
 
     async fn delete_volume(&self, snap: &Snapshot, done: &mut Done, pv: &str) -> Result<(), WriteError> {
+        let since = Instant::now();
         if Self::pv(snap, done, pv).is_none() {
             return Ok(());
         }
@@ -1058,7 +1082,14 @@ impl Writer {
             return Err(WriteError::ClaimStillThere(format!("{:?}", claim_ref(&v))));
         }
         let handle = volume_handle(&v).unwrap_or_default().to_string();
-        let sharing = self.live_sharing(pv, &handle).await?;
+        let live = self.live_handles(since).await?;
+        let sharing: Vec<String> = live
+            .get(&handle)
+            .into_iter()
+            .flatten()
+            .filter(|n| *n != pv)
+            .cloned()
+            .collect();
         if !sharing.is_empty() {
             let note = format!(
                 "image {handle}.img is also the volume of PersistentVolume(s) {}; it is kept, and deleted with this volume once no other PersistentVolume names it",
