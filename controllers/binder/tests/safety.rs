@@ -345,3 +345,36 @@ async fn a_volume_with_an_unsafe_handle_is_refused_with_one_event() {
     assert_eq!(refused.len(), 1, "{refused:#?}");
     assert!(h.events(None, "unsafe", "VolumeFailedDelete").await.is_empty());
 }
+
+/// A transient failure (the image directory is missing, as before a mount appears) is retried
+/// with backoff, not given up: once the directory exists the claim binds.
+#[tokio::test]
+async fn a_missing_image_dir_is_retried_until_it_appears() {
+    let dir = tempfile::tempdir().unwrap();
+    let images = dir.path().join("later");
+    let cfg_dir = images.clone();
+    let h = Harness::start_with(move |c| c.image_dir = cfg_dir).await;
+    h.namespace("app").await;
+    h.create::<StorageClass>(storage_class("loop", "loop.stowage.dev").build())
+        .await;
+    let c = h
+        .create_pvc(pvc("app", "wait").request("16Mi").class("loop").build())
+        .await;
+    let note = h.event("wait", "ProvisioningFailed").await;
+    assert!(note.contains("retrying"), "{note}");
+    let name = format!("pvc-{}", c.metadata.uid.clone().unwrap());
+    let v = h.pvs().get(&name).await.unwrap();
+    assert_ne!(
+        v.status.and_then(|s| s.phase).as_deref(),
+        Some("Failed"),
+        "a transient failure is not final"
+    );
+    std::fs::create_dir(&images).unwrap();
+    h.claim_phase("app", "wait", "Bound").await;
+    assert_eq!(
+        std::fs::metadata(images.join(format!("{name}.img")))
+            .unwrap()
+            .len(),
+        16 << 20
+    );
+}
