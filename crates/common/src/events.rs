@@ -186,6 +186,21 @@ impl Folds {
     }
 }
 
+/// The apiserver refuses notes longer than this many bytes.
+const NOTE_LIMIT: usize = 1024;
+
+/// `s` cut to at most `max` bytes, on a character boundary.
+fn truncate(s: &str, max: usize) -> &str {
+    if s.len() <= max {
+        return s;
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
+
 /// Aborts the sender when the last handle goes, so a stopped controller (lost leadership)
 /// sends nothing more.
 struct AbortOnDrop(JoinHandle<()>);
@@ -284,7 +299,7 @@ impl Sender {
             event_time: Some(MicroTime(now)),
             action: Some(p.action.clone()),
             reason: Some(p.reason.clone()),
-            note: Some(p.note.chars().take(1024).collect()),
+            note: Some(truncate(&p.note, NOTE_LIMIT).into()),
             regarding: Some(p.on.clone()),
             reporting_controller: Some(self.controller.clone()),
             reporting_instance: Some(self.instance.clone()),
@@ -397,6 +412,15 @@ mod tests {
             count,
             last,
         }
+    }
+
+    #[test]
+    fn notes_are_cut_to_the_apiservers_byte_limit_on_a_character_boundary() {
+        assert_eq!(truncate("short", NOTE_LIMIT), "short");
+        let long = "é".repeat(600); // 1,200 bytes
+        let cut = truncate(&long, NOTE_LIMIT);
+        assert!(cut.len() <= NOTE_LIMIT && cut.len() >= NOTE_LIMIT - 1);
+        assert!(cut.chars().all(|c| c == 'é'));
     }
 
     #[test]
