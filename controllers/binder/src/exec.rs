@@ -261,16 +261,25 @@ impl Brain {
                 self.claim_gone(&c);
             }
         }
+        // A key backing off after a failure keeps its delay: the resync must not turn the
+        // backoff into a retry every period (a change to the object still wakes it).
         for pv in pvs {
-            self.queue.add(Key::Volume(pv.name_any()));
+            self.requeue(Key::Volume(pv.name_any()));
             self.cache.put_pv(pv);
         }
         for c in claims {
             let key = claim_key(&c);
-            self.queue.add(Key::Claim(key.clone()));
+            self.requeue(Key::Claim(key.clone()));
             if self.cache.put_claim(c.clone()) {
                 self.track_claim(&key, Some(&c));
             }
+        }
+    }
+
+    /// Queues `key` now unless it is backing off after a failure.
+    fn requeue(&mut self, key: Key) {
+        if !self.failing.contains_key(&key) {
+            self.queue.add(key);
         }
     }
 

@@ -378,3 +378,38 @@ async fn a_missing_image_dir_is_retried_until_it_appears() {
         16 << 20
     );
 }
+
+/// A transient failure backs off (1 s doubling) even when the resync comes every second: the
+/// resync leaves a backing-off key alone, and the warning is sent once, not once per attempt.
+#[tokio::test]
+async fn a_failing_image_creation_backs_off_across_resyncs() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("never");
+    let h = Harness::start_with(move |c| {
+        c.image_dir = missing;
+        c.resync = Duration::from_secs(1);
+    })
+    .await;
+    h.namespace("app").await;
+    h.create::<StorageClass>(storage_class("loop", "loop.stowage.dev").build())
+        .await;
+    h.create_pvc(pvc("app", "slow").request("16Mi").class("loop").build())
+        .await;
+    h.event("slow", "ProvisioningFailed").await;
+    // Twelve resyncs of the claim (one a second) later...
+    let syncs = counter(&h, "stowage_binder_reconcile_total", ("kind", "claim"));
+    eventually(WAIT, || async {
+        let now = counter(&h, "stowage_binder_reconcile_total", ("kind", "claim"));
+        if now >= syncs + 12.0 {
+            Ok(())
+        } else {
+            Err(format!("{now} claim syncs, want {}", syncs + 12.0))
+        }
+    })
+    .await;
+    // ...the image was tried at 0, 1, 3, 7 (and maybe 15) s: a handful, not one per resync.
+    let attempts = counter(&h, "stowage_binder_provisioning_total", ("result", "failed"));
+    assert!((2.0..=7.0).contains(&attempts), "{attempts} attempts");
+    let events = h.events(Some("app"), "slow", "ProvisioningFailed").await;
+    assert_eq!(events.len(), 1, "{events:#?}");
+}
