@@ -8,6 +8,8 @@
 //! to one sent before (same regarding object, type, reason, action, note and reporting
 //! controller) within [`SERIES_WINDOW`] of that one's last occurrence updates the first Event
 //! object's `series` (count, lastObservedTime) with a PATCH instead of creating another object.
+//! The first repeat is written at once; later ones at most once per [`SERIES_WRITE_INTERVAL`]
+//! (a flush writes what was counted meanwhile), as client-go defers series updates too.
 //! The note is part of the key (kube-runtime's recorder leaves it out and keeps the first note,
 //! so a changed explanation would never show). What the sender remembers is bounded
 //! ([`FOLD_CAPACITY`] keys, least recently seen evicted first), so memory stays bounded however
@@ -37,6 +39,11 @@ pub const SERIES_WINDOW: Duration = Duration::from_secs(6 * 60);
 
 /// Distinct events whose Event object the sender remembers for folding.
 pub const FOLD_CAPACITY: usize = 4096;
+
+/// A series is written at most this often per event (the first repeat at once, so the series
+/// shows); repeats in between are counted and written by the next flush. A storm of one event
+/// therefore costs one PATCH per interval, not one write per occurrence.
+pub const SERIES_WRITE_INTERVAL: Duration = Duration::from_secs(10);
 
 /// `stowage_events_total{component, type, outcome}`, process-wide; `metrics::registry` exposes it.
 pub(crate) static EVENTS_TOTAL: LazyLock<IntCounterVec> = LazyLock::new(|| {
@@ -113,7 +120,12 @@ pub(crate) struct Seen {
     name: String,
     /// Occurrences so far (1 = no series yet).
     count: i32,
+    /// The count the Event object shows.
+    written: i32,
+    /// The last occurrence (monotonic, for the window; wall clock, for lastObservedTime).
     last: Instant,
+    observed: Timestamp,
+    last_write: Instant,
 }
 
 /// What to do with one occurrence.
@@ -121,16 +133,22 @@ pub(crate) struct Seen {
 pub(crate) enum Step {
     /// A new Event object.
     Create,
-    /// Count it in the series of the Event object `seen` names.
-    Series { count: i32 },
+    /// Count it in the series of the Event object `seen` names; write the series now, or leave
+    /// it to the next flush.
+    Series { count: i32, write_now: bool },
 }
 
 /// The folding decision: a repeat within the window extends the series; anything else (never
-/// seen, or the last occurrence too long ago) is a new object.
+/// seen, or the last occurrence too long ago) is a new object. The first repeat is written at
+/// once, later ones at most once per [`SERIES_WRITE_INTERVAL`].
 pub(crate) fn decide(seen: Option<&Seen>, now: Instant) -> Step {
     match seen {
         Some(s) if now.saturating_duration_since(s.last) <= SERIES_WINDOW && s.count < i32::MAX => {
-            Step::Series { count: s.count + 1 }
+            Step::Series {
+                count: s.count + 1,
+                write_now: s.written <= 1
+                    || now.saturating_duration_since(s.last_write) >= SERIES_WRITE_INTERVAL,
+            }
         }
         _ => Step::Create,
     }
@@ -157,6 +175,20 @@ impl Folds {
 
     pub(crate) fn get(&self, k: &FoldKey) -> Option<&Seen> {
         self.map.get(k).map(|(s, _)| s)
+    }
+
+    /// Changes an entry without making it more recent.
+    fn get_mut(&mut self, k: &FoldKey) -> Option<&mut Seen> {
+        self.map.get_mut(k).map(|(s, _)| s)
+    }
+
+    /// Keys whose series has occurrences the Event object does not show yet.
+    pub(crate) fn unwritten(&self) -> Vec<FoldKey> {
+        self.map
+            .iter()
+            .filter(|(_, (s, _))| s.count > s.written)
+            .map(|(k, _)| k.clone())
+            .collect()
     }
 
     pub(crate) fn put(&mut self, k: FoldKey, seen: Seen) {
@@ -231,37 +263,46 @@ impl Sender {
         Api::namespaced(self.client.clone(), ns)
     }
 
+    async fn write_series(&self, seen: &Seen) -> Result<(), kube::Error> {
+        let patch = serde_json::json!({
+            "series": {"count": seen.count, "lastObservedTime": MicroTime(seen.observed)}
+        });
+        self.api(&seen.namespace)
+            .patch(&seen.name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .map(|_| ())
+    }
+
     /// Creates, or folds into a series; returns the metric outcome.
     async fn send(&mut self, p: Pending) -> &'static str {
         let key = FoldKey::of(&p);
         let now = Instant::now();
-        if let (Step::Series { count }, Some(seen)) =
-            (decide(self.folds.get(&key), now), self.folds.get(&key))
+        if let Some(seen) = self.folds.get(&key).cloned()
+            && let Step::Series { count, write_now } = decide(Some(&seen), now)
         {
-            let seen = seen.clone();
-            let patch = serde_json::json!({
-                "series": {"count": count, "lastObservedTime": MicroTime(Timestamp::now())}
-            });
-            match self
-                .api(&seen.namespace)
-                .patch(&seen.name, &PatchParams::default(), &Patch::Merge(&patch))
-                .await
-            {
-                Ok(_) => {
-                    self.folds.put(
-                        key,
-                        Seen {
-                            count,
-                            last: now,
-                            ..seen
-                        },
-                    );
+            let mut next = Seen {
+                count,
+                last: now,
+                observed: Timestamp::now(),
+                ..seen
+            };
+            if !write_now {
+                self.folds.put(key, next);
+                return "folded";
+            }
+            match self.write_series(&next).await {
+                Ok(()) => {
+                    next.written = count;
+                    next.last_write = now;
+                    self.folds.put(key, next);
                     return "folded";
                 }
                 // Expired (events have a TTL) or deleted: start a new object below.
                 Err(kube::Error::Api(s)) if s.code == 404 => self.folds.forget(&key),
                 Err(e) => {
+                    // Counted still; the next flush tries again.
                     tracing::warn!(reason = %p.reason, error = %e, "cannot update event series");
+                    self.folds.put(key, next);
                     return "failed";
                 }
             }
@@ -274,7 +315,10 @@ impl Sender {
                     namespace: ns,
                     name: created.metadata.name.unwrap_or_default(),
                     count: 1,
+                    written: 1,
                     last: now,
+                    observed: Timestamp::now(),
+                    last_write: now,
                 };
                 self.folds.put(key, seen);
                 "recorded"
@@ -282,6 +326,25 @@ impl Sender {
             Err(e) => {
                 tracing::warn!(reason = %p.reason, error = %e, "cannot record event");
                 "failed"
+            }
+        }
+    }
+
+    /// Writes the series whose occurrences the Event objects do not show yet.
+    async fn flush(&mut self) {
+        for key in self.folds.unwritten() {
+            let Some(seen) = self.folds.get(&key).cloned() else {
+                continue;
+            };
+            match self.write_series(&seen).await {
+                Ok(()) => {
+                    if let Some(s) = self.folds.get_mut(&key) {
+                        s.written = seen.count;
+                        s.last_write = Instant::now();
+                    }
+                }
+                Err(kube::Error::Api(s)) if s.code == 404 => self.folds.forget(&key),
+                Err(e) => tracing::warn!(reason = %key.reason, error = %e, "cannot update event series"),
             }
         }
     }
@@ -323,12 +386,20 @@ impl Events {
         let (tx, mut rx) = mpsc::channel::<Pending>(QUEUE_CAPACITY);
         let label = component.clone();
         let task = tokio::spawn(async move {
-            while let Some(p) = rx.recv().await {
-                let type_ = p.type_;
-                let outcome = sender.send(p).await;
-                EVENTS_TOTAL
-                    .with_label_values(&[&*label, type_.as_str(), outcome])
-                    .inc();
+            let mut flush = tokio::time::interval(SERIES_WRITE_INTERVAL);
+            flush.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    p = rx.recv() => {
+                        let Some(p) = p else { break };
+                        let type_ = p.type_;
+                        let outcome = sender.send(p).await;
+                        EVENTS_TOTAL
+                            .with_label_values(&[&*label, type_.as_str(), outcome])
+                            .inc();
+                    }
+                    _ = flush.tick() => sender.flush().await,
+                }
             }
         });
         Self {
@@ -410,7 +481,10 @@ mod tests {
             namespace: "app".into(),
             name: "c.1".into(),
             count,
+            written: count,
             last,
+            observed: Timestamp::UNIX_EPOCH,
+            last_write: last,
         }
     }
 
@@ -426,21 +500,41 @@ mod tests {
     #[test]
     fn a_repeat_within_the_window_extends_the_series_else_a_new_object() {
         let t0 = Instant::now();
+        let series = |st: Step| match st {
+            Step::Series { count, .. } => Some(count),
+            Step::Create => None,
+        };
         assert_eq!(decide(None, t0), Step::Create);
         assert_eq!(
-            decide(Some(&seen(1, t0)), t0 + Duration::from_secs(1)),
-            Step::Series { count: 2 }
+            series(decide(Some(&seen(1, t0)), t0 + Duration::from_secs(1))),
+            Some(2)
         );
-        assert_eq!(
-            decide(Some(&seen(7, t0)), t0 + SERIES_WINDOW),
-            Step::Series { count: 8 }
-        );
+        assert_eq!(series(decide(Some(&seen(7, t0)), t0 + SERIES_WINDOW)), Some(8));
         assert_eq!(
             decide(Some(&seen(7, t0)), t0 + SERIES_WINDOW + Duration::from_millis(1)),
             Step::Create,
             "a quiet spell longer than the window starts over"
         );
         assert_eq!(decide(Some(&seen(i32::MAX, t0)), t0), Step::Create);
+    }
+
+    #[test]
+    fn the_first_repeat_is_written_at_once_later_ones_at_most_once_per_interval() {
+        let t0 = Instant::now();
+        let write_now = |s: &Seen, at| matches!(decide(Some(s), at), Step::Series { write_now: true, .. });
+        assert!(write_now(&seen(1, t0), t0), "the series shows at once");
+        let mut s = seen(2, t0);
+        assert!(
+            !write_now(&s, t0 + Duration::from_secs(1)),
+            "counted, written by the flush"
+        );
+        assert!(write_now(&s, t0 + SERIES_WRITE_INTERVAL));
+        // Occurrences counted since the last write are what a flush writes.
+        s.count = 5;
+        let mut f = Folds::new(8);
+        f.put(key("a"), s);
+        f.put(key("b"), seen(3, t0));
+        assert_eq!(f.unwritten(), vec![key("a")]);
     }
 
     #[test]
