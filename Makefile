@@ -2,6 +2,7 @@
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
 CARGO ?= cargo
+TARGET_DIR := $(or $(CARGO_TARGET_DIR),target)
 
 .PHONY: help
 help: ## List targets
@@ -23,7 +24,7 @@ build: ## Build both binaries
 test: deps controlplane ## Run unit, property and integration tests against the real control plane
 	$(CARGO) build --workspace --bins
 	@# The image tests unpack an archive of the binaries under test; debug ones cost no second build.
-	STOWAGE_IMAGE_BIN_DIR=target/debug ./e2e/scripts/image.sh
+	STOWAGE_IMAGE_BIN_DIR=$(TARGET_DIR)/debug ./e2e/scripts/image.sh
 	$(CARGO) test --workspace --no-fail-fast
 
 .PHONY: image
