@@ -49,6 +49,13 @@ pub enum Error {
     /// The node still advertises the volume and could not be told otherwise: never detach then.
     #[error("node status not updated before detach: {0}")]
     NodeStatus(String),
+    /// The live Node lists the volume in `status.volumesInUse` (upstream's
+    /// `verifyVolumeIsSafeToDetach`): the informer's copy was older than the node's truth.
+    #[error("volume is still in use on node {0} (status.volumesInUse); detach refused")]
+    StillInUse(String),
+    /// The live Node could not be read, so the detach could not be proven safe.
+    #[error("could not read node {node} to check that the volume is unmounted: {error}")]
+    NodeUnreadable { node: String, error: String },
 }
 
 impl Error {
@@ -56,6 +63,8 @@ impl Error {
     pub fn category(&self) -> &'static str {
         match self {
             Error::NodeStatus(_) => "NodeStatusNotUpdated",
+            Error::StillInUse(_) => "VolumeInUse",
+            Error::NodeUnreadable { .. } => "NodeUnreadable",
             Error::Api(e) => api_category(e),
         }
     }
@@ -332,9 +341,9 @@ impl Ctrl {
             .collect();
         let gone: Vec<String> = self
             .nodes
-            .keys()
-            .filter(|n| !live.contains(*n))
-            .cloned()
+            .iter()
+            .filter(|(n, i)| !i.deleted && !live.contains(*n))
+            .map(|(n, _)| n.clone())
             .collect();
         for n in gone {
             self.node_deleted(&n);
@@ -423,11 +432,31 @@ impl Ctrl {
         }
     }
 
+    /// A deleted Node stays known, as it was last seen but not Ready (upstream keeps it in the
+    /// desired state while it has volumes, and its last `volumesInUse`): its volumes are
+    /// force-detached only after --max-wait-for-unmount or with the out-of-service taint. It is
+    /// forgotten once nothing is attached to it and no pod wants anything there.
     fn node_deleted(&mut self, name: &str) {
-        self.nodes.remove(name);
         self.status_retry.remove(name);
-        self.pods_on_node_dirty(name);
-        self.touch();
+        let Some(info) = self.nodes.remove(name) else {
+            return;
+        };
+        if !info.deleted {
+            self.pods_on_node_dirty(name);
+            self.touch();
+        }
+        self.nodes.insert(name.to_string(), info.gone());
+    }
+
+    /// Drops deleted nodes that nothing refers to any more.
+    fn forget_gone_nodes(&mut self) {
+        if !self.nodes.values().any(|n| n.deleted) {
+            return;
+        }
+        let mut used: HashSet<&str> = self.actual.iter().map(|((_, n), _)| n.as_str()).collect();
+        used.extend(self.desired.iter().map(|(n, _)| n.as_str()));
+        self.nodes
+            .retain(|name, n| !n.deleted || used.contains(name.as_str()));
     }
 
     fn pods_on_node_dirty(&mut self, node: &str) {
@@ -482,6 +511,8 @@ impl Ctrl {
                 .or_default()
                 .insert(key.1.clone());
         }
+        // A deleted node's pods stay desired until they go (pod GC): their volumes may still be
+        // mounted there.
         if self.nodes.get(&node).is_some_and(|n| n.managed) {
             let volumes = pod_volumes(&pod, &Stores(&self.cluster));
             self.desired.set_pod(PodRef::of(&pod), &node, volumes);
@@ -614,6 +645,7 @@ impl Ctrl {
         self.dirty = false;
         self.backlog = 0;
         self.apply(actions, now);
+        self.forget_gone_nodes();
         self.update_wake(now);
     }
 
@@ -767,7 +799,7 @@ impl Ctrl {
                 e.detach_started = Some(now);
             }
         }
-        let patch = patch.filter(|_| self.nodes.contains_key(&node));
+        let patch = patch.filter(|_| self.nodes.get(&node).is_some_and(|n| !n.deleted));
         if patch.is_some() {
             self.status_in_flight.insert(node.clone());
         }
@@ -781,6 +813,9 @@ impl Ctrl {
                 true => None,
                 false => w.detach_slots.clone().acquire_owned().await.ok(),
             };
+            // The freshest Node: what the status patch returned, else read below when needed.
+            // `Some(None)`: the Node is gone.
+            let mut fresh: Option<Option<Node>> = None;
             if let Some(volumes) = patch {
                 let timer = w
                     .metrics
@@ -792,7 +827,14 @@ impl Ctrl {
                 // A node that is gone advertises nothing any more.
                 let blocked = match &result {
                     Err(e) if !code_is(e, 404) => Some(e.to_string()),
-                    _ => None,
+                    Err(_) => {
+                        fresh = Some(None);
+                        None
+                    }
+                    Ok(n) => {
+                        fresh = Some(Some(n.clone()));
+                        None
+                    }
                 };
                 let _ = w.done.send(Done::Status {
                     node: node.clone(),
@@ -809,6 +851,26 @@ impl Ctrl {
                     }
                     return;
                 }
+            }
+            // Never detach on the informer's word alone: a non-forced detach checks the live
+            // Node's volumesInUse first (one read per node and batch, none when the patch above
+            // already returned the Node). A gone Node uses nothing (upstream: safe to detach).
+            let (jobs, refused) = if jobs.iter().all(|j| j.forced.is_some()) {
+                (jobs, Vec::new())
+            } else {
+                let fresh = match fresh {
+                    Some(n) => Ok(n),
+                    None => w.nodes.get_opt(&node).await.map_err(|e| e.to_string()),
+                };
+                split_unsafe_detaches(jobs, &node, &fresh)
+            };
+            for (j, err) in refused {
+                let _ = w.done.send(Done::Detach {
+                    volume: j.volume,
+                    node: node.clone(),
+                    forced: j.forced,
+                    result: Err(err),
+                });
             }
             let deletes = jobs.into_iter().map(|j| {
                 let w = w.clone();
@@ -1026,6 +1088,43 @@ struct DetachJob {
 
 /// Replaces `status.volumesAttached` (a merge patch replaces the whole list, which this
 /// controller owns).
+/// Splits detach jobs into those safe by the live Node (`Ok(None)`: the Node is gone) and those
+/// refused: a non-forced job whose volume the node lists in `status.volumesInUse`, or every
+/// non-forced job when the Node could not be read.
+fn split_unsafe_detaches(
+    jobs: Vec<DetachJob>,
+    node: &str,
+    fresh: &Result<Option<Node>, String>,
+) -> (Vec<DetachJob>, Vec<(DetachJob, Error)>) {
+    let in_use: HashSet<&str> = match fresh {
+        Ok(n) => n
+            .iter()
+            .filter_map(|n| n.status.as_ref()?.volumes_in_use.as_ref())
+            .flatten()
+            .map(String::as_str)
+            .collect(),
+        Err(_) => HashSet::new(),
+    };
+    let mut safe = Vec::new();
+    let mut refused = Vec::new();
+    for j in jobs {
+        if j.forced.is_some() {
+            safe.push(j);
+        } else if let Err(e) = fresh {
+            let err = Error::NodeUnreadable {
+                node: node.to_string(),
+                error: e.clone(),
+            };
+            refused.push((j, err));
+        } else if in_use.contains(j.volume.as_str()) {
+            refused.push((j, Error::StillInUse(node.to_string())));
+        } else {
+            safe.push(j);
+        }
+    }
+    (safe, refused)
+}
+
 async fn patch_node_status(
     api: &Api<Node>,
     node: &str,
@@ -1038,4 +1137,62 @@ async fn patch_node_status(
     let patch = serde_json::json!({ "status": { "volumesAttached": list } });
     api.patch_status(node, &PatchParams::default(), &Patch::Merge(&patch))
         .await
+}
+
+#[cfg(test)]
+mod live_check_tests {
+    use super::*;
+    use k8s_openapi::api::core::v1::NodeStatus;
+
+    fn job(volume: &str, forced: Option<ForceReason>) -> DetachJob {
+        DetachJob {
+            volume: volume.into(),
+            va_name: format!("va-{volume}"),
+            forced,
+            waited: Duration::ZERO,
+        }
+    }
+
+    fn names(jobs: &[DetachJob]) -> Vec<&str> {
+        jobs.iter().map(|j| j.volume.as_str()).collect()
+    }
+
+    #[test]
+    fn a_volume_the_live_node_still_uses_is_not_detached() {
+        let node = Node {
+            status: Some(NodeStatus {
+                volumes_in_use: Some(vec!["used".into()]),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let jobs = vec![
+            job("used", None),
+            job("free", None),
+            job("used-forced", Some(ForceReason::OutOfService)),
+        ];
+        let mut jobs2 = jobs;
+        jobs2[2].volume = "used".into();
+        let (safe, refused) = split_unsafe_detaches(jobs2, "n1", &Ok(Some(node)));
+        assert_eq!(names(&safe), vec!["free", "used"]);
+        assert!(safe[1].forced.is_some());
+        assert_eq!(refused.len(), 1);
+        assert!(matches!(&refused[0].1, Error::StillInUse(n) if n == "n1"));
+        assert_eq!(refused[0].1.category(), "VolumeInUse");
+    }
+
+    #[test]
+    fn a_gone_node_uses_nothing_and_an_unreadable_one_refuses_all_but_forced() {
+        let (safe, refused) = split_unsafe_detaches(vec![job("v", None)], "n1", &Ok(None));
+        assert_eq!(names(&safe), vec!["v"]);
+        assert!(refused.is_empty());
+        let (safe, refused) = split_unsafe_detaches(
+            vec![job("v", None), job("w", Some(ForceReason::Timeout))],
+            "n1",
+            &Err("timeout".into()),
+        );
+        assert_eq!(names(&safe), vec!["w"]);
+        assert_eq!(refused.len(), 1);
+        assert_eq!(refused[0].1.category(), "NodeUnreadable");
+    }
 }

@@ -89,6 +89,10 @@ pub struct NodeInfo {
     /// `status.volumesAttached` as the node has it now: unique name → device path.
     pub volumes_attached: BTreeMap<String, String>,
     pub resource_version: Option<String>,
+    /// The Node object is gone. Its last state is kept (as upstream keeps a deleted node in its
+    /// desired state while it has volumes, with its last `volumesInUse`): a gone node is
+    /// unhealthy, never a proof that its volumes are unmounted.
+    pub deleted: bool,
 }
 
 impl NodeInfo {
@@ -120,7 +124,20 @@ impl NodeInfo {
                 .map(|v| (v.name.clone(), v.device_path.clone()))
                 .collect(),
             resource_version: node.resource_version(),
+            deleted: false,
         }
+    }
+
+    /// The node as it was last seen, now that its object is gone: not Ready, nothing to write.
+    pub fn gone(mut self) -> Self {
+        self.ready = false;
+        self.deleted = true;
+        self
+    }
+
+    /// May volumes be attached to it (and its pods count as desired)?
+    pub fn accepts_attach(&self) -> bool {
+        self.managed && !self.deleted
     }
 }
 

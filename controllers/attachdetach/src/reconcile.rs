@@ -19,7 +19,8 @@ pub enum ForceReason {
     Timeout,
     /// The node carries the out-of-service taint.
     OutOfService,
-    /// The Node object is gone.
+    /// The Node object is gone and --max-wait-for-unmount has passed (a gone node is unhealthy;
+    /// its last `volumesInUse` still counts until then).
     NodeDeleted,
 }
 
@@ -105,18 +106,16 @@ pub fn reconcile(
                 Duration::ZERO
             }
         };
+        // A node never seen (an attachment from before a restart whose Node is gone) is
+        // assumed to use the volume, as upstream assumes "mounted until proven otherwise".
+        let timed_out = !config.disable_force_detach_on_timeout && waited >= config.max_wait_for_unmount;
         let forced = match nodes.get(node) {
-            None => Some(ForceReason::NodeDeleted),
             Some(n) if !n.in_use.contains(volume) => None,
             Some(n) if n.out_of_service => Some(ForceReason::OutOfService),
-            Some(n)
-                if !n.ready
-                    && !config.disable_force_detach_on_timeout
-                    && waited >= config.max_wait_for_unmount =>
-            {
-                Some(ForceReason::Timeout)
-            }
-            Some(_) => {
+            None if timed_out => Some(ForceReason::NodeDeleted),
+            Some(n) if n.deleted && timed_out => Some(ForceReason::NodeDeleted),
+            Some(n) if !n.ready && timed_out => Some(ForceReason::Timeout),
+            _ => {
                 actions.push(Action::WaitForUnmount {
                     volume: volume.clone(),
                     node: node.clone(),
@@ -152,6 +151,10 @@ pub fn reconcile(
     }
     for (name, info) in nodes {
         let want = reports.remove(name.as_str()).unwrap_or_default();
+        // A gone Node has no status to write.
+        if info.deleted {
+            continue;
+        }
         // Leave nodes alone that the controller has nothing to do with.
         if !info.managed && want.is_empty() && !detaching.iter().any(|(_, n)| n == name) {
             continue;
@@ -176,7 +179,7 @@ pub fn reconcile(
     let mut claimed: BTreeMap<&str, &str> = BTreeMap::new();
     for (node, want) in desired.iter() {
         let volume = want.spec.name.as_str();
-        if !nodes.get(node).is_some_and(|n| n.managed) {
+        if !nodes.get(node).is_some_and(NodeInfo::accepts_attach) {
             continue;
         }
         if let Some(a) = actual.get(volume, node) {

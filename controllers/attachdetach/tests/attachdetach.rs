@@ -534,8 +534,10 @@ async fn restart_keeps_what_should_stay_attached() {
     );
 }
 
+/// A deleted Node is unhealthy, not proof of an unmount: its last volumesInUse holds the detach
+/// back (upstream keeps the node and its volumesInUse), so nothing is detached at once.
 #[tokio::test]
-async fn deleted_node_loses_its_attachments() {
+async fn deleted_node_keeps_attachments_it_last_reported_in_use() {
     let w = World::with_one_volume().await;
     let c = Controller::start(&w.client, Config::default());
     w.attached_pod("app", "vol-1", "node-a", "/dev/loop1").await;
@@ -545,6 +547,40 @@ async fn deleted_node_loses_its_attachments() {
         .delete("node-a", &DeleteParams::default())
         .await
         .unwrap();
+    w.delete_pod("app").await;
+    eventually(LIMIT, || async {
+        let waiting = c.metric("stowage_attachdetach_detaches_waiting_for_unmount", None);
+        let longest = c.metric("stowage_attachdetach_longest_unmount_wait_seconds", None);
+        if waiting == 1.0 && longest >= 2.0 {
+            Ok(())
+        } else {
+            Err(format!("waiting {waiting}, longest wait {longest}s"))
+        }
+    })
+    .await;
+    let va = w
+        .vas()
+        .get_opt(&attachment_name("vol-1", DRIVER, "node-a"))
+        .await
+        .unwrap()
+        .expect("the attachment of a gone node's mounted volume stays");
+    assert!(va.metadata.deletion_timestamp.is_none());
+    assert_eq!(c.metric("stowage_attachdetach_forced_detaches_total", None), 0.0);
+}
+
+/// ...and after --max-wait-for-unmount the gone node's volume is force-detached.
+#[tokio::test]
+async fn deleted_node_is_force_detached_after_the_max_wait() {
+    let w = World::with_one_volume().await;
+    let c = Controller::start(&w.client, short_wait());
+    w.attached_pod("app", "vol-1", "node-a", "/dev/loop1").await;
+    w.in_use("node-a", &["vol-1"]).await;
+
+    w.nodes()
+        .delete("node-a", &DeleteParams::default())
+        .await
+        .unwrap();
+    w.delete_pod("app").await;
     w.wait_no_va("vol-1", "node-a").await;
     assert_eq!(
         c.metric(
@@ -553,4 +589,5 @@ async fn deleted_node_loses_its_attachments() {
         ),
         1.0
     );
+    assert!(c.metric("stowage_attachdetach_unmount_wait_seconds_sum", None) >= 2.0);
 }

@@ -197,25 +197,102 @@ fn in_use_on_a_not_ready_node_is_forced_after_the_max_wait() {
 }
 
 #[test]
-fn out_of_service_and_deleted_nodes_detach_at_once() {
+fn out_of_service_detaches_at_once() {
     let t0 = Instant::now();
     let mut a = Actual::default();
     attach(&mut a, "v", "n1");
-    attach(&mut a, "w", "gone");
     let mut n = node(true);
     n.in_use.insert(vname("v"));
     n.out_of_service = true;
     let nodes = Nodes::from([("n1".to_string(), n)]);
     let actions = reconcile(&Desired::default(), &a, &nodes, t0, &cfg());
-    let mut got = detaches(&actions);
+    assert_eq!(
+        detaches(&actions),
+        vec![(vname("v").as_str(), "n1", Some(ForceReason::OutOfService))]
+    );
+}
+
+/// Upstream keeps a deleted node's last `volumesInUse` and treats the node as unhealthy: its
+/// volumes are force-detached only after --max-wait-for-unmount, never at once.
+#[test]
+fn deleted_and_unknown_nodes_wait_for_the_unmount_timeout() {
+    let t0 = Instant::now();
+    let mut a = Actual::default();
+    attach(&mut a, "v", "gone");
+    attach(&mut a, "w", "never-seen");
+    attach(&mut a, "x", "gone");
+    let mut gone = node(true);
+    gone.in_use.insert(vname("v"));
+    gone.volumes_attached.insert(vname("v"), "/dev/v".into());
+    let nodes = Nodes::from([("gone".to_string(), gone.gone())]);
+    let first = reconcile(&Desired::default(), &a, &nodes, t0, &cfg());
+    // x is not in the gone node's last volumesInUse: safe, not forced.
+    assert_eq!(detaches(&first), vec![(vname("x").as_str(), "gone", None)]);
+    // Nothing is written to a Node that is gone.
+    assert!(
+        !first.iter().any(|x| matches!(x, Action::UpdateNodeStatus { .. })),
+        "{first:?}"
+    );
+    for x in &first {
+        if let Action::MarkDetachRequested { volume, node } = x {
+            a.get_mut(volume, node).unwrap().detach_requested = Some(t0);
+        }
+    }
+    let before = reconcile(
+        &Desired::default(),
+        &a,
+        &nodes,
+        t0 + Duration::from_secs(59),
+        &cfg(),
+    );
+    assert!(
+        !detaches(&before)
+            .iter()
+            .any(|(v, _, _)| *v == vname("v") || *v == vname("w")),
+        "{before:?}"
+    );
+    let after = reconcile(
+        &Desired::default(),
+        &a,
+        &nodes,
+        t0 + Duration::from_secs(60),
+        &cfg(),
+    );
+    let mut got = detaches(&after);
+    got.retain(|(v, _, _)| *v != vname("x"));
     got.sort();
     let (v, w) = (vname("v"), vname("w"));
     let mut want = vec![
-        (v.as_str(), "n1", Some(ForceReason::OutOfService)),
-        (w.as_str(), "gone", Some(ForceReason::NodeDeleted)),
+        (v.as_str(), "gone", Some(ForceReason::NodeDeleted)),
+        (w.as_str(), "never-seen", Some(ForceReason::NodeDeleted)),
     ];
     want.sort();
     assert_eq!(got, want);
+    let disabled = Config {
+        disable_force_detach_on_timeout: true,
+        ..cfg()
+    };
+    let never = reconcile(
+        &Desired::default(),
+        &a,
+        &nodes,
+        t0 + Duration::from_secs(6000),
+        &disabled,
+    );
+    assert!(
+        !detaches(&never).iter().any(|(v, _, _)| *v != vname("x")),
+        "{never:?}"
+    );
+}
+
+/// A deleted node keeps its pods' desired volumes, but nothing new is attached to it.
+#[test]
+fn nothing_is_attached_to_a_deleted_node() {
+    let mut d = Desired::default();
+    d.set_pod(pod(NS, "p"), "gone", vec![spec("v", false)]);
+    let nodes = Nodes::from([("gone".to_string(), node(true).gone())]);
+    let actions = reconcile(&d, &Actual::default(), &nodes, Instant::now(), &cfg());
+    assert!(attaches(&actions).is_empty(), "{actions:?}");
 }
 
 #[test]
