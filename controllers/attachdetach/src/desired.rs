@@ -9,7 +9,7 @@ use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
 use k8s_openapi::api::storage::v1::CSIDriver;
 use kube::ResourceExt;
 
-use crate::objects::{pod_claims, pv_multi_attach_allowed, unique_volume_name};
+use crate::objects::{pv_multi_attach_allowed, unique_volume_name};
 
 /// One attachable volume.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -171,8 +171,16 @@ pub fn driver_attachable(driver: Option<&CSIDriver>) -> bool {
 pub fn pod_volumes(pod: &Pod, lookup: &impl Lookup) -> Vec<VolumeSpec> {
     let ns = pod.namespace().unwrap_or_default();
     let mut out: Vec<VolumeSpec> = Vec::new();
-    for claim_name in pod_claims(pod) {
-        let Some(spec) = resolve_claim(&ns, &claim_name, lookup) else {
+    // persistentVolumeClaim volumes and generic ephemeral ones (`<pod>-<volume>`, only when the
+    // pod controls that claim), as upstream's desired-state populator resolves them.
+    for pc in stowage_common::objects::pod_claims(pod) {
+        let Some(claim) = lookup.claim(&ns, &pc.claim) else {
+            continue;
+        };
+        if !pc.usable(pod, &claim) {
+            continue;
+        }
+        let Some(spec) = resolve_claim(&claim, lookup) else {
             continue;
         };
         if !out.iter().any(|s| s.name == spec.name) {
@@ -182,8 +190,7 @@ pub fn pod_volumes(pod: &Pod, lookup: &impl Lookup) -> Vec<VolumeSpec> {
     out
 }
 
-fn resolve_claim(ns: &str, claim_name: &str, lookup: &impl Lookup) -> Option<VolumeSpec> {
-    let claim = lookup.claim(ns, claim_name)?;
+fn resolve_claim(claim: &PersistentVolumeClaim, lookup: &impl Lookup) -> Option<VolumeSpec> {
     let bound = claim.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Bound");
     let pv_name = claim
         .spec
@@ -368,6 +375,43 @@ mod tests {
         );
         assert!(!vols[0].multi_attach);
         assert!(vols[1].multi_attach);
+    }
+
+    /// Generic ephemeral volumes resolve to `<pod>-<volume>`, only when the pod controls it.
+    #[test]
+    fn ephemeral_volumes_resolve_to_the_claim_the_pod_controls() {
+        use k8s_openapi::api::core::v1::EphemeralVolumeSource;
+        use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
+        let owned = |name: &str, owner_uid: &str| {
+            let mut c = claim(name, &format!("pv-{name}"), "Bound");
+            c.metadata.owner_references = Some(vec![OwnerReference {
+                api_version: "v1".into(),
+                kind: "Pod".into(),
+                name: "p".into(),
+                uid: owner_uid.into(),
+                controller: Some(true),
+                ..Default::default()
+            }]);
+            c
+        };
+        let lookup = Fake {
+            claims: vec![owned("p-scratch", "pod-uid"), owned("p-foreign", "other-uid")],
+            pvs: vec![
+                pv("pv-p-scratch", "attach.dev", "uid-p-scratch", &["ReadWriteOnce"]),
+                pv("pv-p-foreign", "attach.dev", "uid-p-foreign", &["ReadWriteOnce"]),
+            ],
+            drivers: vec![driver("attach.dev", true)],
+        };
+        let mut p = pod(&[]);
+        let eph = |name: &str| Volume {
+            name: name.into(),
+            ephemeral: Some(EphemeralVolumeSource::default()),
+            ..Default::default()
+        };
+        p.spec.as_mut().unwrap().volumes = Some(vec![eph("scratch"), eph("foreign")]);
+        let vols = pod_volumes(&p, &lookup);
+        let names: Vec<_> = vols.iter().map(|v| v.pv_name.as_str()).collect();
+        assert_eq!(names, vec!["pv-p-scratch"]);
     }
 
     #[test]

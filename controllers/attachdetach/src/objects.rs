@@ -54,13 +54,12 @@ pub fn pod_node(pod: &Pod) -> Option<&str> {
     pod.spec.as_ref()?.node_name.as_deref().filter(|n| !n.is_empty())
 }
 
-/// Names of the claims a pod mounts.
+/// Names of the claims a pod mounts: persistentVolumeClaim and generic ephemeral volumes (the
+/// index claim → pods; whether an ephemeral claim is really the pod's is checked on resolve).
 pub fn pod_claims(pod: &Pod) -> Vec<String> {
-    pod.spec
-        .iter()
-        .flat_map(|s| s.volumes.iter().flatten())
-        .filter_map(|v| v.persistent_volume_claim.as_ref())
-        .map(|c| c.claim_name.clone())
+    stowage_common::objects::pod_claims(pod)
+        .into_iter()
+        .map(|c| c.claim)
         .collect()
 }
 

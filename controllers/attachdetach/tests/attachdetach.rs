@@ -591,3 +591,65 @@ async fn deleted_node_is_force_detached_after_the_max_wait() {
     );
     assert!(c.metric("stowage_attachdetach_unmount_wait_seconds_sum", None) >= 2.0);
 }
+
+/// A generic ephemeral volume is the claim `<pod>-<volume>` that the pod controls; its volume is
+/// attached like any other (upstream's populator resolves it the same way).
+#[tokio::test]
+async fn generic_ephemeral_volume_gets_an_attachment() {
+    let w = World::start().await;
+    w.node("node-a", true).await;
+    let c = Controller::start(&w.client, Config::default());
+    let pod: Pod = serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": { "name": "app", "namespace": NS },
+        "spec": {
+            "nodeName": "node-a",
+            "containers": [{ "name": "c", "image": "busybox",
+                "volumeMounts": [{ "name": "scratch", "mountPath": "/scratch" }] }],
+            "volumes": [{ "name": "scratch", "ephemeral": { "volumeClaimTemplate": { "spec": {
+                "accessModes": ["ReadWriteOnce"], "resources": { "requests": { "storage": "1Gi" } }
+            } } } }]
+        }
+    }))
+    .unwrap();
+    let pod = w.pods().create(&PostParams::default(), &pod).await.unwrap();
+    // What the ephemeral-volume controller makes: the claim, controlled by the pod.
+    let claims = Api::<PersistentVolumeClaim>::namespaced(w.client.clone(), NS);
+    let mut claim = builders::pvc(NS, "app-scratch")
+        .access_modes(&["ReadWriteOnce"])
+        .volume_name("eph-1")
+        .build();
+    claim.metadata.owner_references = Some(vec![
+        k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference {
+            api_version: "v1".into(),
+            kind: "Pod".into(),
+            name: "app".into(),
+            uid: pod.uid().unwrap(),
+            controller: Some(true),
+            block_owner_deletion: Some(true),
+        },
+    ]);
+    let claim = claims.create(&PostParams::default(), &claim).await.unwrap();
+    let pvs: Api<PersistentVolume> = Api::all(w.client.clone());
+    pvs.create(
+        &PostParams::default(),
+        &builders::pv("eph-1")
+            .access_modes(&["ReadWriteOnce"])
+            .claim_ref(NS, "app-scratch", &claim.uid().unwrap())
+            .build(),
+    )
+    .await
+    .unwrap();
+    let bound = Patch::Merge(json!({ "status": { "phase": "Bound" } }));
+    pvs.patch_status("eph-1", &PatchParams::default(), &bound)
+        .await
+        .unwrap();
+    claims
+        .patch_status("app-scratch", &PatchParams::default(), &bound)
+        .await
+        .unwrap();
+
+    let va = w.wait_va("eph-1", "node-a").await;
+    assert_eq!(va.spec.source.persistent_volume_name.as_deref(), Some("eph-1"));
+    drop(c);
+}

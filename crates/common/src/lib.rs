@@ -8,6 +8,7 @@ pub mod informer;
 pub mod leader;
 pub mod logging;
 pub mod metrics;
+pub mod objects;
 pub mod queue;
 pub mod ratelimit;
 pub mod serve;
