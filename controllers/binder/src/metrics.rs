@@ -142,6 +142,13 @@ impl Metrics {
         for kind in ["claim", "volume"] {
             m.reconciles.with_label_values(&[kind]);
         }
+        for reason in [
+            "ProvisioningFailed",
+            "VolumeFailedDelete",
+            crate::core::DELETE_REFUSED,
+        ] {
+            m.warnings.with_label_values(&[reason]);
+        }
         registry
             .register(Box::new(Inventory {
                 stores: m.stores.clone(),
