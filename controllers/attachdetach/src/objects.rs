@@ -63,14 +63,25 @@ pub fn pod_claims(pod: &Pod) -> Vec<String> {
         .collect()
 }
 
+/// The built-in driver: an ext4 file system on a loop image.
+pub const LOOP_DRIVER: &str = "loop.stowage.dev";
+
+/// Why a `loop.stowage.dev` volume goes to one node at a time, for the multi-attach event.
+pub const LOOP_SINGLE_NODE_RULE: &str = "loop.stowage.dev volumes that are not ReadOnlyMany are attached to one node at a time: ext4 on a loop image is corrupted when two kernels mount it read-write";
+
 /// Only volumes whose access modes are all single-node are exclusive; no modes at all is
-/// treated as shareable, as upstream does.
+/// treated as shareable, as upstream does. Exception: a `loop.stowage.dev` volume is shareable
+/// only when every mode is ReadOnlyMany (the agent then attaches and mounts it read-only), since
+/// two kernels writing one ext4 image corrupt it, whatever the PV's modes claim.
 pub fn pv_multi_attach_allowed(pv: &PersistentVolume) -> bool {
-    let modes = pv
-        .spec
-        .as_ref()
-        .and_then(|s| s.access_modes.as_deref())
-        .unwrap_or_default();
+    let spec = pv.spec.as_ref();
+    let modes = spec.and_then(|s| s.access_modes.as_deref()).unwrap_or_default();
+    if spec
+        .and_then(|s| s.csi.as_ref())
+        .is_some_and(|c| c.driver == LOOP_DRIVER)
+    {
+        return !modes.is_empty() && modes.iter().all(|m| m == "ReadOnlyMany");
+    }
     modes.is_empty() || modes.iter().any(|m| m == "ReadWriteMany" || m == "ReadOnlyMany")
 }
 
@@ -200,5 +211,47 @@ mod tests {
         assert_eq!(n, "kubernetes.io/csi/loop.stowage.dev^pv-1");
         assert_eq!(split_unique_volume_name(&n), Some(("loop.stowage.dev", "pv-1")));
         assert_eq!(split_unique_volume_name("kubernetes.io/aws-ebs/x"), None);
+    }
+}
+
+#[cfg(test)]
+mod access_mode_tests {
+    use super::*;
+    use k8s_openapi::api::core::v1::{CSIPersistentVolumeSource, PersistentVolumeSpec};
+
+    fn pv(driver: &str, modes: &[&str]) -> PersistentVolume {
+        PersistentVolume {
+            spec: Some(PersistentVolumeSpec {
+                access_modes: Some(modes.iter().map(|m| m.to_string()).collect()),
+                csi: Some(CSIPersistentVolumeSource {
+                    driver: driver.into(),
+                    volume_handle: "h".into(),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn loop_volumes_are_shared_only_when_read_only_many() {
+        assert!(!pv_multi_attach_allowed(&pv(LOOP_DRIVER, &["ReadWriteMany"])));
+        assert!(!pv_multi_attach_allowed(&pv(
+            LOOP_DRIVER,
+            &["ReadOnlyMany", "ReadWriteOnce"]
+        )));
+        assert!(!pv_multi_attach_allowed(&pv(LOOP_DRIVER, &[])));
+        assert!(pv_multi_attach_allowed(&pv(LOOP_DRIVER, &["ReadOnlyMany"])));
+        // Other drivers keep upstream's rule.
+        assert!(pv_multi_attach_allowed(&pv(
+            "nfs.csi.example",
+            &["ReadWriteMany"]
+        )));
+        assert!(pv_multi_attach_allowed(&pv("nfs.csi.example", &[])));
+        assert!(!pv_multi_attach_allowed(&pv(
+            "nfs.csi.example",
+            &["ReadWriteOnce"]
+        )));
     }
 }

@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 
 use crate::Config;
 use crate::actual::{Actual, Op};
-use crate::desired::{Desired, PodRef};
-use crate::objects::{NodeInfo, attachment_name};
+use crate::desired::{Desired, PodRef, VolumeSpec};
+use crate::objects::{LOOP_DRIVER, LOOP_SINGLE_NODE_RULE, NodeInfo, attachment_name};
 
 pub type Nodes = BTreeMap<String, NodeInfo>;
 
@@ -208,12 +208,7 @@ pub fn reconcile(
                         notes: want
                             .pods
                             .values()
-                            .map(|p| {
-                                (
-                                    p.clone(),
-                                    multi_attach_note(desired, volume, node, &want.spec.pv_name, p),
-                                )
-                            })
+                            .map(|p| (p.clone(), multi_attach_note(desired, volume, node, &want.spec, p)))
                             .collect(),
                     });
                 }
@@ -234,7 +229,22 @@ pub fn reconcile(
 
 /// The event text for `waiting`: names of pods holding the volume only from its own namespace,
 /// a count for the rest, so no names leak across namespaces.
-fn multi_attach_note(desired: &Desired, volume: &str, node: &str, pv_name: &str, waiting: &PodRef) -> String {
+fn multi_attach_note(
+    desired: &Desired,
+    volume: &str,
+    node: &str,
+    spec: &VolumeSpec,
+    waiting: &PodRef,
+) -> String {
+    let note = multi_attach_text(desired, volume, node, &spec.pv_name, waiting);
+    if spec.driver == LOOP_DRIVER {
+        format!("{note} ({LOOP_SINGLE_NODE_RULE})")
+    } else {
+        note
+    }
+}
+
+fn multi_attach_text(desired: &Desired, volume: &str, node: &str, pv_name: &str, waiting: &PodRef) -> String {
     let mut same: Vec<&str> = Vec::new();
     let mut others = 0usize;
     for p in desired.pods_elsewhere(volume, node) {

@@ -653,3 +653,52 @@ async fn generic_ephemeral_volume_gets_an_attachment() {
     assert_eq!(va.spec.source.persistent_volume_name.as_deref(), Some("eph-1"));
     drop(c);
 }
+
+/// A ReadWriteMany loop volume still goes to one node at a time: ext4 on a loop image must not be
+/// mounted read-write by two kernels. The waiting pod is told the rule.
+#[tokio::test]
+async fn read_write_many_loop_volume_is_attached_to_one_node_only() {
+    let w = World::start().await;
+    w.node("node-a", true).await;
+    w.node("node-b", true).await;
+    w.bound_volume("vol-1", &["ReadWriteMany"]).await;
+    let c = Controller::start(&w.client, Config::default());
+    w.attached_pod("first", "vol-1", "node-a", "/dev/loop1").await;
+
+    w.pod("second", "vol-1", "node-b").await;
+    let events: Api<Event> = Api::namespaced(w.client.clone(), NS);
+    let note = eventually(LIMIT, || {
+        let events = events.clone();
+        async move {
+            let list = events
+                .list(&ListParams::default())
+                .await
+                .map_err(|e| e.to_string())?;
+            list.items
+                .into_iter()
+                .find(|e| {
+                    e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("second")
+                        && e.reason.as_deref() == Some("FailedAttachVolume")
+                })
+                .and_then(|e| e.note)
+                .ok_or_else(|| "no FailedAttachVolume event on pod second".to_string())
+        }
+    })
+    .await;
+    assert!(note.contains("one node at a time"), "{note}");
+    assert!(
+        w.vas()
+            .get_opt(&attachment_name("vol-1", DRIVER, "node-b"))
+            .await
+            .unwrap()
+            .is_none()
+    );
+    assert_eq!(
+        c.metric("stowage_attachdetach_multi_attach_errors_total", None),
+        1.0
+    );
+    // Once the first node lets go, the second gets it.
+    w.delete_pod("first").await;
+    w.wait_no_va("vol-1", "node-a").await;
+    w.wait_va("vol-1", "node-b").await;
+}

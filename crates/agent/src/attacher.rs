@@ -375,7 +375,11 @@ async fn attach(ctx: &Ctx, va: &VolumeAttachment) -> Result<(String, String), St
     if let Some(dev) = existing.into_iter().next() {
         return Ok((dev, handle));
     }
-    let dev = sys::loop_attach(&image, csi.read_only.unwrap_or(false))
+    // A volume several nodes may hold (ReadOnlyMany only) gets a read-only device, so no node's
+    // kernel can write the shared image, whatever a pod or a mount asks.
+    let read_only =
+        csi.read_only.unwrap_or(false) || pv.spec.as_ref().is_some_and(crate::state::only_read_only_many);
+    let dev = sys::loop_attach(&image, read_only)
         .await
         .map_err(|e| e.to_string())?;
     Ok((dev, handle))

@@ -1353,6 +1353,16 @@ async fn read_only_many_volume_is_mounted_read_only_and_never_formatted() {
     e.volume_with(&pv, "data", &["ReadOnlyMany"]).await;
     let uid = e.pod("reader", &node, "data").await;
     let m = e.attach_and_mount(&pv, &node, &uid).await;
+    // The attacher made the loop device itself read-only: no node's kernel can write the image.
+    let loop_name = m.dev.trim_start_matches("/dev/");
+    assert_eq!(
+        std::fs::read_to_string(format!("/sys/block/{loop_name}/ro"))
+            .unwrap()
+            .trim(),
+        "1",
+        "loop device {} of a ReadOnlyMany volume is read-only",
+        m.dev
+    );
     assert!(m.mount.read_only(), "pod mount: {:?}", m.mount);
     let dev_mounts = mounts_at(&m.global);
     assert!(
