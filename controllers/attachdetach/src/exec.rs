@@ -15,7 +15,7 @@ use k8s_openapi::api::storage::v1::{
 };
 use kube::api::{DeleteParams, ObjectMeta, Patch, PatchParams, PostParams};
 use kube::runtime::reflector::ObjectRef;
-use kube::{Api, ResourceExt};
+use kube::{Api, Resource, ResourceExt};
 use stowage_common::cluster::Cluster;
 use stowage_common::events::Events;
 use stowage_common::informer::{Change, is_newer};
@@ -106,6 +106,11 @@ enum Done {
     Status {
         node: String,
         result: Result<Node, kube::Error>,
+    },
+    Release {
+        volume: String,
+        node: String,
+        result: Result<VolumeAttachment, kube::Error>,
     },
 }
 
@@ -696,6 +701,12 @@ impl Ctrl {
                     pv_name,
                     driver,
                 } => self.start_attach(volume, node, va_name, pv_name, driver, now),
+                Action::ReleaseAttachment {
+                    volume,
+                    node,
+                    va_name,
+                    resource_version,
+                } => self.start_release(volume, node, va_name, resource_version),
                 Action::MultiAttachError { volume, node, notes } => {
                     self.desired.mark_multi_attach_reported(&volume, &node);
                     self.writer.metrics.multi_attach_errors.inc();
@@ -781,6 +792,39 @@ impl Ctrl {
                 va_name,
                 result,
             });
+        });
+    }
+
+    /// Drops the built-in attacher's finalizer from a dead node's VolumeAttachment (guarded by the
+    /// resourceVersion decided on, so a finalizer list that changed meanwhile is decided again).
+    fn start_release(&mut self, volume: String, node: String, va_name: String, rv: Option<String>) {
+        let Some(e) = self.actual.get_mut(&volume, &node) else {
+            return;
+        };
+        e.op = Some(Op::Detach);
+        let fins: Vec<String> = self
+            .cluster
+            .attachments
+            .store()
+            .get(&ObjectRef::new(&va_name))
+            .map(|va| {
+                va.finalizers()
+                    .iter()
+                    .filter(|f| !stowage_common::objects::is_loop_attacher_finalizer(f))
+                    .cloned()
+                    .collect()
+            })
+            .unwrap_or_default();
+        let w = self.writer.clone();
+        self.tasks.spawn(async move {
+            let patch = serde_json::json!({
+                "metadata": { "finalizers": fins, "resourceVersion": rv }
+            });
+            let result = w
+                .vas
+                .patch(&va_name, &PatchParams::default(), &Patch::Merge(&patch))
+                .await;
+            let _ = w.done.send(Done::Release { volume, node, result });
         });
     }
 
@@ -1006,6 +1050,42 @@ impl Ctrl {
                         if let Some(e) = self.actual.get_mut(&volume, &node) {
                             e.failed(now);
                             e.detach_started = None;
+                        }
+                    }
+                }
+                self.actual.tidy(&volume, &node, now);
+            }
+            Done::Release { volume, node, result } => {
+                if let Some(e) = self.actual.get_mut(&volume, &node) {
+                    e.op = None;
+                }
+                match result {
+                    Ok(va) => {
+                        m.operations.with_label_values(&["release", "success"]).inc();
+                        tracing::warn!(%volume, %node, va = %va.name_any(), "released the attachment of a node that is gone or out of service");
+                        self.writer.events.warning(
+                            &va.object_ref(&()),
+                            "AttachmentReleased",
+                            "Detach",
+                            format!(
+                                "node {node} is gone or out of service and no attacher is left there: the controller dropped the attacher's finalizer so volume {volume} can be attached elsewhere"
+                            ),
+                        );
+                        self.succeeded(&volume, &node);
+                        self.va_applied(&va);
+                    }
+                    Err(err) if code_is(&err, 404) => {
+                        m.operations.with_label_values(&["release", "success"]).inc();
+                    }
+                    Err(err) => {
+                        let err = Error::Api(err);
+                        m.operations.with_label_values(&["release", "error"]).inc();
+                        m.reconcile_errors
+                            .with_label_values(&["release", err.category()])
+                            .inc();
+                        tracing::warn!(%volume, %node, error = %err, "release of a dead node's attachment failed");
+                        if let Some(e) = self.actual.get_mut(&volume, &node) {
+                            e.failed(now);
                         }
                     }
                 }

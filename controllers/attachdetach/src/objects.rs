@@ -161,6 +161,8 @@ pub struct VaState {
     pub device_path: String,
     pub attach_error: Option<String>,
     pub resource_version: Option<String>,
+    /// Held by the built-in attacher's finalizer (current or legacy name).
+    pub loop_finalizer: bool,
 }
 
 impl VaState {
@@ -178,6 +180,10 @@ impl VaState {
                 .and_then(|s| s.attach_error.as_ref())
                 .and_then(|e| e.message.clone()),
             resource_version: va.resource_version(),
+            loop_finalizer: va
+                .finalizers()
+                .iter()
+                .any(|f| stowage_common::objects::is_loop_attacher_finalizer(f)),
         }
     }
 }

@@ -68,6 +68,14 @@ pub enum Action {
         pv_name: String,
         driver: String,
     },
+    /// The built-in driver's attachment on a node that is gone (or out of service) is being
+    /// deleted, and no agent is left there to drop its finalizer: the controller releases it.
+    ReleaseAttachment {
+        volume: String,
+        node: String,
+        va_name: String,
+        resource_version: Option<String>,
+    },
     /// A single-node volume is held by another node: tell the waiting pods.
     MultiAttachError {
         volume: String,
@@ -87,6 +95,42 @@ pub fn reconcile(
     let mut actions = Vec::new();
     // Detaches decided in this pass: no longer reported in node status.
     let mut detaching: BTreeSet<(&str, &str)> = BTreeSet::new();
+
+    // Phase 0: loop attachments of dead nodes whose detach was issued. Their attacher (the agent
+    // of that node) is gone, so its finalizer would hold the VolumeAttachment, and with it the
+    // volume, forever. Released once the node is out of service, or gone and either no longer
+    // using the volume or past the unmount timeout (the same rule that let the detach go ahead).
+    for ((volume, node), a) in actual.iter() {
+        let Some(va) = a.va.as_ref().filter(|v| v.deleting && v.loop_finalizer) else {
+            continue;
+        };
+        if a.driver != LOOP_DRIVER || a.op.is_some() || a.backing_off(now) {
+            continue;
+        }
+        let waited = a.detach_requested.map(|t| now.saturating_duration_since(t));
+        if waited.is_none() {
+            actions.push(Action::MarkDetachRequested {
+                volume: volume.clone(),
+                node: node.clone(),
+            });
+        }
+        let timed_out = !config.disable_force_detach_on_timeout
+            && waited.is_some_and(|w| w >= config.max_wait_for_unmount);
+        let release = match nodes.get(node) {
+            Some(n) if n.out_of_service => true,
+            Some(n) if n.deleted => !n.in_use.contains(volume) || timed_out,
+            Some(_) => false,
+            None => timed_out,
+        };
+        if release {
+            actions.push(Action::ReleaseAttachment {
+                volume: volume.clone(),
+                node: node.clone(),
+                va_name: va.name.clone(),
+                resource_version: va.resource_version.clone(),
+            });
+        }
+    }
 
     // Phase 1: detaches.
     for ((volume, node), a) in actual.iter() {

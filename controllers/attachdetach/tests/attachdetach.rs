@@ -702,3 +702,45 @@ async fn read_write_many_loop_volume_is_attached_to_one_node_only() {
     w.wait_no_va("vol-1", "node-a").await;
     w.wait_va("vol-1", "node-b").await;
 }
+
+/// A forced detach of a node that is gone must finish although no agent is left there to drop
+/// the attacher's finalizer: the controller releases it, says so, and the volume can move.
+#[tokio::test]
+async fn a_gone_nodes_attachment_is_released_after_the_forced_detach() {
+    let w = World::start().await;
+    w.node("node-a", true).await;
+    w.node("node-b", true).await;
+    w.bound_volume("vol-1", &["ReadWriteOnce"]).await;
+    let c = Controller::start(&w.client, short_wait());
+    w.attached_pod("app", "vol-1", "node-a", "/dev/loop1").await;
+    w.in_use("node-a", &["vol-1"]).await;
+    // What node-a's agent did when it attached: its finalizer holds the VolumeAttachment.
+    let name = attachment_name("vol-1", DRIVER, "node-a");
+    w.vas()
+        .patch(
+            &name,
+            &PatchParams::default(),
+            &Patch::Merge(
+                json!({ "metadata": { "finalizers": [stowage_common::objects::LOOP_ATTACHER_FINALIZER] } }),
+            ),
+        )
+        .await
+        .unwrap();
+
+    // node-a dies with the agent; its pod is replaced on node-b.
+    w.nodes()
+        .delete("node-a", &DeleteParams::default())
+        .await
+        .unwrap();
+    w.delete_pod("app").await;
+    w.pod("app-2", "vol-1", "node-b").await;
+    w.wait_no_va("vol-1", "node-a").await;
+    w.wait_va("vol-1", "node-b").await;
+    assert_eq!(
+        c.metric(
+            "stowage_attachdetach_operations_total",
+            Some(("operation", "release"))
+        ),
+        1.0
+    );
+}

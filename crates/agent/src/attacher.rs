@@ -19,6 +19,7 @@ use tokio::time::Instant;
 use crate::ctx::{Ctx, is_ours};
 use crate::mountinfo;
 use crate::paths::{DRIVER, VA_FINALIZER, image_path};
+use stowage_common::objects::is_loop_attacher_finalizer;
 use crate::sys;
 use crate::tracker::{OpKey, Tracker};
 
@@ -48,12 +49,17 @@ pub fn decide(va: &VolumeAttachment, node: &str, device_ok: Option<bool>) -> Opt
     if !is_ours(va, node) {
         return None;
     }
-    let has_finalizer = va.finalizers().iter().any(|f| f == VA_FINALIZER);
+    let fins = va.finalizers();
     if va.metadata.deletion_timestamp.is_some() {
-        return has_finalizer.then_some(VaAction::Detach);
+        // The legacy name counts too: a VolumeAttachment from before an upgrade still holds a device.
+        return fins
+            .iter()
+            .any(|f| is_loop_attacher_finalizer(f))
+            .then_some(VaAction::Detach);
     }
-    if !has_finalizer {
-        // Before any device exists, so the attachment cannot vanish while holding one.
+    if !fins.iter().any(|f| f == VA_FINALIZER) {
+        // Before any device exists, so the attachment cannot vanish while holding one. A legacy
+        // finalizer is replaced by the current one in the same write.
         return Some(VaAction::AddFinalizer);
     }
     let st = va.status.as_ref();
@@ -223,7 +229,12 @@ async fn execute(ctx: &Ctx, va: &VolumeAttachment, action: VaAction) -> Option<S
     let name = va.name_any();
     match action {
         VaAction::AddFinalizer => {
-            let mut fins = va.finalizers().to_vec();
+            let mut fins: Vec<String> = va
+                .finalizers()
+                .iter()
+                .filter(|f| !is_loop_attacher_finalizer(f))
+                .cloned()
+                .collect();
             fins.push(VA_FINALIZER.into());
             let patch = serde_json::json!({
                 "metadata": { "finalizers": fins, "resourceVersion": va.metadata.resource_version }
@@ -302,7 +313,7 @@ async fn execute(ctx: &Ctx, va: &VolumeAttachment, action: VaAction) -> Option<S
                     let fins: Vec<String> = va
                         .finalizers()
                         .iter()
-                        .filter(|f| *f != VA_FINALIZER)
+                        .filter(|f| !is_loop_attacher_finalizer(f))
                         .cloned()
                         .collect();
                     let patch = serde_json::json!({ "metadata": { "finalizers": fins } });
@@ -548,6 +559,14 @@ mod tests {
             Some(VaAction::Detach)
         );
         assert_eq!(decide(&va("n", false, true, true), "n", None), None);
+        // A VolumeAttachment from before the finalizer's rename is detached too.
+        let mut legacy = va("n", false, true, true);
+        legacy.metadata.finalizers = Some(vec!["loop.stowage.dev/attached".into()]);
+        assert_eq!(decide(&legacy, "n", None), Some(VaAction::Detach));
+        // ...and, while live, gets the current finalizer (which replaces the old one).
+        legacy.metadata.deletion_timestamp = None;
+        assert_eq!(decide(&legacy, "n", None), Some(VaAction::AddFinalizer));
+        assert_eq!(VA_FINALIZER, "external-attacher/loop-stowage-dev");
         assert_eq!(decide(&va("other", true, true, false), "n", None), None);
         let mut foreign = va("n", true, false, false);
         foreign.spec.attacher = "csi.example.com".into();

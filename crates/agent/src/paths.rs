@@ -10,8 +10,9 @@ use sha2::{Digest, Sha256};
 pub const DRIVER: &str = "loop.stowage.dev";
 /// The plugin directory name of CSI volumes under a pod dir (`/` escaped as `~`, as upstream).
 pub const CSI_PLUGIN_DIR: &str = "kubernetes.io~csi";
-/// Finalizer that keeps a VolumeAttachment until the loop device is released.
-pub const VA_FINALIZER: &str = "loop.stowage.dev/attached";
+/// Finalizer that keeps a VolumeAttachment until the loop device is released (one name, shared
+/// with the attach/detach controller that may release a dead node's attachment).
+pub use stowage_common::objects::LOOP_ATTACHER_FINALIZER as VA_FINALIZER;
 
 /// The unique volume name reported in `node.status.volumesInUse` and `volumesAttached`.
 pub fn unique_name(handle: &str) -> String {

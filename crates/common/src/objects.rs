@@ -4,6 +4,20 @@
 
 use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
 
+/// The finalizer the built-in driver's attacher (the agent) puts on its VolumeAttachments, in
+/// external-attacher's convention (`external-attacher/` + the driver name with `.` and `/` as `-`),
+/// so tools that know that convention recognise it.
+pub const LOOP_ATTACHER_FINALIZER: &str = "external-attacher/loop-stowage-dev";
+
+/// The finalizer older versions of the agent used; still honoured (and replaced) so no
+/// VolumeAttachment made before an upgrade is stranded.
+pub const LEGACY_LOOP_ATTACHER_FINALIZER: &str = "loop.stowage.dev/attached";
+
+/// Is `f` the built-in attacher's finalizer, current or legacy?
+pub fn is_loop_attacher_finalizer(f: &str) -> bool {
+    f == LOOP_ATTACHER_FINALIZER || f == LEGACY_LOOP_ATTACHER_FINALIZER
+}
+
 /// A claim one pod volume names.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PodClaim {

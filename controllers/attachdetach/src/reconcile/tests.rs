@@ -584,3 +584,76 @@ proptest! {
         }
     }
 }
+
+fn releases(actions: &[Action]) -> Vec<(&str, &str)> {
+    actions
+        .iter()
+        .filter_map(|x| match x {
+            Action::ReleaseAttachment { volume, node, .. } => Some((volume.as_str(), node.as_str())),
+            _ => None,
+        })
+        .collect()
+}
+
+/// A dead node's loop attachment being deleted has no agent left to drop its finalizer: the
+/// controller releases it when the node is out of service, or gone past the unmount timeout.
+#[test]
+fn a_dead_nodes_loop_attachment_is_released_only_when_safe() {
+    let t0 = Instant::now();
+    let deleting = |a: &mut Actual, v: &str, n: &str| {
+        let e = a.entry(&vname(v), n, LOOP_DRIVER, v);
+        e.va = Some(VaState {
+            deleting: true,
+            loop_finalizer: true,
+            ..attached_va(v, n)
+        });
+        e.detach_requested = Some(t0);
+    };
+    let mut a = Actual::default();
+    deleting(&mut a, "v", "gone");
+    deleting(&mut a, "w", "oos");
+    deleting(&mut a, "x", "alive");
+    let mut gone = node(true);
+    gone.in_use.insert(vname("v"));
+    let mut oos = node(false);
+    oos.out_of_service = true;
+    oos.in_use.insert(vname("w"));
+    let mut alive = node(false);
+    alive.in_use.insert(vname("x"));
+    let nodes = Nodes::from([
+        ("gone".to_string(), gone.gone()),
+        ("oos".to_string(), oos),
+        ("alive".to_string(), alive),
+    ]);
+    let d = Desired::default();
+    let v = vname("v");
+    let w = vname("w");
+    assert_eq!(
+        releases(&reconcile(&d, &a, &nodes, t0, &cfg())),
+        vec![(w.as_str(), "oos")]
+    );
+    let later = reconcile(&d, &a, &nodes, t0 + Duration::from_secs(60), &cfg());
+    let mut got = releases(&later);
+    got.sort();
+    assert_eq!(got, vec![(v.as_str(), "gone"), (w.as_str(), "oos")]);
+    // Another driver's attachment is its own attacher's business.
+    let mut other = Actual::default();
+    let e = other.entry(&vname("v"), "gone", "csi.example.com", "h");
+    e.va = Some(VaState {
+        name: "va".into(),
+        deleting: true,
+        loop_finalizer: true,
+        ..Default::default()
+    });
+    e.detach_requested = Some(t0);
+    assert!(
+        releases(&reconcile(
+            &d,
+            &other,
+            &nodes,
+            t0 + Duration::from_secs(600),
+            &cfg()
+        ))
+        .is_empty()
+    );
+}
