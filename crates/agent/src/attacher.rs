@@ -19,9 +19,9 @@ use tokio::time::Instant;
 use crate::ctx::{Ctx, is_ours};
 use crate::mountinfo;
 use crate::paths::{DRIVER, VA_FINALIZER, image_path};
-use stowage_common::objects::is_loop_attacher_finalizer;
 use crate::sys;
 use crate::tracker::{OpKey, Tracker};
+use stowage_common::objects::is_loop_attacher_finalizer;
 
 /// Re-check of attached devices (a node reboot or a manual `losetup -d` frees them).
 const VERIFY_PERIOD: Duration = Duration::from_secs(5);
