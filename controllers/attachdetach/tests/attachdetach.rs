@@ -175,6 +175,30 @@ impl World {
             .unwrap();
     }
 
+    /// Waits for a Warning event with `reason` on pod `pod` and returns its note.
+    async fn warning_note(&self, pod: &str, reason: &str) -> String {
+        let events: Api<Event> = Api::namespaced(self.client.clone(), NS);
+        eventually(LIMIT, || {
+            let events = events.clone();
+            async move {
+                let list = events
+                    .list(&ListParams::default())
+                    .await
+                    .map_err(|e| e.to_string())?;
+                list.items
+                    .into_iter()
+                    .find(|e| {
+                        e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(pod)
+                            && e.reason.as_deref() == Some(reason)
+                            && e.type_.as_deref() == Some("Warning")
+                    })
+                    .and_then(|e| e.note)
+                    .ok_or_else(|| format!("no {reason} event on pod {pod}"))
+            }
+        })
+        .await
+    }
+
     /// Gone at once: no kubelet runs to finish a graceful deletion.
     async fn delete_pod(&self, name: &str) {
         self.pods()
@@ -438,26 +462,7 @@ async fn single_node_volume_moves_only_after_the_first_pod_is_gone() {
     w.attached_pod("first", "vol-1", "node-a", "/dev/loop1").await;
 
     w.pod("second", "vol-1", "node-b").await;
-    let events: Api<Event> = Api::namespaced(w.client.clone(), NS);
-    let note = eventually(LIMIT, || {
-        let events = events.clone();
-        async move {
-            let list = events
-                .list(&ListParams::default())
-                .await
-                .map_err(|e| e.to_string())?;
-            list.items
-                .into_iter()
-                .find(|e| {
-                    e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("second")
-                        && e.reason.as_deref() == Some("FailedAttachVolume")
-                        && e.type_.as_deref() == Some("Warning")
-                })
-                .and_then(|e| e.note)
-                .ok_or_else(|| "no FailedAttachVolume event on pod second".to_string())
-        }
-    })
-    .await;
+    let note = w.warning_note("second", "FailedAttachVolume").await;
     assert!(note.starts_with("Multi-Attach error"), "{note}");
     assert!(
         note.contains("first"),
@@ -666,25 +671,7 @@ async fn read_write_many_loop_volume_is_attached_to_one_node_only() {
     w.attached_pod("first", "vol-1", "node-a", "/dev/loop1").await;
 
     w.pod("second", "vol-1", "node-b").await;
-    let events: Api<Event> = Api::namespaced(w.client.clone(), NS);
-    let note = eventually(LIMIT, || {
-        let events = events.clone();
-        async move {
-            let list = events
-                .list(&ListParams::default())
-                .await
-                .map_err(|e| e.to_string())?;
-            list.items
-                .into_iter()
-                .find(|e| {
-                    e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("second")
-                        && e.reason.as_deref() == Some("FailedAttachVolume")
-                })
-                .and_then(|e| e.note)
-                .ok_or_else(|| "no FailedAttachVolume event on pod second".to_string())
-        }
-    })
-    .await;
+    let note = w.warning_note("second", "FailedAttachVolume").await;
     assert!(note.contains("one node at a time"), "{note}");
     assert!(
         w.vas()

@@ -77,6 +77,22 @@ struct Done {
     error: Option<(&'static str, String)>,
 }
 
+impl Done {
+    /// Nothing written yet for `key`.
+    fn empty(key: Key, reserved: Option<String>) -> Self {
+        Self {
+            key,
+            reserved,
+            pvs: vec![],
+            claims: vec![],
+            deleted_pvs: vec![],
+            wake: vec![],
+            events: vec![],
+            error: None,
+        }
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 enum WriteError {
     #[error("conflict: the object changed since it was read")]
@@ -470,16 +486,7 @@ impl Brain {
                 .write_seconds
                 .with_label_values(&[key.kind()])
                 .start_timer();
-            let mut done = Done {
-                key,
-                reserved,
-                pvs: vec![],
-                claims: vec![],
-                deleted_pvs: vec![],
-                wake: vec![],
-                events: vec![],
-                error: None,
-            };
+            let mut done = Done::empty(key, reserved);
             for w in writes {
                 if let Err(e) = writer.apply(&w, &snapshot, &mut done).await {
                     done.error = Some((e.category(), e.to_string()));
@@ -546,14 +553,8 @@ impl Brain {
                 }
             }
             Done {
-                key: landed.key.clone(),
-                reserved: None,
-                pvs: vec![],
-                claims: vec![],
-                deleted_pvs: vec![],
-                wake: vec![],
-                events: vec![],
                 error: Some(("Panic", "write task panicked".into())),
+                ..Done::empty(landed.key.clone(), None)
             }
         });
         if let Some(pv) = &done.reserved {
@@ -1193,16 +1194,7 @@ mod live_tests {
         cache.put_pv(Arc::new(made));
         let action = Action::DeleteLoopVolume { pv: "made".into() };
         let snap = Snapshot::of(&cache, std::slice::from_ref(&action));
-        let mut done = Done {
-            key: Key::Volume("made".into()),
-            reserved: None,
-            pvs: vec![],
-            claims: vec![],
-            deleted_pvs: vec![],
-            wake: vec![],
-            events: vec![],
-            error: None,
-        };
+        let mut done = Done::empty(Key::Volume("made".into()), None);
         writer.apply(&action, &snap, &mut done).await.unwrap();
         assert_eq!(std::fs::read(&img).unwrap(), b"data", "the image is kept");
         let refused = done
@@ -1225,16 +1217,7 @@ mod live_tests {
             )
             .await
             .unwrap();
-        let mut done = Done {
-            key: Key::Volume("made".into()),
-            reserved: None,
-            pvs: vec![],
-            claims: vec![],
-            deleted_pvs: vec![],
-            wake: vec![],
-            events: vec![],
-            error: None,
-        };
+        let mut done = Done::empty(Key::Volume("made".into()), None);
         writer.apply(&action, &snap, &mut done).await.unwrap();
         assert!(!img.exists(), "deleted with the last volume naming it");
     }
