@@ -27,7 +27,8 @@ use crate::actual::{Actual, Op};
 use crate::desired::{Desired, Lookup, PodRef, pod_volumes};
 use crate::metrics::{Metrics, Snapshot};
 use crate::objects::{
-    NodeInfo, VaState, pod_claims, pod_is_active, pod_node, split_unique_volume_name, unique_volume_name,
+    NodeInfo, VaState, pod_claims, pod_is_active, pod_node, pv_finalizer_change, split_unique_volume_name,
+    unique_volume_name,
 };
 use crate::reconcile::{Action, ForceReason, Nodes, next_deadline, reconcile};
 
@@ -112,6 +113,10 @@ enum Done {
         node: String,
         result: Result<VolumeAttachment, kube::Error>,
     },
+    PvFinalizer {
+        pv: String,
+        result: Result<(), kube::Error>,
+    },
 }
 
 /// Resolves pod volumes through the shared stores.
@@ -143,6 +148,7 @@ struct PodSeen {
 #[derive(Clone)]
 struct Writer {
     vas: Api<VolumeAttachment>,
+    pvs: Api<PersistentVolume>,
     nodes: Api<Node>,
     events: Events,
     metrics: Metrics,
@@ -172,6 +178,11 @@ struct Ctrl {
     va_keys: HashMap<String, (String, String)>,
     /// PV name → attachments naming it that arrived before the PV.
     unresolved: HashMap<String, HashSet<String>>,
+    /// PV name → VolumeAttachments naming it (any driver), for the PV finalizer.
+    pv_attachments: HashMap<String, HashSet<String>>,
+    /// PVs whose attacher finalizer is to be checked at the next pass, and those being patched.
+    pv_dirty: HashSet<String>,
+    pv_patching: HashSet<String>,
     /// Nodes with a status patch in flight, and nodes whose last patch failed (retry time).
     status_in_flight: HashSet<String>,
     status_retry: HashMap<String, Instant>,
@@ -203,6 +214,7 @@ pub async fn run(cluster: Arc<Cluster>, metrics: Metrics, config: Config) -> any
         tasks: JoinSet::new(),
         writer: Writer {
             vas: Api::all(client.clone()),
+            pvs: Api::all(client.clone()),
             nodes: Api::all(client.clone()),
             events: Events::new(client, COMPONENT),
             metrics,
@@ -220,6 +232,9 @@ pub async fn run(cluster: Arc<Cluster>, metrics: Metrics, config: Config) -> any
         dirty_pods: HashSet::new(),
         va_keys: HashMap::new(),
         unresolved: HashMap::new(),
+        pv_attachments: HashMap::new(),
+        pv_dirty: HashSet::new(),
+        pv_patching: HashSet::new(),
         status_in_flight: HashSet::new(),
         status_retry: HashMap::new(),
         dirty: true,
@@ -322,6 +337,9 @@ impl Ctrl {
         for va in self.cluster.attachments.store().state() {
             self.va_applied(&va);
         }
+        // PV finalizers left from before a restart are checked once.
+        self.pv_dirty
+            .extend(self.cluster.pvs.store().state().iter().map(|p| p.name_any()));
         self.all_pods_dirty();
         self.refresh_pods();
         self.quiet = false;
@@ -355,6 +373,10 @@ impl Ctrl {
         }
         let vas = self.cluster.attachments.store().state();
         let names: HashSet<String> = vas.iter().map(|v| v.name_any()).collect();
+        // The PV finalizer index from scratch, and every PV checked (a missed event heals here).
+        self.pv_attachments.clear();
+        self.pv_dirty
+            .extend(self.cluster.pvs.store().state().iter().map(|p| p.name_any()));
         for va in &vas {
             self.va_applied(va);
         }
@@ -404,6 +426,10 @@ impl Ctrl {
     }
 
     fn volume_changed(&mut self, pv: &PersistentVolume) {
+        if pv_finalizer_change(pv, self.pv_attachments.contains_key(&pv.name_any())).is_some() {
+            self.pv_dirty.insert(pv.name_any());
+            self.touch();
+        }
         if let Some(cr) = pv.spec.as_ref().and_then(|s| s.claim_ref.as_ref())
             && let (Some(ns), Some(name)) = (cr.namespace.as_deref(), cr.name.as_deref())
         {
@@ -555,6 +581,13 @@ impl Ctrl {
     }
 
     fn va_applied(&mut self, va: &VolumeAttachment) {
+        if let Some(pv) = va.spec.source.persistent_volume_name.as_deref() {
+            self.pv_attachments
+                .entry(pv.to_string())
+                .or_default()
+                .insert(va.name_any());
+            self.pv_dirty.insert(pv.to_string());
+        }
         let name = va.name_any();
         let Some((volume, node, driver, handle)) = self.resolve_va(va, true) else {
             return;
@@ -606,6 +639,16 @@ impl Ctrl {
 
     fn va_deleted(&mut self, va: &VolumeAttachment) {
         let name = va.name_any();
+        if let Some(pv) = va.spec.source.persistent_volume_name.as_deref() {
+            if let Some(set) = self.pv_attachments.get_mut(pv) {
+                set.remove(&name);
+                if set.is_empty() {
+                    self.pv_attachments.remove(pv);
+                }
+            }
+            self.pv_dirty.insert(pv.to_string());
+            self.touch();
+        }
         if let Some(pv) = va.spec.source.persistent_volume_name.as_deref()
             && let Some(set) = self.unresolved.get_mut(pv)
         {
@@ -651,6 +694,7 @@ impl Ctrl {
         self.backlog = 0;
         self.apply(actions, now);
         self.forget_gone_nodes();
+        self.sync_pv_finalizers();
         self.update_wake(now);
     }
 
@@ -793,6 +837,48 @@ impl Ctrl {
                 result,
             });
         });
+    }
+
+    /// Adds or removes the built-in attacher's finalizer on the PVs that changed (guarded by the
+    /// resourceVersion read, so a PV that changed meanwhile is decided again).
+    fn sync_pv_finalizers(&mut self) {
+        let names: Vec<String> = self
+            .pv_dirty
+            .iter()
+            .filter(|n| !self.pv_patching.contains(*n))
+            .cloned()
+            .collect();
+        for name in names {
+            self.pv_dirty.remove(&name);
+            let Some(pv) = self.cluster.pvs.store().get(&ObjectRef::new(&name)) else {
+                continue;
+            };
+            let Some(add) = pv_finalizer_change(&pv, self.pv_attachments.contains_key(&name)) else {
+                continue;
+            };
+            let mut fins: Vec<String> = pv
+                .finalizers()
+                .iter()
+                .filter(|f| *f != stowage_common::objects::LOOP_ATTACHER_FINALIZER)
+                .cloned()
+                .collect();
+            if add {
+                fins.push(stowage_common::objects::LOOP_ATTACHER_FINALIZER.into());
+            }
+            let patch = serde_json::json!({
+                "metadata": { "finalizers": fins, "resourceVersion": pv.resource_version() }
+            });
+            self.pv_patching.insert(name.clone());
+            let w = self.writer.clone();
+            self.tasks.spawn(async move {
+                let result = w
+                    .pvs
+                    .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+                    .await
+                    .map(|_| ());
+                let _ = w.done.send(Done::PvFinalizer { pv: name, result });
+            });
+        }
     }
 
     /// Drops the built-in attacher's finalizer from a dead node's VolumeAttachment (guarded by the
@@ -1090,6 +1176,27 @@ impl Ctrl {
                     }
                 }
                 self.actual.tidy(&volume, &node, now);
+            }
+            Done::PvFinalizer { pv, result } => {
+                self.pv_patching.remove(&pv);
+                match result {
+                    Ok(()) => {
+                        m.operations.with_label_values(&["pv_finalizer", "success"]).inc();
+                    }
+                    Err(e) if code_is(&e, 404) => {}
+                    Err(e) => {
+                        m.operations.with_label_values(&["pv_finalizer", "error"]).inc();
+                        m.reconcile_errors
+                            .with_label_values(&["pv_finalizer", api_category(&e)])
+                            .inc();
+                        tracing::warn!(%pv, error = %e, "cannot update the attacher finalizer of the volume");
+                        // A conflict is decided again on the newer copy; other errors wait for
+                        // the next change or the periodic resync.
+                        if code_is(&e, 409) {
+                            self.pv_dirty.insert(pv);
+                        }
+                    }
+                }
             }
             Done::Status { node, result } => {
                 self.status_in_flight.remove(&node);

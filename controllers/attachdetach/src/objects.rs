@@ -69,6 +69,28 @@ pub const LOOP_DRIVER: &str = "loop.stowage.dev";
 /// Why a `loop.stowage.dev` volume goes to one node at a time, for the multi-attach event.
 pub const LOOP_SINGLE_NODE_RULE: &str = "loop.stowage.dev volumes that are not ReadOnlyMany are attached to one node at a time: ext4 on a loop image is corrupted when two kernels mount it read-write";
 
+/// What the built-in attacher's finalizer on a PV needs, as external-attacher keeps it: on a
+/// `loop.stowage.dev` PV while any VolumeAttachment names it (so the PV cannot vanish under an
+/// attachment that a restarted controller could then no longer map), off once none does.
+/// `Some(true)`: add, `Some(false)`: remove, `None`: nothing. No finalizer is added to a PV
+/// being deleted (the apiserver refuses new finalizers then).
+pub fn pv_finalizer_change(pv: &PersistentVolume, attached: bool) -> Option<bool> {
+    let is_loop = pv
+        .spec
+        .as_ref()
+        .and_then(|s| s.csi.as_ref())
+        .is_some_and(|c| c.driver == LOOP_DRIVER);
+    let has = pv
+        .finalizers()
+        .iter()
+        .any(|f| f == stowage_common::objects::LOOP_ATTACHER_FINALIZER);
+    match (is_loop && attached, has) {
+        (true, false) if pv.metadata.deletion_timestamp.is_none() => Some(true),
+        (false, true) => Some(false),
+        _ => None,
+    }
+}
+
 /// Only volumes whose access modes are all single-node are exclusive; no modes at all is
 /// treated as shareable, as upstream does. Exception: a `loop.stowage.dev` volume is shareable
 /// only when every mode is ReadOnlyMany (the agent then attaches and mounts it read-only), since
@@ -238,6 +260,25 @@ mod access_mode_tests {
             }),
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn the_pv_finalizer_follows_the_attachments_of_loop_volumes() {
+        use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+        let mut v = pv(LOOP_DRIVER, &["ReadWriteOnce"]);
+        assert_eq!(pv_finalizer_change(&v, true), Some(true));
+        assert_eq!(pv_finalizer_change(&v, false), None);
+        v.metadata.finalizers = Some(vec![stowage_common::objects::LOOP_ATTACHER_FINALIZER.into()]);
+        assert_eq!(pv_finalizer_change(&v, true), None);
+        assert_eq!(pv_finalizer_change(&v, false), Some(false));
+        // Being deleted: released when nothing names it, never added.
+        v.metadata.deletion_timestamp = Some(Time(k8s_openapi::jiff::Timestamp::UNIX_EPOCH));
+        assert_eq!(pv_finalizer_change(&v, false), Some(false));
+        v.metadata.finalizers = None;
+        assert_eq!(pv_finalizer_change(&v, true), None);
+        // Other drivers' volumes are their attacher's business.
+        let other = pv("nfs.csi.example", &["ReadWriteMany"]);
+        assert_eq!(pv_finalizer_change(&other, true), None);
     }
 
     #[test]

@@ -731,3 +731,39 @@ async fn a_gone_nodes_attachment_is_released_after_the_forced_detach() {
         1.0
     );
 }
+
+/// A loop PV carries the attacher's finalizer while a VolumeAttachment names it (as
+/// external-attacher keeps it), so it cannot vanish under an attachment; it goes with the last one.
+#[tokio::test]
+async fn an_attached_loop_volume_is_protected_by_the_attacher_finalizer() {
+    let w = World::with_one_volume().await;
+    let _c = Controller::start(&w.client, Config::default());
+    let pvs: Api<PersistentVolume> = Api::all(w.client.clone());
+    let has_finalizer = |want: bool| {
+        let pvs = pvs.clone();
+        async move {
+            eventually(LIMIT, || {
+                let pvs = pvs.clone();
+                async move {
+                    let pv = pvs.get("vol-1").await.map_err(|e| e.to_string())?;
+                    let has = pv
+                        .finalizers()
+                        .iter()
+                        .any(|f| f == stowage_common::objects::LOOP_ATTACHER_FINALIZER);
+                    if has == want {
+                        Ok(())
+                    } else {
+                        Err(format!("finalizers of vol-1: {:?}", pv.finalizers()))
+                    }
+                }
+            })
+            .await
+        }
+    };
+    w.attached_pod("app", "vol-1", "node-a", "/dev/loop1").await;
+    has_finalizer(true).await;
+
+    w.delete_pod("app").await;
+    w.wait_no_va("vol-1", "node-a").await;
+    has_finalizer(false).await;
+}
