@@ -492,14 +492,24 @@ pub fn bound_claim_status(
 ) -> Option<PersistentVolumeClaim> {
     let st = claim.status.clone().unwrap_or_default();
     let modes = pv.spec.as_ref().and_then(|s| s.access_modes.clone());
+    // The class the volume has now (upstream's updateClaimStatus, VolumeAttributesClass GA).
+    let vac = pv
+        .spec
+        .as_ref()
+        .and_then(|s| s.volume_attributes_class_name.clone());
     let becoming_bound = st.phase.as_deref() != Some("Bound");
-    if !becoming_bound && st.access_modes == modes && pending_condition(claim).is_none() {
+    if !becoming_bound
+        && st.access_modes == modes
+        && st.current_volume_attributes_class_name == vac
+        && pending_condition(claim).is_none()
+    {
         return None;
     }
     let mut out = claim.clone();
     let s = out.status.get_or_insert_with(Default::default);
     s.phase = Some("Bound".into());
     s.access_modes = modes;
+    s.current_volume_attributes_class_name = vac;
     if let Some(conds) = s.conditions.as_mut() {
         conds.retain(|c| c.type_ != CONDITION_PENDING);
     }
@@ -528,22 +538,24 @@ pub fn bind_needed(pv: &PersistentVolume, claim: &PersistentVolumeClaim) -> bool
         || bound_claim_status(claim, pv).is_some()
 }
 
-/// Claim status for Pending/Lost: phase set, bound-only fields cleared for Pending (upstream).
+/// Claim status for Pending/Lost: phase set and the fields that describe a bound volume
+/// (access modes, capacity, current VolumeAttributesClass) cleared, as upstream's
+/// updateClaimStatus does when it has no volume (both for Pending and for Lost).
 pub fn with_claim_phase(claim: &PersistentVolumeClaim, phase: &str) -> Option<PersistentVolumeClaim> {
     let st = claim.status.clone().unwrap_or_default();
-    let clear = phase == "Pending";
     let unchanged = st.phase.as_deref().unwrap_or("Pending") == phase
-        && (!clear || (st.access_modes.is_none() && st.capacity.is_none()));
+        && st.access_modes.is_none()
+        && st.capacity.is_none()
+        && st.current_volume_attributes_class_name.is_none();
     if unchanged {
         return None;
     }
     let mut out = claim.clone();
     let s = out.status.get_or_insert_with(Default::default);
     s.phase = Some(phase.into());
-    if clear {
-        s.access_modes = None;
-        s.capacity = None;
-    }
+    s.access_modes = None;
+    s.capacity = None;
+    s.current_volume_attributes_class_name = None;
     Some(out)
 }
 
@@ -563,6 +575,17 @@ pub fn unbound_pv(pv: &PersistentVolume) -> PersistentVolume {
         out.annotations_mut().remove(ANN_BOUND_BY_CONTROLLER);
     }
     out
+}
+
+/// The default class among several (upstream's GetDefaultClass): the newest by creation time,
+/// and among those created in the same second the first by name.
+pub fn newest_default_class(
+    defaults: impl IntoIterator<Item = (Option<k8s_openapi::jiff::Timestamp>, String)>,
+) -> Option<String> {
+    defaults
+        .into_iter()
+        .max_by(|(ta, na), (tb, nb)| ta.cmp(tb).then_with(|| nb.cmp(na)))
+        .map(|(_, name)| name)
 }
 
 fn claim_phase_action(claim: &PersistentVolumeClaim, phase: &'static str) -> Option<Action> {

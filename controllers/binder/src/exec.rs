@@ -229,8 +229,7 @@ pub async fn run(cluster: Arc<Cluster>, metrics: Metrics, config: Config) -> any
 impl Brain {
     fn env_parts(&self) -> (Option<String>, kube::runtime::reflector::Store<StorageClass>) {
         let classes = self.cluster.classes.store().clone();
-        // Several defaults: the newest wins, as upstream's GetDefaultClass.
-        let default = classes
+        let defaults: Vec<_> = classes
             .state()
             .into_iter()
             .filter(|c| {
@@ -238,11 +237,12 @@ impl Brain {
                     .iter()
                     .any(|a| ann(c.as_ref(), a) == Some("true"))
             })
-            .max_by(|a, b| {
-                (a.metadata.creation_timestamp.as_ref().map(|t| t.0), a.name_any())
-                    .cmp(&(b.metadata.creation_timestamp.as_ref().map(|t| t.0), b.name_any()))
-            })
-            .map(|c| c.name_any());
+            .collect();
+        let default = core::newest_default_class(
+            defaults
+                .iter()
+                .map(|c| (c.metadata.creation_timestamp.as_ref().map(|t| t.0), c.name_any())),
+        );
         (default, classes)
     }
 

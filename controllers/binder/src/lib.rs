@@ -14,6 +14,8 @@ pub mod quantity;
 pub mod selector;
 
 #[cfg(test)]
+mod fidelity_tests;
+#[cfg(test)]
 mod model_tests;
 #[cfg(test)]
 mod safety_tests;

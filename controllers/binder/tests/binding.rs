@@ -224,7 +224,11 @@ async fn a_bound_claim_whose_volume_vanished_is_lost() {
     h.create_pvc(pvc("app", "c").class("").build()).await;
     h.claim_phase("app", "c", "Bound").await;
     h.delete_volume("v").await;
-    h.claim_phase("app", "c", "Lost").await;
+    let lost = h.claim_phase("app", "c", "Lost").await;
+    // Upstream's updateClaimStatus without a volume: nothing describes a volume any more.
+    let st = lost.status.unwrap();
+    assert_eq!(st.capacity, None, "capacity of a lost claim");
+    assert_eq!(st.access_modes, None, "access modes of a lost claim");
     let note = h.event("c", "ClaimLost").await;
     assert!(note.contains("lost"), "{note}");
 }
