@@ -16,12 +16,16 @@ deps: ## Install the OS tools tests and the demo need (root; no-op when present)
 controlplane: ## Build etcd, kube-apiserver, kube-controller-manager, kubectl (cached by go.mod/go.sum)
 	@./e2e/scripts/build-controlplane.sh
 
+.PHONY: csi-sanity
+csi-sanity: ## Build csi-sanity from the csi-test module pinned in e2e/csi (cached by go.mod/go.sum)
+	@./e2e/scripts/build-csi-sanity.sh
+
 .PHONY: build
 build: ## Build both binaries
 	$(CARGO) build --workspace --bins
 
 .PHONY: test
-test: deps controlplane ## Run unit, property and integration tests against the real control plane
+test: deps controlplane csi-sanity ## Run unit, property and integration tests (real control plane, csi-sanity)
 	$(CARGO) build --workspace --bins
 	@# The image tests unpack an archive of the binaries under test; debug ones cost no second build.
 	STOWAGE_IMAGE_BIN_DIR=$(TARGET_DIR)/debug ./e2e/scripts/image.sh

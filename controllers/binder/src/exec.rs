@@ -993,7 +993,7 @@ impl Writer {
                     format!("{capacity} bytes is more than a file can hold"),
                 ),
             })?;
-            loopdev::ensure_image(&dir, &h, size)
+            loopdev::ImageStore::new(dir).ensure(&h, size)
         })
         .await
         .unwrap_or_else(|e| {
@@ -1110,7 +1110,7 @@ impl Writer {
             return Ok(());
         }
         let dir = self.image_dir.clone();
-        let removed = tokio::task::spawn_blocking(move || loopdev::remove_image(&dir, &handle))
+        let removed = tokio::task::spawn_blocking(move || loopdev::ImageStore::new(dir).remove(&handle))
             .await
             .unwrap_or_else(|e| {
                 Err(loopdev::ImageError::Io {

@@ -7,9 +7,9 @@ pub mod core;
 pub mod exec;
 pub mod index;
 pub mod loopdev;
+// The PV/PVC readers and quantities are shared with the other controllers.
+pub use stowage_common::{pv as objects, quantity};
 pub mod metrics;
-pub mod objects;
-pub mod quantity;
 
 pub mod selector;
 

@@ -13,11 +13,11 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
-use stowage_binder::objects::{
+use stowage_common::pv::{
     ANN_PRE_RESIZE_CAPACITY, LOOP_DRIVER, ann, claim_block, claim_class, claim_phase, claim_volume_name,
     csi_driver, pv_block, volume_handle,
 };
-use stowage_binder::quantity;
+use stowage_common::quantity;
 
 pub const COND_RESIZING: &str = "Resizing";
 pub const COND_FS_RESIZE_PENDING: &str = "FileSystemResizePending";

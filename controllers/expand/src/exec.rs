@@ -12,14 +12,14 @@ use k8s_openapi::api::storage::v1::VolumeAttachment;
 use k8s_openapi::jiff::Timestamp;
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Client, Resource, ResourceExt};
-use stowage_binder::loopdev::{self, ImageError};
-use stowage_binder::objects::{claim_class, claim_key, claim_ref, claim_volume_name, pv_block};
 use stowage_common::cluster::Cluster;
 use stowage_common::events::Events;
 use stowage_common::inflight::{Landed, Window};
 use stowage_common::informer::{Change, is_newer};
+use stowage_common::pv::{claim_class, claim_key, claim_ref, claim_volume_name, pv_block};
 use stowage_common::queue::WorkQueue;
 use stowage_common::writes::{Writes, is_conflict};
+use stowage_loopdriver::{ImageError, ImageStore};
 use tokio::time::Instant;
 
 use crate::core::{self, Action, Size};
@@ -361,7 +361,7 @@ impl Brain {
         // Only Block volumes ask; a scan of the attachments is not worth it otherwise.
         let attached = pv
             .as_ref()
-            .filter(|v| pv_block(v) || stowage_binder::objects::claim_block(&claim))
+            .filter(|v| pv_block(v) || stowage_common::pv::claim_block(&claim))
             .is_some_and(|v| is_attached(&self.worker.attachments, &v.name_any()));
         let actions = core::sync_claim(
             &claim,
@@ -601,7 +601,8 @@ impl Worker {
 
         let bytes = u64::try_from(size.bytes).unwrap_or(u64::MAX);
         let (dir, h) = (self.image_dir.clone(), handle.to_string());
-        let grown = tokio::task::spawn_blocking(move || loopdev::ensure_image(&dir, &h, bytes))
+        // Grow only: a missing image is an error to report, never a fresh empty volume.
+        let grown = tokio::task::spawn_blocking(move || ImageStore::new(dir).grow(&h, bytes))
             .await
             .unwrap_or_else(|e| {
                 Err(ImageError::Io {

@@ -18,7 +18,7 @@ use tokio::time::Instant;
 
 use crate::ctx::{Ctx, is_ours};
 use crate::mountinfo;
-use crate::paths::{DRIVER, VA_FINALIZER, image_path};
+use crate::paths::{DRIVER, VA_FINALIZER};
 use crate::sys;
 use crate::tracker::{OpKey, Tracker};
 use stowage_common::objects::is_loop_attacher_finalizer;
@@ -188,7 +188,7 @@ async fn device_ok(ctx: &Ctx, va: &VolumeAttachment) -> Option<bool> {
     let st = va.status.as_ref().filter(|s| s.attached)?;
     let dev = st.attachment_metadata.as_ref()?.get("devicePath")?;
     let handle = handle_of(ctx, va)?;
-    let image = image_path(&ctx.image_dir, &handle)?;
+    let image = ctx.images.path(&handle).ok()?;
     Some(sys::backs(dev, &image).await)
 }
 
@@ -375,7 +375,10 @@ async fn attach(ctx: &Ctx, va: &VolumeAttachment) -> Result<(String, String), St
         .filter(|c| c.driver == DRIVER)
         .ok_or_else(|| format!("persistentvolume \"{pv_name}\" is not a {DRIVER} volume"))?;
     let handle = csi.volume_handle.clone();
-    let image = image_path(&ctx.image_dir, &handle)
+    let image = ctx
+        .images
+        .path(&handle)
+        .ok()
         .ok_or_else(|| format!("volume handle {handle:?} is not a plain file name"))?;
     match tokio::fs::metadata(&image).await {
         Ok(m) if m.is_file() => {}
@@ -402,7 +405,11 @@ async fn detach(ctx: &Ctx, va: &VolumeAttachment) -> Result<(), String> {
         // Never attached by us (no handle recorded and no PV): nothing to release.
         return Ok(());
     };
-    let image = image_path(&ctx.image_dir, &handle).ok_or_else(|| format!("bad volume handle {handle:?}"))?;
+    let image = ctx
+        .images
+        .path(&handle)
+        .ok()
+        .ok_or_else(|| format!("bad volume handle {handle:?}"))?;
     let mut devices = sys::loops_of(&image).await.map_err(|e| e.to_string())?;
     // The image may be gone; its device then still names it as deleted.
     if let Some(dev) = va

@@ -21,7 +21,7 @@ pub struct Ctx {
     /// Paths under `--root-dir` (canonical, as the mount table shows them).
     pub layout: Layout,
     /// `--image-dir`, canonical.
-    pub image_dir: PathBuf,
+    pub images: stowage_loopdriver::ImageStore,
     /// The mount table the volume manager observes (`/proc/self/mountinfo`; a test points it
     /// elsewhere to make the read fail).
     pub mount_table: PathBuf,

@@ -6,15 +6,17 @@ pub mod attacher;
 pub mod ctx;
 pub mod fsgroup;
 pub mod metrics;
-pub mod mountinfo;
 pub mod node;
 pub mod paths;
 pub mod probe;
 pub mod reconcile;
 pub mod state;
-pub mod sys;
 pub mod tracker;
 pub mod volumes;
+
+// The device steps and the mount table belong to the driver crate; the agent's modules name them
+// as before.
+pub use stowage_loopdriver::{mountinfo, sys};
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
@@ -32,6 +34,7 @@ use stowage_common::client::ApiArgs;
 use stowage_common::events::Events;
 use stowage_common::informer::{Informer, strip_managed_fields};
 use stowage_common::serve::{self, Health};
+use stowage_loopdriver::csi::server::{self as csi_server, Endpoint, NodeSettings, socket_path};
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 
@@ -60,6 +63,21 @@ pub struct Args {
     /// The mount table the volume manager reads (tests point it at a source that fails).
     #[arg(long, default_value = mountinfo::PROC_MOUNTINFO, hide = true)]
     pub mount_table: PathBuf,
+    /// Serve the CSI Identity and Node services of the driver on this unix socket, as a kubelet's
+    /// node plugin does (e.g. `/var/lib/kubelet/plugins/loop.stowage.dev/csi.sock`).
+    #[arg(long, env = "CSI_ENDPOINT")]
+    pub csi_endpoint: Option<String>,
+    /// Also serve the CSI Controller service (create, delete, expand) on the endpoint, for the
+    /// upstream external-provisioner and external-resizer.
+    #[arg(long, requires = "csi_endpoint")]
+    pub csi_controller: bool,
+    /// Serve only CSI: no apiserver, no attacher, no volume manager (csi-sanity, or a plugin
+    /// whose attachments come from elsewhere).
+    #[arg(long, requires = "csi_endpoint")]
+    pub csi_only: bool,
+    /// Volumes this node may hold at once, reported by CSI NodeGetInfo (0: no limit).
+    #[arg(long, default_value_t = 0)]
+    pub max_volumes: i64,
     /// Address for /metrics, /healthz and /readyz.
     #[arg(long, default_value = "0.0.0.0:8081")]
     pub metrics_bind_address: SocketAddr,
@@ -77,6 +95,21 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     }
     let root = canonical_dir(&args.root_dir, "--root-dir")?;
     let image_dir = canonical_dir(&args.image_dir, "--image-dir")?;
+    let csi = args.csi_endpoint.as_deref().map(|e| Endpoint {
+        socket: socket_path(e),
+        images: stowage_loopdriver::ImageStore::new(image_dir.clone()),
+        node: Some(NodeSettings {
+            node_id: args.node_name.clone(),
+            state_dir: root.join("csi"),
+            max_volumes: args.max_volumes,
+        }),
+        controller: args.csi_controller,
+    });
+    if args.csi_only {
+        let endpoint = csi.expect("clap requires --csi-endpoint with --csi-only");
+        csi_server::serve(endpoint, stowage_common::shutdown::signalled()).await?;
+        return Ok(());
+    }
     let registry = stowage_common::metrics::registry("stowage-agent");
     let metrics = metrics::Metrics::new(&registry);
     let health = Health::new(registry.clone());
@@ -113,7 +146,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         client: client.clone(),
         node: args.node_name.clone(),
         layout: paths::Layout::new(root.clone()),
-        image_dir,
+        images: stowage_loopdriver::ImageStore::new(image_dir.clone()),
         mount_table: args.mount_table.clone(),
         metrics,
         pods,
@@ -149,6 +182,13 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         },
         stop_rx,
     ));
+    let mut csi_task = JoinSet::new();
+    if let Some(endpoint) = csi {
+        let mut stop = stop_tx.subscribe();
+        csi_task.spawn(csi_server::serve(endpoint, async move {
+            let _ = stop.wait_for(|s| *s).await;
+        }));
+    }
     health.ready.store(true, Ordering::Relaxed);
     tracing::info!(node = %args.node_name, root = %root.display(), "agent started");
 
@@ -158,11 +198,16 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             health.alive.store(false, Ordering::Relaxed);
             bail!("an agent loop ended unexpectedly: {r:?}");
         }
+        Some(r) = csi_task.join_next() => {
+            health.alive.store(false, Ordering::Relaxed);
+            bail!("the CSI server ended unexpectedly: {r:?}");
+        }
     }
     // Mounts stay as they are (a restart must not disturb running pods); only operations in
     // flight are allowed to finish.
     let _ = stop_tx.send(true);
     while loops.join_next().await.is_some() {}
+    while csi_task.join_next().await.is_some() {}
     watches.abort_all();
     Ok(())
 }

@@ -7,7 +7,7 @@ use std::path::{Component, Path, PathBuf};
 use sha2::{Digest, Sha256};
 
 /// The driver (and VolumeAttachment attacher) this agent serves.
-pub const DRIVER: &str = "loop.stowage.dev";
+pub use stowage_loopdriver::DRIVER;
 /// The plugin directory name of CSI volumes under a pod dir (`/` escaped as `~`, as upstream).
 pub const CSI_PLUGIN_DIR: &str = "kubernetes.io~csi";
 /// Finalizer that keeps a VolumeAttachment until the loop device is released (one name, shared
@@ -32,11 +32,6 @@ pub fn va_name(handle: &str, node: &str) -> String {
 /// guarantee it for everything we read).
 pub fn plain_component(s: &str) -> bool {
     !s.is_empty() && s != "." && s != ".." && !s.contains(['/', '\0']) && s.len() <= 253
-}
-
-/// Where the image of a volume handle lives.
-pub fn image_path(image_dir: &Path, handle: &str) -> Option<PathBuf> {
-    plain_component(handle).then(|| image_dir.join(format!("{handle}.img")))
 }
 
 /// What a path under the root dir stands for.
@@ -161,12 +156,5 @@ mod tests {
         assert!(n.starts_with("csi-") && n.len() == 68);
         assert_ne!(va_name("h", "n2"), n);
         assert_eq!(unique_name("h"), "kubernetes.io/csi/loop.stowage.dev^h");
-    }
-
-    #[test]
-    fn image_paths_refuse_escapes() {
-        assert!(image_path(Path::new("/i"), "../x").is_none());
-        assert!(image_path(Path::new("/i"), "a/b").is_none());
-        assert_eq!(image_path(Path::new("/i"), "v").unwrap(), Path::new("/i/v.img"));
     }
 }

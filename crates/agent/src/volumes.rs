@@ -21,7 +21,7 @@ use tokio::time::Instant;
 use crate::ctx::Ctx;
 use crate::fsgroup;
 use crate::mountinfo::{self, DevNo, MountEntry};
-use crate::paths::{Place, image_path, unique_name};
+use crate::paths::{Place, unique_name};
 use crate::probe::{self, Answer, Health, Prober};
 use crate::reconcile::{Op, reconcile, schedule};
 use crate::state::{Actual, Attachment, Desired, DesiredVolume, Mounted, PodInfo, PodMount, View, desired};
@@ -708,7 +708,7 @@ impl Job {
                 message: "volume is not attached".into(),
             });
         };
-        let image = image_path(&ctx.image_dir, &dv.handle).ok_or_else(|| StepError {
+        let image = ctx.images.path(&dv.handle).ok().ok_or_else(|| StepError {
             step: "WaitForAttach",
             message: format!("volume handle {:?} is not a plain file name", dv.handle),
         })?;

@@ -9,6 +9,8 @@ pub mod leader;
 pub mod logging;
 pub mod metrics;
 pub mod objects;
+pub mod pv;
+pub mod quantity;
 pub mod queue;
 pub mod ratelimit;
 pub mod serve;

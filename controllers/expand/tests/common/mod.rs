@@ -112,8 +112,10 @@ impl Harness {
             .await
             .unwrap();
         if driver == "loop.stowage.dev" {
-            let bytes = stowage_binder::quantity::bytes(size).unwrap() as u64;
-            stowage_binder::loopdev::ensure_image(self.images.path(), &pv_name, bytes).unwrap();
+            let bytes = stowage_common::quantity::bytes(size).unwrap() as u64;
+            stowage_loopdriver::ImageStore::new(self.images.path())
+                .ensure(&pv_name, bytes)
+                .unwrap();
         }
         pv_name
     }

@@ -25,7 +25,9 @@ pub const ANN_IMAGE_PENDING: &str = "loop.stowage.dev/image-pending";
 pub const FINALIZER_LOOP_DELETER: &str = "loop.stowage.dev/deleter";
 
 /// The built-in driver.
-pub const LOOP_DRIVER: &str = "loop.stowage.dev";
+pub use stowage_loopdriver::DRIVER as LOOP_DRIVER;
+/// A handle that names a file directly inside the image dir (the driver's one rule).
+pub use stowage_loopdriver::valid_handle as plain_handle;
 
 pub fn claim_key(c: &PersistentVolumeClaim) -> String {
     format!("{}/{}", c.namespace().unwrap_or_default(), c.name_any())
@@ -183,15 +185,6 @@ pub fn loop_handle(pv: &PersistentVolume) -> Option<&str> {
     (csi_driver(pv) == Some(LOOP_DRIVER))
         .then(|| volume_handle(pv))
         .flatten()
-}
-
-/// A handle that names a file directly inside the image dir (no path can escape it).
-pub fn plain_handle(handle: &str) -> bool {
-    !handle.is_empty()
-        && handle != "."
-        && handle != ".."
-        && !handle.contains(['/', '\\', '\0'])
-        && handle.len() <= 240
 }
 
 /// Access modes that let several nodes write one volume: refused for the built-in driver, whose

@@ -220,8 +220,18 @@ pub async fn mkfs_ext4(dev: &str) -> Result<()> {
 }
 
 pub async fn mount_device(dev: &str, target: &Path, read_only: bool) -> Result<()> {
-    let opts = if read_only { "ro" } else { "rw" };
-    run("mount", &["-o", opts, dev, s(target)]).await.map(|_| ())
+    mount_device_with(dev, target, read_only, &[]).await
+}
+
+/// Mounts `dev` at `target` with the caller's mount options after `ro`/`rw` (a CSI capability's
+/// mount flags, a PV's mountOptions).
+pub async fn mount_device_with(dev: &str, target: &Path, read_only: bool, flags: &[String]) -> Result<()> {
+    let mut opts = String::from(if read_only { "ro" } else { "rw" });
+    for f in flags {
+        opts.push(',');
+        opts.push_str(f);
+    }
+    run("mount", &["-o", &opts, dev, s(target)]).await.map(|_| ())
 }
 
 pub async fn bind_mount(src: &Path, target: &Path, read_only: bool) -> Result<()> {
@@ -248,6 +258,29 @@ pub async fn fsck_ext(dev: &str) -> Result<()> {
             stderr: out.stderr,
         }),
     }
+}
+
+/// The size of the ext file system on `dev` (block count × block size, from its superblock).
+pub async fn ext_fs_bytes(dev: &str) -> Result<u64> {
+    let out = run("dumpe2fs", &["-h", dev]).await?;
+    parse_ext_fs_bytes(&out)
+        .ok_or_else(|| SysError::Io(format!("dumpe2fs -h {dev} printed no block count and size")))
+}
+
+fn parse_ext_fs_bytes(out: &str) -> Option<u64> {
+    let field = |name: &str| {
+        out.lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.trim().parse::<u64>().ok())
+    };
+    Some(field("Block count:")? * field("Block size:")?)
+}
+
+/// The size of a block device in bytes, from sysfs (`size` counts 512-byte sectors).
+pub async fn device_bytes(devno: DevNo) -> Option<u64> {
+    let p = format!("/sys/dev/block/{}:{}/size", devno.0, devno.1);
+    let v = tokio::fs::read_to_string(p).await.ok()?;
+    v.trim().parse::<u64>().ok().map(|s| s * 512)
 }
 
 pub async fn resize2fs(dev: &str) -> Result<()> {
@@ -323,6 +356,60 @@ pub async fn stat_dev(path: &Path) -> Option<DevNo> {
     }
 }
 
+/// File-system usage of a mounted path, as `statvfs` reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FsUsage {
+    pub bytes_total: u64,
+    pub bytes_free: u64,
+    pub bytes_available: u64,
+    pub inodes_total: u64,
+    pub inodes_free: u64,
+}
+
+/// `statvfs` of a path on a detached thread, like [`stat_dev`]: `Ok(None)` when it has not
+/// answered in time (a hung mount), the error when it failed.
+pub async fn statvfs(path: &Path) -> Result<Option<FsUsage>> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let owned = path.to_path_buf();
+    std::thread::Builder::new()
+        .name("statvfs".into())
+        .spawn(move || {
+            let _ = tx.send(statvfs_now(&owned));
+        })
+        .map_err(|e| SysError::Io(format!("cannot start a statvfs thread: {e}")))?;
+    match tokio::time::timeout(STAT_TIMEOUT, rx).await {
+        Ok(Ok(r)) => r.map(Some),
+        Ok(Err(_)) => Err(SysError::Io("statvfs thread ended without an answer".into())),
+        Err(_) => Ok(None),
+    }
+}
+
+fn statvfs_now(path: &Path) -> Result<FsUsage> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| SysError::Io(format!("{} contains NUL", path.display())))?;
+    let mut st = std::mem::MaybeUninit::<libc::statvfs>::uninit();
+    // SAFETY: `c` is a NUL-terminated path and `st` is a valid out-pointer for one statvfs.
+    let rc = unsafe { libc::statvfs(c.as_ptr(), st.as_mut_ptr()) };
+    if rc != 0 {
+        return Err(SysError::Io(format!(
+            "statvfs {}: {}",
+            path.display(),
+            std::io::Error::last_os_error()
+        )));
+    }
+    // SAFETY: statvfs returned 0, so it filled the struct.
+    let st = unsafe { st.assume_init() };
+    let frsize = st.f_frsize;
+    Ok(FsUsage {
+        bytes_total: st.f_blocks * frsize,
+        bytes_free: st.f_bfree * frsize,
+        bytes_available: st.f_bavail * frsize,
+        inodes_total: st.f_files,
+        inodes_free: st.f_ffree,
+    })
+}
+
 /// Removes a directory if it exists and is empty; other problems are reported.
 pub async fn remove_dir_if_empty(path: &Path) -> Result<()> {
     match tokio::fs::remove_dir(path).await {
@@ -335,6 +422,13 @@ pub async fn remove_dir_if_empty(path: &Path) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_file_system_size_is_read_from_dumpe2fs() {
+        let out = "Filesystem volume name:   <none>\nBlock count:              16384\nReserved block count:     0\nBlock size:               4096\n";
+        assert_eq!(parse_ext_fs_bytes(out), Some(16384 * 4096));
+        assert_eq!(parse_ext_fs_bytes("Block size: 4096\n"), None);
+    }
 
     #[test]
     fn only_blkid_nothing_found_means_blank() {

@@ -1,0 +1,470 @@
+//! The CSI Node service on real loop devices, ext4 and mounts (run as root): the full life of a
+//! volume with every call repeated (idempotency), online expansion, and the broken and hostile
+//! states a node meets: a target something else is mounted on, a stale device path, a blank
+//! read-only volume, an image holding another file system, a target with files in it.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use stowage_loopdriver::ImageStore;
+use stowage_loopdriver::csi::VolumeLocks;
+use stowage_loopdriver::csi::controller::ControllerService;
+use stowage_loopdriver::csi::node::NodeService;
+use stowage_loopdriver::csi::v1::controller_server::Controller;
+use stowage_loopdriver::csi::v1::node_server::Node;
+use stowage_loopdriver::csi::v1::volume_capability::access_mode::Mode;
+use stowage_loopdriver::csi::v1::volume_capability::{AccessMode, AccessType, BlockVolume, MountVolume};
+use stowage_loopdriver::csi::v1::*;
+use tonic::{Code, Request};
+
+/// A scratch dir whose mounts and loop devices are released however the test ends.
+struct Scratch {
+    base: PathBuf,
+}
+
+impl Scratch {
+    fn new(name: &str) -> Self {
+        let base = std::env::temp_dir().join(format!("stowage-node-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(base.join("images")).unwrap();
+        Self {
+            base: std::fs::canonicalize(&base).unwrap(),
+        }
+    }
+
+    fn mounts(&self) -> Vec<PathBuf> {
+        let table = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+        let mut v: Vec<PathBuf> = table
+            .lines()
+            .filter_map(|l| l.split(' ').nth(4))
+            .map(PathBuf::from)
+            .filter(|p| p.starts_with(&self.base))
+            .collect();
+        v.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
+        v
+    }
+
+    fn loops(&self) -> Vec<String> {
+        let out = Command::new("losetup").arg("-a").output().unwrap();
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter(|l| l.contains(self.base.to_str().unwrap()))
+            .filter_map(|l| l.split(':').next().map(String::from))
+            .collect()
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        for m in self.mounts() {
+            let _ = Command::new("umount").arg("-l").arg(&m).status();
+        }
+        for d in self.loops() {
+            let _ = Command::new("losetup").arg("-d").arg(&d).status();
+        }
+        let _ = std::fs::remove_dir_all(&self.base);
+    }
+}
+
+struct Driver {
+    node: NodeService,
+    ctrl: ControllerService,
+    s: Scratch,
+}
+
+fn driver(name: &str) -> Driver {
+    let s = Scratch::new(name);
+    let images = ImageStore::new(s.base.join("images"));
+    let locks = VolumeLocks::default();
+    Driver {
+        node: NodeService {
+            node_id: "node-a".into(),
+            images: images.clone(),
+            state_dir: s.base.join("state"),
+            max_volumes: 0,
+            locks: locks.clone(),
+        },
+        ctrl: ControllerService { images, locks },
+        s,
+    }
+}
+
+fn capability(mode: Mode, block: bool) -> VolumeCapability {
+    VolumeCapability {
+        access_mode: Some(AccessMode { mode: mode as i32 }),
+        access_type: Some(if block {
+            AccessType::Block(BlockVolume {})
+        } else {
+            AccessType::Mount(MountVolume::default())
+        }),
+    }
+}
+
+impl Driver {
+    fn path(&self, p: &str) -> PathBuf {
+        self.s.base.join(p)
+    }
+
+    async fn create(&self, id: &str, bytes: i64) {
+        self.ctrl
+            .create_volume(Request::new(CreateVolumeRequest {
+                name: id.into(),
+                capacity_range: Some(CapacityRange {
+                    required_bytes: bytes,
+                    limit_bytes: 0,
+                }),
+                volume_capabilities: vec![capability(Mode::SingleNodeWriter, false)],
+                ..Default::default()
+            }))
+            .await
+            .unwrap();
+    }
+
+    async fn stage(
+        &self,
+        id: &str,
+        mode: Mode,
+        block: bool,
+        ctx: HashMap<String, String>,
+    ) -> Result<(), tonic::Status> {
+        self.node
+            .node_stage_volume(Request::new(NodeStageVolumeRequest {
+                volume_id: id.into(),
+                staging_target_path: self.path(&format!("stage/{id}")).display().to_string(),
+                volume_capability: Some(capability(mode, block)),
+                publish_context: ctx,
+                ..Default::default()
+            }))
+            .await
+            .map(|_| ())
+    }
+
+    async fn unstage(&self, id: &str) {
+        self.node
+            .node_unstage_volume(Request::new(NodeUnstageVolumeRequest {
+                volume_id: id.into(),
+                staging_target_path: self.path(&format!("stage/{id}")).display().to_string(),
+            }))
+            .await
+            .unwrap();
+    }
+
+    async fn publish(&self, id: &str, target: &Path, mode: Mode, block: bool) -> Result<(), tonic::Status> {
+        self.node
+            .node_publish_volume(Request::new(NodePublishVolumeRequest {
+                volume_id: id.into(),
+                target_path: target.display().to_string(),
+                staging_target_path: self.path(&format!("stage/{id}")).display().to_string(),
+                volume_capability: Some(capability(mode, block)),
+                ..Default::default()
+            }))
+            .await
+            .map(|_| ())
+    }
+
+    async fn unpublish(&self, id: &str, target: &Path) -> Result<(), tonic::Status> {
+        self.node
+            .node_unpublish_volume(Request::new(NodeUnpublishVolumeRequest {
+                volume_id: id.into(),
+                target_path: target.display().to_string(),
+            }))
+            .await
+            .map(|_| ())
+    }
+
+    async fn stats(&self, id: &str, path: &Path) -> NodeGetVolumeStatsResponse {
+        self.node
+            .node_get_volume_stats(Request::new(NodeGetVolumeStatsRequest {
+                volume_id: id.into(),
+                volume_path: path.display().to_string(),
+                staging_target_path: String::new(),
+            }))
+            .await
+            .unwrap()
+            .into_inner()
+    }
+}
+
+fn total_bytes(s: &NodeGetVolumeStatsResponse) -> i64 {
+    s.usage
+        .iter()
+        .find(|u| u.unit == volume_usage::Unit::Bytes as i32)
+        .map(|u| u.total)
+        .unwrap()
+}
+
+#[tokio::test]
+async fn a_volume_lives_stage_publish_expand_unpublish_unstage_each_call_repeated() {
+    let d = driver("life");
+    d.create("v", 64 << 20).await;
+    let target = d.path("pods/p1/mount");
+    for _ in 0..2 {
+        d.stage("v", Mode::SingleNodeWriter, false, HashMap::new())
+            .await
+            .unwrap();
+    }
+    for _ in 0..2 {
+        d.publish("v", &target, Mode::SingleNodeWriter, false)
+            .await
+            .unwrap();
+    }
+    assert_eq!(d.s.loops().len(), 1, "one loop device however often staged");
+    std::fs::write(target.join("data"), b"kept").unwrap();
+
+    let before = d.stats("v", &target).await;
+    let cond = before.volume_condition.clone().unwrap();
+    assert!(!cond.abnormal, "{cond:?}");
+    assert!(total_bytes(&before) > 50 << 20);
+    assert!(
+        before
+            .usage
+            .iter()
+            .any(|u| u.unit == volume_usage::Unit::Inodes as i32 && u.total > 0)
+    );
+
+    // Online expansion: the controller grows the image, the node the device and ext4.
+    let grown = d
+        .ctrl
+        .controller_expand_volume(Request::new(ControllerExpandVolumeRequest {
+            volume_id: "v".into(),
+            capacity_range: Some(CapacityRange {
+                required_bytes: 128 << 20,
+                limit_bytes: 0,
+            }),
+            ..Default::default()
+        }))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(grown.node_expansion_required);
+    let mut online = true;
+    for _ in 0..2 {
+        let r = d
+            .node
+            .node_expand_volume(Request::new(NodeExpandVolumeRequest {
+                volume_id: "v".into(),
+                volume_path: target.display().to_string(),
+                capacity_range: Some(CapacityRange {
+                    required_bytes: 128 << 20,
+                    limit_bytes: 0,
+                }),
+                ..Default::default()
+            }))
+            .await;
+        match r {
+            Ok(r) => assert_eq!(r.into_inner().capacity_bytes, 128 << 20),
+            // Where the kernel refuses online growth (no CAP_SYS_RESOURCE), the error says so
+            // and the next stage grows the file system offline (checked below).
+            Err(e) if e.message().contains("CAP_SYS_RESOURCE") => online = false,
+            Err(e) => panic!("{e}"),
+        }
+    }
+    if online {
+        let after = d.stats("v", &target).await;
+        assert!(total_bytes(&after) > 110 << 20, "ext4 grew online: {after:?}");
+    }
+    assert_eq!(std::fs::read(target.join("data")).unwrap(), b"kept");
+
+    for _ in 0..2 {
+        d.unpublish("v", &target).await.unwrap();
+    }
+    assert!(!target.exists(), "publish's target is removed");
+    for _ in 0..2 {
+        d.unstage("v").await;
+    }
+    assert!(d.s.mounts().is_empty(), "{:?}", d.s.mounts());
+    assert!(d.s.loops().is_empty(), "the loop device stage made is freed");
+
+    // Staged again: the data is there, nothing was reformatted, the file system has its new size.
+    d.stage("v", Mode::SingleNodeWriter, false, HashMap::new())
+        .await
+        .unwrap();
+    d.publish("v", &target, Mode::SingleNodeWriter, false)
+        .await
+        .unwrap();
+    assert_eq!(std::fs::read(target.join("data")).unwrap(), b"kept");
+    let restaged = d.stats("v", &target).await;
+    assert!(total_bytes(&restaged) > 110 << 20, "grown by now: {restaged:?}");
+    d.unpublish("v", &target).await.unwrap();
+    d.unstage("v").await;
+
+    // A block volume: the device node is bound at a file target.
+    let dev_target = d.path("pods/p2/dev");
+    d.stage("v", Mode::SingleNodeWriter, true, HashMap::new())
+        .await
+        .unwrap();
+    for _ in 0..2 {
+        d.publish("v", &dev_target, Mode::SingleNodeWriter, true)
+            .await
+            .unwrap();
+    }
+    let blk = d.stats("v", &dev_target).await;
+    assert_eq!(total_bytes(&blk), 128 << 20);
+    d.unpublish("v", &dev_target).await.unwrap();
+    assert!(!dev_target.exists());
+    d.unstage("v").await;
+    assert!(d.s.loops().is_empty() && d.s.mounts().is_empty());
+}
+
+#[tokio::test]
+async fn broken_and_foreign_targets_are_reported_never_overwritten() {
+    let d = driver("broken");
+    d.create("v", 64 << 20).await;
+    d.stage("v", Mode::SingleNodeWriter, false, HashMap::new())
+        .await
+        .unwrap();
+
+    // Something else is mounted at the target: publish refuses, the mount stays.
+    let target = d.path("pods/p1/mount");
+    std::fs::create_dir_all(&target).unwrap();
+    assert!(
+        Command::new("mount")
+            .args(["-t", "tmpfs", "tmpfs"])
+            .arg(&target)
+            .status()
+            .unwrap()
+            .success()
+    );
+    std::fs::write(target.join("theirs"), b"x").unwrap();
+    let e = d
+        .publish("v", &target, Mode::SingleNodeWriter, false)
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::AlreadyExists, "{e}");
+    // Stats of a path mounted from another device: abnormal, said why.
+    let foreign = d.stats("v", &target).await.volume_condition.unwrap();
+    assert!(
+        foreign.abnormal && foreign.message.contains("not from the volume's loop device"),
+        "{foreign:?}"
+    );
+    assert_eq!(std::fs::read(target.join("theirs")).unwrap(), b"x");
+    assert!(Command::new("umount").arg(&target).status().unwrap().success());
+
+    // A target directory holding files that is not a mount: unpublish keeps them.
+    std::fs::write(target.join("stray"), b"y").unwrap();
+    let e = d.unpublish("v", &target).await.unwrap_err();
+    assert!(e.message().contains("left for inspection"), "{e}");
+    assert_eq!(std::fs::read(target.join("stray")).unwrap(), b"y");
+    std::fs::remove_file(target.join("stray")).unwrap();
+
+    // A published volume whose mount broke under it (unmounted behind the driver's back).
+    d.publish("v", &target, Mode::SingleNodeWriter, false)
+        .await
+        .unwrap();
+    assert!(Command::new("umount").arg(&target).status().unwrap().success());
+    let gone = d.stats("v", &target).await.volume_condition.unwrap();
+    assert!(
+        gone.abnormal && gone.message.contains("is not mounted"),
+        "{gone:?}"
+    );
+    d.unpublish("v", &target).await.unwrap();
+    d.unstage("v").await;
+
+    // A stale device path from an attachment: refused, nothing formatted or mounted.
+    d.create("w", 64 << 20).await;
+    let other = d.s.base.join("images/v.img");
+    let out = Command::new("losetup")
+        .args(["--find", "--show"])
+        .arg(&other)
+        .output()
+        .unwrap();
+    let stale = String::from_utf8(out.stdout).unwrap().trim().to_string();
+    let ctx = HashMap::from([("devicePath".to_string(), stale.clone())]);
+    let e = d
+        .stage("w", Mode::SingleNodeWriter, false, ctx)
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e}");
+    assert!(e.message().contains("no longer backs"), "{e}");
+    assert!(d.s.mounts().is_empty());
+    Command::new("losetup").arg("-d").arg(&stale).status().unwrap();
+
+    // A blank volume staged read-only is never formatted.
+    let e = d
+        .stage("w", Mode::MultiNodeReaderOnly, false, HashMap::new())
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e}");
+    d.unstage("w").await;
+    let probe = Command::new("blkid")
+        .arg("-p")
+        .arg(d.s.base.join("images/w.img"))
+        .output()
+        .unwrap();
+    assert_eq!(probe.status.code(), Some(2), "still blank");
+
+    // An image holding another file system is never reformatted.
+    assert!(
+        Command::new("mkswap")
+            .arg(d.s.base.join("images/w.img"))
+            .output()
+            .unwrap()
+            .status
+            .success()
+    );
+    let e = d
+        .stage("w", Mode::SingleNodeWriter, false, HashMap::new())
+        .await
+        .unwrap_err();
+    assert!(
+        e.code() == Code::FailedPrecondition && e.message().contains("swap"),
+        "{e}"
+    );
+    d.unstage("w").await;
+    let probe = Command::new("blkid")
+        .arg("-p")
+        .arg("-o")
+        .arg("value")
+        .arg("-s")
+        .arg("TYPE")
+        .arg(d.s.base.join("images/w.img"))
+        .output()
+        .unwrap();
+    assert_eq!(String::from_utf8_lossy(&probe.stdout).trim(), "swap");
+
+    // Delete refuses an image still behind a loop device.
+    d.stage("v", Mode::SingleNodeWriter, false, HashMap::new())
+        .await
+        .unwrap();
+    let e = d
+        .ctrl
+        .delete_volume(Request::new(DeleteVolumeRequest {
+            volume_id: "v".into(),
+            ..Default::default()
+        }))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e}");
+    d.unstage("v").await;
+    assert!(d.s.loops().is_empty() && d.s.mounts().is_empty());
+}
+
+#[tokio::test]
+async fn reader_modes_get_a_read_only_device_and_mount() {
+    let d = driver("ro");
+    d.create("v", 64 << 20).await;
+    // A writer formats it first, then readers use it read-only.
+    d.stage("v", Mode::SingleNodeWriter, false, HashMap::new())
+        .await
+        .unwrap();
+    d.unstage("v").await;
+    d.stage("v", Mode::MultiNodeReaderOnly, false, HashMap::new())
+        .await
+        .unwrap();
+    let target = d.path("pods/r/mount");
+    d.publish("v", &target, Mode::MultiNodeReaderOnly, false)
+        .await
+        .unwrap();
+    let e = std::fs::write(target.join("x"), b"no").unwrap_err();
+    assert_eq!(e.raw_os_error(), Some(libc_erofs()), "{e}");
+    let dev = &d.s.loops()[0];
+    let name = dev.trim_start_matches("/dev/");
+    let ro = std::fs::read_to_string(format!("/sys/block/{name}/ro")).unwrap();
+    assert_eq!(ro.trim(), "1", "the loop device itself is read-only");
+    d.unpublish("v", &target).await.unwrap();
+    d.unstage("v").await;
+}
+
+fn libc_erofs() -> i32 {
+    30
+}
