@@ -1,50 +1,70 @@
-//! Generates the CSI v1 gRPC code from `csi.proto` of the pinned CSI spec Go module.
+//! Generates the gRPC code of the CSI v1 services (`csi.proto` of the CSI spec Go module) and of
+//! the kubelet's plugin registration (`pluginregistration/v1/api.proto` of `k8s.io/kubelet`).
 //!
-//! The proto is not copied into the repository: it comes from the Go module cache, at the version
-//! `e2e/csi/go.mod` pins (the module csi-sanity is built with), found with `go mod download
-//! -json`; or from `STOWAGE_CSI_PROTO` when the build has no Go toolchain.
+//! The protos are not copied into the repository: they come from the Go module cache, at the
+//! versions `e2e/csi/go.mod` pins (the modules csi-sanity and the kubelet are built with), found
+//! with `go mod download -json`; or from `STOWAGE_CSI_PROTO` and `STOWAGE_REGISTRATION_PROTO`
+//! when the build has no Go toolchain.
 
 use std::path::PathBuf;
 use std::process::Command;
 
-/// The CSI spec module; its version is the one `e2e/csi/go.mod` requires.
+/// The modules; their versions are the ones `e2e/csi/go.mod` requires.
 const SPEC_MODULE: &str = "github.com/container-storage-interface/spec";
+const KUBELET_MODULE: &str = "k8s.io/kubelet";
 
 fn main() {
-    println!("cargo:rerun-if-env-changed=STOWAGE_CSI_PROTO");
-    let proto = match std::env::var_os("STOWAGE_CSI_PROTO") {
-        Some(p) => PathBuf::from(p),
-        None => spec_dir().join("csi.proto"),
-    };
-    println!("cargo:rerun-if-changed={}", proto.display());
-    let include = proto.parent().expect("csi.proto has a parent dir").to_path_buf();
+    let csi = proto("STOWAGE_CSI_PROTO", SPEC_MODULE, "csi.proto");
+    let registration = proto(
+        "STOWAGE_REGISTRATION_PROTO",
+        KUBELET_MODULE,
+        "pkg/apis/pluginregistration/v1/api.proto",
+    );
+    let dirs = [&csi, &registration].map(|p| p.parent().expect("a proto has a parent dir").to_path_buf());
     // protox compiles in Rust and carries the well-known types csi.proto imports.
-    let fds = protox::compile([&proto], [&include])
-        .unwrap_or_else(|e| panic!("cannot compile {}: {e}", proto.display()));
+    let fds = protox::compile([&csi, &registration], dirs).unwrap_or_else(|e| {
+        panic!(
+            "cannot compile {} and {}: {e}",
+            csi.display(),
+            registration.display()
+        )
+    });
     tonic_prost_build::configure()
         .build_client(true)
         .build_server(true)
         .compile_fds(fds)
-        .expect("generate CSI gRPC code");
+        .expect("generate gRPC code");
 }
 
-fn spec_dir() -> PathBuf {
+fn proto(env: &str, module: &str, file: &str) -> PathBuf {
+    println!("cargo:rerun-if-env-changed={env}");
+    let p = match std::env::var_os(env) {
+        Some(p) => PathBuf::from(p),
+        None => module_dir(module).join(file),
+    };
+    println!("cargo:rerun-if-changed={}", p.display());
+    p
+}
+
+fn module_dir(module: &str) -> PathBuf {
     let pins = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../e2e/csi");
     println!("cargo:rerun-if-changed={}", pins.join("go.mod").display());
     let out = Command::new("go")
-        .args(["mod", "download", "-json", SPEC_MODULE])
+        .args(["mod", "download", "-json", module])
         .env("GO111MODULE", "on")
         .current_dir(&pins)
         .output()
-        .unwrap_or_else(|e| panic!("cannot run `go mod download {SPEC_MODULE}` (set STOWAGE_CSI_PROTO to a csi.proto instead): {e}"));
+        .unwrap_or_else(|e| {
+            panic!("cannot run `go mod download {module}` (set STOWAGE_CSI_PROTO / STOWAGE_REGISTRATION_PROTO instead): {e}")
+        });
     let info: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
         panic!(
-            "`go mod download {SPEC_MODULE}` printed no JSON ({e}): {}",
+            "`go mod download {module}` printed no JSON ({e}): {}",
             String::from_utf8_lossy(&out.stderr)
         )
     });
     if let Some(err) = info.get("Error").and_then(|e| e.as_str()) {
-        panic!("`go mod download {SPEC_MODULE}`: {err}");
+        panic!("`go mod download {module}`: {err}");
     }
     PathBuf::from(
         info["Dir"]

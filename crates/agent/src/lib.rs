@@ -34,6 +34,7 @@ use stowage_common::client::ApiArgs;
 use stowage_common::events::Events;
 use stowage_common::informer::{Informer, strip_managed_fields};
 use stowage_common::serve::{self, Health};
+use stowage_loopdriver::csi::registration;
 use stowage_loopdriver::csi::server::{self as csi_server, Endpoint, NodeSettings, socket_path};
 use tokio::sync::watch;
 use tokio::task::JoinSet;
@@ -63,6 +64,11 @@ pub struct Args {
     /// The mount table the volume manager reads (tests point it at a source that fails).
     #[arg(long, default_value = mountinfo::PROC_MOUNTINFO, hide = true)]
     pub mount_table: PathBuf,
+    /// Run beside the kubelet whose root dir this is, as the driver's CSI node plugin: serve CSI
+    /// on `<dir>/plugins/loop.stowage.dev/csi.sock`, register it through
+    /// `<dir>/plugins_registry/`, and keep only the attacher; the kubelet stages and publishes.
+    #[arg(long, conflicts_with = "register_node")]
+    pub kubelet_dir: Option<PathBuf>,
     /// Serve the CSI Identity and Node services of the driver on this unix socket, as a kubelet's
     /// node plugin does (e.g. `/var/lib/kubelet/plugins/loop.stowage.dev/csi.sock`).
     #[arg(long, env = "CSI_ENDPOINT")]
@@ -95,8 +101,13 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     }
     let root = canonical_dir(&args.root_dir, "--root-dir")?;
     let image_dir = canonical_dir(&args.image_dir, "--image-dir")?;
-    let csi = args.csi_endpoint.as_deref().map(|e| Endpoint {
-        socket: socket_path(e),
+    let endpoint = match (&args.csi_endpoint, &args.kubelet_dir) {
+        (Some(e), _) => Some(socket_path(e)),
+        (None, Some(k)) => Some(registration::csi_socket(k)),
+        (None, None) => None,
+    };
+    let csi = endpoint.clone().map(|socket| Endpoint {
+        socket,
         images: stowage_loopdriver::ImageStore::new(image_dir.clone()),
         node: Some(NodeSettings {
             node_id: args.node_name.clone(),
@@ -166,28 +177,45 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let (in_use_tx, in_use_rx) = watch::channel(None);
     let (reported_tx, reported_rx) = watch::channel(BTreeSet::new());
     let mut loops = JoinSet::new();
-    loops.spawn(node::run(
-        ctx.clone(),
-        args.register_node,
-        in_use_rx,
-        reported_tx,
-        stop_rx.clone(),
-    ));
     loops.spawn(attacher::run(ctx.clone(), stop_rx.clone()));
-    loops.spawn(volumes::run(
-        ctx.clone(),
-        volumes::NodeLink {
-            in_use: in_use_tx,
-            reported: reported_rx,
-        },
-        stop_rx,
-    ));
+    if args.kubelet_dir.is_none() {
+        // Without a kubelet the agent is the node's volume manager and reports volumesInUse.
+        loops.spawn(node::run(
+            ctx.clone(),
+            args.register_node,
+            in_use_rx,
+            reported_tx,
+            stop_rx.clone(),
+        ));
+        loops.spawn(volumes::run(
+            ctx.clone(),
+            volumes::NodeLink {
+                in_use: in_use_tx,
+                reported: reported_rx,
+            },
+            stop_rx,
+        ));
+    }
     let mut csi_task = JoinSet::new();
     if let Some(endpoint) = csi {
         let mut stop = stop_tx.subscribe();
         csi_task.spawn(csi_server::serve(endpoint, async move {
             let _ = stop.wait_for(|s| *s).await;
         }));
+    }
+    if let (Some(kubelet_dir), Some(csi_endpoint)) = (&args.kubelet_dir, endpoint) {
+        let mut stop = stop_tx.subscribe();
+        let registrar = registration::Registrar {
+            csi_endpoint,
+            registered: Default::default(),
+        };
+        csi_task.spawn(registration::serve(
+            registration::registration_socket(kubelet_dir),
+            registrar,
+            async move {
+                let _ = stop.wait_for(|s| *s).await;
+            },
+        ));
     }
     health.ready.store(true, Ordering::Relaxed);
     tracing::info!(node = %args.node_name, root = %root.display(), "agent started");

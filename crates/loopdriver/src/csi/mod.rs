@@ -9,6 +9,7 @@ pub mod caps;
 pub mod controller;
 pub mod identity;
 pub mod node;
+pub mod registration;
 pub mod server;
 
 use std::collections::HashSet;

@@ -40,7 +40,7 @@ pub fn socket_path(endpoint: &str) -> PathBuf {
     PathBuf::from(endpoint.strip_prefix("unix://").unwrap_or(endpoint))
 }
 
-fn bind(socket: &Path) -> std::io::Result<UnixListener> {
+pub(crate) fn bind(socket: &Path) -> std::io::Result<UnixListener> {
     if let Some(dir) = socket.parent() {
         std::fs::create_dir_all(dir)?;
     }
