@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Builds the upstream control plane (etcd, kube-apiserver, kube-controller-manager, kubectl) from
+# Builds the upstream control plane (etcd, kube-apiserver, kube-controller-manager, kube-scheduler,
+# kubelet for the real-node cluster, kubectl) from
 # the Go modules pinned in e2e/go.mod, into a cache keyed by the hash of the module files, and
 # links e2e/bin to it. A warm cache makes this a no-op; a change to go.mod/go.sum rebuilds.
 set -euo pipefail
@@ -9,7 +10,7 @@ cd "$here"
 key=$(cat go.mod go.sum cmd/etcd/main.go scripts/build-controlplane.sh | sha256sum | cut -c1-16)
 cache_root=${STOWAGE_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/stowage}
 out="$cache_root/controlplane/$key"
-bins=(etcd kube-apiserver kube-controller-manager kubectl)
+bins=(etcd kube-apiserver kube-controller-manager kube-scheduler kubelet kubectl)
 
 complete=1
 for b in "${bins[@]}"; do [ -x "$out/$b" ] || complete=0; done
@@ -25,7 +26,7 @@ else
   ldflags="-s -w -X $vpkg.gitVersion=$version -X $vpkg.gitMajor=1 -X $vpkg.gitMinor=$minor -X $vpkg.gitTreeState=clean"
   export CGO_ENABLED=0
   go build -trimpath -ldflags "-s -w" -o "$tmp/etcd" ./cmd/etcd
-  for b in kube-apiserver kube-controller-manager kubectl; do
+  for b in kube-apiserver kube-controller-manager kube-scheduler kubelet kubectl; do
     echo "controlplane: go build $b"
     go build -trimpath -ldflags "$ldflags" -o "$tmp/$b" "k8s.io/kubernetes/cmd/$b"
   done

@@ -21,7 +21,7 @@ pub fn bin_dir() -> PathBuf {
         .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../e2e/bin"))
 }
 
-fn binary(name: &str) -> anyhow::Result<PathBuf> {
+pub(crate) fn binary(name: &str) -> anyhow::Result<PathBuf> {
     let p = bin_dir().join(name);
     if !p.is_file() {
         bail!("{} not found: run `make controlplane` first", p.display());
@@ -79,7 +79,11 @@ impl ControlPlane {
         write_pki(&dir)?;
         std::fs::write(
             dir.join("tokens.csv"),
-            format!("{ADMIN_TOKEN},admin,admin-uid,system:masters\n"),
+            format!(
+                "{ADMIN_TOKEN},admin,admin-uid,system:masters\n{},system:node:{},node-uid,system:nodes\n",
+                crate::realnode::NODE_TOKEN,
+                crate::realnode::NODE_NAME
+            ),
         )?;
         let d = |f: &str| dir.join(f).display().to_string();
         let apiserver_cmd = vec![
@@ -186,6 +190,10 @@ impl ControlPlane {
         self.dir.join("kubeconfig")
     }
 
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
     pub fn url(&self) -> String {
         format!("https://127.0.0.1:{}", self.port)
     }
@@ -223,7 +231,7 @@ async fn client_for(kubeconfig: &Path) -> anyhow::Result<Client> {
     stowage_common::client::build(config, 0.0, 0)
 }
 
-fn log_file(dir: &Path, name: &str) -> anyhow::Result<std::fs::File> {
+pub(crate) fn log_file(dir: &Path, name: &str) -> anyhow::Result<std::fs::File> {
     std::fs::File::create(dir.join(name)).with_context(|| format!("create {name}"))
 }
 

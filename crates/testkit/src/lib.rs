@@ -7,6 +7,7 @@ pub mod controlplane;
 pub mod host;
 pub mod inproc;
 pub mod process;
+pub mod realnode;
 pub mod scrape;
 pub mod wait;
 

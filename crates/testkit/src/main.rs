@@ -11,6 +11,13 @@ struct Args {
     /// Directory for data, logs and the kubeconfig (emptied first).
     #[arg(long)]
     dir: PathBuf,
+    /// Also run a real node: kube-controller-manager (storage controllers off), kube-scheduler,
+    /// containerd and a kubelet, with these OCI archives imported.
+    #[arg(long)]
+    real_node: bool,
+    /// OCI image archives to import into the real node's containerd.
+    #[arg(long = "image")]
+    images: Vec<PathBuf>,
 }
 
 fn main() {
@@ -27,11 +34,32 @@ fn main() {
         cp.url(),
         cp.kubeconfig().display()
     );
+    let node = if args.real_node {
+        match stowage_testkit::realnode::RealNode::start(&cp, &args.images) {
+            Ok(n) => {
+                println!(
+                    "node {} ready (kubelet root {}, node IP {})",
+                    stowage_testkit::realnode::NODE_NAME,
+                    n.kubelet_dir.display(),
+                    n.node_ip
+                );
+                Some(n)
+            }
+            Err(e) => {
+                eprintln!("stowage-devcluster: real node: {e:#}");
+                cp.stop();
+                std::process::exit(1);
+            }
+        }
+    } else {
+        None
+    };
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .expect("tokio runtime");
     rt.block_on(stowage_common::shutdown::signalled());
+    drop(node);
     cp.stop();
     let _ = std::fs::remove_dir_all(cp.dir().join("etcd"));
 }

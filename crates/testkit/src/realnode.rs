@@ -1,0 +1,459 @@
+//! A real single-node cluster on this machine: the test control plane plus kube-controller-manager
+//! (its storage controllers off: stowage runs them), kube-scheduler, containerd + runc with a
+//! bridge CNI, and a kubelet, all built or installed by `make deps controlplane`. Pods are real
+//! containers; the kubelet drives CSI drivers through their node plugins.
+//!
+//! What it takes on these machines (cgroup v1, no CAP_SYS_RESOURCE, `/` a private mount, no
+//! registry) is in docs/development.md. Dropping the value stops everything it started (by PID)
+//! and removes what they leave: containers, mounts, network namespaces, the bridge, cgroups,
+//! sockets outside its directory, and the sysctls the kubelet changed.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use base64::Engine;
+
+use crate::ControlPlane;
+use crate::controlplane::{binary, log_file};
+use crate::process::{free_port, spawn_tied, stop};
+
+/// The node's name, and its bearer token (`system:node:realnode` in `system:nodes`, so the Node
+/// authorizer admits the kubelet); every test control plane accepts it.
+pub const NODE_NAME: &str = "realnode";
+pub const NODE_TOKEN: &str = "stowage-node-token";
+/// KCM without the controllers stowage replaces.
+pub const KCM_CONTROLLERS: &str = "*,-persistentvolume-binder-controller,-persistentvolume-attach-detach-controller,\
+-persistentvolume-expander-controller,-persistentvolume-protection-controller,-pvc-protection-controller";
+/// The image of test pods and of the pod sandbox (`e2e/scripts/node-images.sh`).
+pub const BUSYBOX_IMAGE: &str = "localhost/busybox:stowage";
+pub const PAUSE_IMAGE: &str = "localhost/pause:stowage";
+const BRIDGE: &str = "stowbr0";
+const POD_SUBNET: &str = "10.244.0.0/24";
+/// Sysctls the kubelet sets; put back on clean-up.
+const SYSCTLS: &[&str] = &[
+    "vm/overcommit_memory",
+    "kernel/panic",
+    "kernel/panic_on_oops",
+    "net/ipv4/ip_forward",
+];
+
+pub struct RealNode {
+    dir: PathBuf,
+    pub kubelet_dir: PathBuf,
+    kubeconfig: PathBuf,
+    containerd_sock: PathBuf,
+    kubelet_cmd: Vec<String>,
+    /// (name, process), stopped in reverse order.
+    children: Mutex<Vec<(String, Child)>>,
+    saved_sysctls: Vec<(String, String)>,
+    /// The node's non-loopback address (the kubelet refuses a loopback node IP).
+    pub node_ip: String,
+}
+
+fn run(cmd: &mut Command) -> anyhow::Result<String> {
+    let out = cmd.output().with_context(|| format!("run {cmd:?}"))?;
+    if !out.status.success() {
+        bail!(
+            "{cmd:?} failed: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// The first global IPv4 address of this machine.
+fn node_ip() -> anyhow::Result<String> {
+    let out = run(Command::new("ip").args(["-4", "-o", "addr", "show", "scope", "global"]))?;
+    out.lines()
+        .filter(|l| !l.contains(BRIDGE))
+        .find_map(|l| {
+            let mut w = l.split_whitespace();
+            w.find(|t| *t == "inet")?;
+            w.next()?.split('/').next().map(String::from)
+        })
+        .context("no global IPv4 address: the kubelet needs a non-loopback node IP")
+}
+
+impl RealNode {
+    /// Starts the node against `cp` and imports the OCI archives `images` into containerd.
+    pub fn start(cp: &ControlPlane, images: &[PathBuf]) -> anyhow::Result<Self> {
+        for tool in ["containerd", "runc", "ctr", "ip"] {
+            if which(tool).is_none() {
+                bail!("{tool} is not installed: run `make deps`");
+            }
+        }
+        if !Path::new("/usr/lib/cni/bridge").exists() {
+            bail!("/usr/lib/cni/bridge is missing: run `make deps`");
+        }
+        let dir = cp.dir().join("realnode");
+        std::fs::create_dir_all(&dir)?;
+        let dir = std::fs::canonicalize(&dir)?;
+        let saved_sysctls = SYSCTLS
+            .iter()
+            .filter_map(|s| {
+                let v = std::fs::read_to_string(format!("/proc/sys/{s}")).ok()?;
+                Some((s.to_string(), v.trim().to_string()))
+            })
+            .collect();
+        let mut node = Self {
+            kubelet_dir: dir.join("kubelet"),
+            kubeconfig: dir.join("kubelet.kubeconfig"),
+            containerd_sock: dir.join("containerd/containerd.sock"),
+            dir,
+            kubelet_cmd: vec![],
+            children: Mutex::new(vec![]),
+            saved_sysctls,
+            node_ip: node_ip()?,
+        };
+        node.start_containerd()?;
+        for image in images {
+            node.import(image)?;
+        }
+        node.start_kcm_and_scheduler(cp)?;
+        node.start_kubelet(cp)?;
+        node.wait_ready(cp, Duration::from_secs(120))?;
+        Ok(node)
+    }
+
+    fn spawn(&self, name: &str, mut cmd: Command) -> anyhow::Result<()> {
+        let log = log_file(&self.dir, &format!("{name}.log"))?;
+        cmd.stdin(Stdio::null()).stdout(log.try_clone()?).stderr(log);
+        let child = spawn_tied(cmd).with_context(|| format!("start {name}"))?;
+        self.children
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push((name.to_string(), child));
+        Ok(())
+    }
+
+    fn start_containerd(&self) -> anyhow::Result<()> {
+        let c = self.dir.join("containerd");
+        let cni = self.dir.join("cni");
+        std::fs::create_dir_all(&c)?;
+        std::fs::create_dir_all(&cni)?;
+        // Written before containerd starts: a conflist added later was not picked up.
+        std::fs::write(
+            cni.join("10-stowage.conflist"),
+            format!(
+                r#"{{"cniVersion":"0.4.0","name":"stowage","plugins":[{{"type":"bridge","bridge":"{BRIDGE}","isGateway":true,"ipMasq":true,"ipam":{{"type":"host-local","ranges":[[{{"subnet":"{POD_SUBNET}"}}]],"routes":[{{"dst":"0.0.0.0/0"}}]}}}},{{"type":"portmap","capabilities":{{"portMappings":true}}}}]}}"#
+            ),
+        )?;
+        let d = |p: &str| c.join(p).display().to_string();
+        // restrict_oom_score_adj: root here lacks CAP_SYS_RESOURCE, and the sandbox's -998 would
+        // fail the start of every pod.
+        let config = format!(
+            r#"version = 2
+root = "{root}"
+state = "{state}"
+[grpc]
+  address = "{sock}"
+[ttrpc]
+  address = "{sock}.ttrpc"
+[plugins."io.containerd.internal.v1.opt"]
+  path = "{opt}"
+[plugins."io.containerd.grpc.v1.cri"]
+  sandbox_image = "{PAUSE_IMAGE}"
+  restrict_oom_score_adj = true
+  [plugins."io.containerd.grpc.v1.cri".containerd]
+    snapshotter = "overlayfs"
+    default_runtime_name = "runc"
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
+        SystemdCgroup = false
+  [plugins."io.containerd.grpc.v1.cri".cni]
+    bin_dir = "/usr/lib/cni"
+    conf_dir = "{cni}"
+"#,
+            root = d("root"),
+            state = d("state"),
+            sock = self.containerd_sock.display(),
+            opt = d("opt"),
+            cni = cni.display(),
+        );
+        std::fs::write(c.join("config.toml"), config)?;
+        let mut cmd = Command::new("containerd");
+        cmd.arg("--config").arg(c.join("config.toml"));
+        self.spawn("containerd", cmd)?;
+        wait_for(Duration::from_secs(30), "containerd socket", || {
+            self.containerd_sock.exists()
+        })?;
+        Ok(())
+    }
+
+    /// Imports an OCI archive into containerd's `k8s.io` namespace (the kubelet's).
+    pub fn import(&self, archive: &Path) -> anyhow::Result<()> {
+        run(Command::new("ctr")
+            .arg("-a")
+            .arg(&self.containerd_sock)
+            .args(["-n", "k8s.io", "images", "import", "--no-unpack"])
+            .arg(archive))?;
+        Ok(())
+    }
+
+    fn start_kcm_and_scheduler(&self, cp: &ControlPlane) -> anyhow::Result<()> {
+        let kc = cp.kubeconfig().display().to_string();
+        let mut kcm = Command::new(binary("kube-controller-manager")?);
+        kcm.arg(format!("--kubeconfig={kc}"))
+            .arg(format!("--controllers={KCM_CONTROLLERS}"))
+            .arg(format!("--root-ca-file={}", cp.dir().join("ca.crt").display()))
+            .arg(format!(
+                "--service-account-private-key-file={}",
+                cp.dir().join("sa.key").display()
+            ))
+            .args(["--leader-elect=false", "--bind-address=127.0.0.1"])
+            .arg(format!("--secure-port={}", free_port()))
+            .arg(format!("--cert-dir={}", self.dir.join("kcm-certs").display()));
+        self.spawn("kube-controller-manager", kcm)?;
+        let mut sched = Command::new(binary("kube-scheduler")?);
+        sched
+            .arg(format!("--kubeconfig={kc}"))
+            .args(["--leader-elect=false", "--bind-address=127.0.0.1"])
+            .arg(format!("--secure-port={}", free_port()))
+            .arg(format!(
+                "--cert-dir={}",
+                self.dir.join("scheduler-certs").display()
+            ));
+        self.spawn("kube-scheduler", sched)
+    }
+
+    fn start_kubelet(&mut self, cp: &ControlPlane) -> anyhow::Result<()> {
+        std::fs::create_dir_all(&self.kubelet_dir)?;
+        // Mount propagation (Bidirectional for CSI node plugins) needs a shared mount; `/` is a
+        // private one here.
+        let kd = self.kubelet_dir.display().to_string();
+        run(Command::new("mount").args(["--bind", &kd, &kd]))?;
+        run(Command::new("mount").args(["--make-rshared", &kd]))?;
+        let ca = std::fs::read(cp.dir().join("ca.crt"))?;
+        let ca_b64 = base64::engine::general_purpose::STANDARD.encode(ca);
+        std::fs::write(
+            &self.kubeconfig,
+            format!(
+                "apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster:\n    server: {url}\n    certificate-authority-data: {ca_b64}\nusers:\n- name: node\n  user:\n    token: {NODE_TOKEN}\ncontexts:\n- name: c\n  context:\n    cluster: c\n    user: node\ncurrent-context: c\n",
+                url = cp.url()
+            ),
+        )?;
+        let config = self.dir.join("kubelet.yaml");
+        std::fs::write(
+            &config,
+            format!(
+                "apiVersion: kubelet.config.k8s.io/v1beta1
+kind: KubeletConfiguration
+failCgroupV1: false
+cgroupDriver: cgroupfs
+cgroupsPerQOS: true
+enforceNodeAllocatable: [pods]
+failSwapOn: false
+readOnlyPort: 0
+port: {port}
+healthzPort: 0
+healthzBindAddress: 127.0.0.1
+containerRuntimeEndpoint: unix://{sock}
+podLogsDir: {logs}
+authentication:
+  anonymous:
+    enabled: true
+  webhook:
+    enabled: false
+authorization:
+  mode: AlwaysAllow
+syncFrequency: 10s
+fileCheckFrequency: 10s
+evictionHard:
+  memory.available: 1Mi
+  nodefs.available: 1%
+  imagefs.available: 1%
+",
+                port = free_port(),
+                sock = self.containerd_sock.display(),
+                logs = self.dir.join("pod-logs").display(),
+            ),
+        )?;
+        self.kubelet_cmd = vec![
+            binary("kubelet")?.display().to_string(),
+            format!("--config={}", config.display()),
+            format!("--kubeconfig={}", self.kubeconfig.display()),
+            format!("--root-dir={kd}"),
+            format!("--cert-dir={}", self.dir.join("kubelet-pki").display()),
+            format!("--hostname-override={NODE_NAME}"),
+            format!("--node-ip={}", self.node_ip),
+            "--v=1".into(),
+        ];
+        self.spawn_kubelet()
+    }
+
+    fn spawn_kubelet(&self) -> anyhow::Result<()> {
+        let mut cmd = Command::new(&self.kubelet_cmd[0]);
+        cmd.args(&self.kubelet_cmd[1..]);
+        self.spawn("kubelet", cmd)
+    }
+
+    /// Stops the kubelet and starts it again (its pods keep running, as on a real node).
+    pub fn restart_kubelet(&self) -> anyhow::Result<()> {
+        {
+            let mut children = self.children.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(i) = children.iter().position(|(n, _)| n == "kubelet") {
+                let (_, mut c) = children.remove(i);
+                stop(&mut c, Duration::from_secs(20));
+            }
+        }
+        self.spawn_kubelet()
+    }
+
+    fn wait_ready(&self, cp: &ControlPlane, limit: Duration) -> anyhow::Result<()> {
+        let kubectl = binary("kubectl")?;
+        wait_for(limit, "node Ready", || {
+            Command::new(&kubectl)
+                .arg(format!("--kubeconfig={}", cp.kubeconfig().display()))
+                .args([
+                    "get",
+                    "node",
+                    NODE_NAME,
+                    "-o",
+                    "jsonpath={.status.conditions[?(@.type==\"Ready\")].status}",
+                ])
+                .output()
+                .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "True")
+        })
+        .with_context(|| format!("kubelet log tail:\n{}", self.log_tail("kubelet")))
+    }
+
+    pub fn log_tail(&self, name: &str) -> String {
+        let log = std::fs::read_to_string(self.dir.join(format!("{name}.log"))).unwrap_or_default();
+        let lines: Vec<&str> = log.lines().collect();
+        lines[lines.len().saturating_sub(30)..].join("\n")
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Stops everything and removes what the node left on the machine; idempotent.
+    pub fn stop(&self) {
+        let mut children = std::mem::take(&mut *self.children.lock().unwrap_or_else(|p| p.into_inner()));
+        // The kubelet first, so it restarts nothing while containers go.
+        if let Some(i) = children.iter().position(|(n, _)| n == "kubelet") {
+            let (_, mut c) = children.remove(i);
+            stop(&mut c, Duration::from_secs(20));
+        }
+        // Containers: every process in a kubepods cgroup, then the shims of our containerd.
+        let sock = self.containerd_sock.display().to_string();
+        kill_matching(|pid| {
+            std::fs::read_to_string(format!("/proc/{pid}/cgroup")).is_ok_and(|c| c.contains("/kubepods"))
+        });
+        kill_matching(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| {
+                let c = String::from_utf8_lossy(&c);
+                c.contains("containerd-shim") && c.contains(&sock)
+            })
+        });
+        while let Some((_, mut c)) = children.pop() {
+            stop(&mut c, Duration::from_secs(10));
+        }
+        for m in crate::host::mounts_under(&self.dir) {
+            let _ = Command::new("umount").arg("-l").arg(&m).status();
+        }
+        // Pod network namespaces the CNI plugins made, and the bridge.
+        if let Ok(out) = run(Command::new("ip").args(["netns", "list"])) {
+            for ns in out.lines().filter_map(|l| l.split_whitespace().next()) {
+                if ns.starts_with("cni-") {
+                    let _ = Command::new("ip").args(["netns", "delete", ns]).status();
+                }
+            }
+        }
+        let _ = Command::new("ip")
+            .args(["link", "delete", BRIDGE])
+            .stderr(Stdio::null())
+            .status();
+        remove_cgroups();
+        for (k, v) in &self.saved_sysctls {
+            let _ = std::fs::write(format!("/proc/sys/{k}"), v);
+        }
+        // Paths the kubelet and containerd hard-code outside their own dirs.
+        let _ = std::fs::remove_file("/var/lib/kubelet/device-plugins/kubelet.sock");
+        let _ = std::fs::remove_dir_all(self.dir.join("containerd"));
+        let _ = std::fs::remove_dir_all(&self.kubelet_dir);
+    }
+}
+
+impl Drop for RealNode {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn which(tool: &str) -> Option<PathBuf> {
+    std::env::var_os("PATH")?
+        .to_str()?
+        .split(':')
+        .map(|d| Path::new(d).join(tool))
+        .find(|p| p.is_file())
+}
+
+fn wait_for(limit: Duration, what: &str, mut ok: impl FnMut() -> bool) -> anyhow::Result<()> {
+    let deadline = Instant::now() + limit;
+    while Instant::now() < deadline {
+        if ok() {
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    bail!("{what}: not within {limit:?}")
+}
+
+fn kill_matching(matches: impl Fn(i32) -> bool) {
+    let own = std::process::id() as i32;
+    let Ok(rd) = std::fs::read_dir("/proc") else {
+        return;
+    };
+    for e in rd.flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
+            continue;
+        };
+        if pid != own && matches(pid) {
+            // SAFETY: a plain kill syscall.
+            unsafe {
+                libc::kill(pid, libc::SIGKILL);
+            }
+        }
+    }
+    std::thread::sleep(Duration::from_millis(300));
+}
+
+/// Removes the cgroups the kubelet and containerd made (`kubepods`, `k8s.io`) in every v1
+/// hierarchy (and the v2 root), deepest first.
+fn remove_cgroups() {
+    let Ok(rd) = std::fs::read_dir("/sys/fs/cgroup") else {
+        return;
+    };
+    let mut roots: Vec<PathBuf> = rd.flatten().map(|e| e.path()).collect();
+    roots.push(PathBuf::from("/sys/fs/cgroup"));
+    for root in roots {
+        for name in ["kubepods", "k8s.io"] {
+            let top = root.join(name);
+            if top.is_dir() {
+                let mut dirs = vec![];
+                collect_dirs(&top, &mut dirs);
+                dirs.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
+                for d in dirs {
+                    let _ = std::fs::remove_dir(&d);
+                }
+            }
+        }
+    }
+}
+
+fn collect_dirs(dir: &Path, out: &mut Vec<PathBuf>) {
+    out.push(dir.to_path_buf());
+    if let Ok(rd) = std::fs::read_dir(dir) {
+        for e in rd.flatten() {
+            if e.file_type().is_ok_and(|t| t.is_dir()) {
+                collect_dirs(&e.path(), out);
+            }
+        }
+    }
+}
