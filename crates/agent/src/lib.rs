@@ -211,6 +211,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         };
         csi_task.spawn(registration::serve(
             registration::registration_socket(kubelet_dir),
+            root.join("csi").join("registration.sock"),
             registrar,
             async move {
                 let _ = stop.wait_for(|s| *s).await;

@@ -5,6 +5,7 @@
 //! volume is running), and only then touches the image, the device or the mount table. Every
 //! method is idempotent: a repeat of a call that succeeded succeeds again and changes nothing.
 
+pub mod authority;
 pub mod caps;
 pub mod controller;
 pub mod identity;

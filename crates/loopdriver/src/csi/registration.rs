@@ -74,19 +74,40 @@ pub fn csi_socket(kubelet_dir: &Path) -> PathBuf {
     kubelet_dir.join("plugins").join(crate::DRIVER).join("csi.sock")
 }
 
-/// Serves the registration socket until `shutdown`, then removes it (deregistering).
+/// Serves the registration socket until `shutdown`, then removes it (deregistering). tonic
+/// serves on `inner`, outside the kubelet's watched dir (the kubelet would try every socket
+/// there); the kubelet's connections reach it through the relay that drops the socket path the
+/// kubelet sends as `:authority` (see `authority.rs`).
 pub async fn serve(
     socket: PathBuf,
+    inner: PathBuf,
     registrar: Registrar,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), ServeError> {
+    let inner_listener = bind(&inner).map_err(|e| ServeError::Bind(inner.clone(), e))?;
     let listener = bind(&socket).map_err(|e| ServeError::Bind(socket.clone(), e))?;
     tracing::info!(socket = %socket.display(), endpoint = %registrar.csi_endpoint.display(), "serving kubelet plugin registration");
+    let relay_to = inner.clone();
+    let relays = tokio::spawn(async move {
+        loop {
+            let Ok((client, _)) = listener.accept().await else {
+                continue;
+            };
+            let to = relay_to.clone();
+            tokio::spawn(async move {
+                if let Err(e) = super::authority::relay(client, &to).await {
+                    tracing::warn!(error = %e, "registration connection failed");
+                }
+            });
+        }
+    });
     let served = tonic::transport::Server::builder()
         .add_service(RegistrationServer::new(registrar))
-        .serve_with_incoming_shutdown(UnixListenerStream::new(listener), shutdown)
+        .serve_with_incoming_shutdown(UnixListenerStream::new(inner_listener), shutdown)
         .await;
+    relays.abort();
     let _ = std::fs::remove_file(&socket);
+    let _ = std::fs::remove_file(&inner);
     served.map_err(ServeError::Serve)
 }
 
