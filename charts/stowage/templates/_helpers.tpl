@@ -89,3 +89,39 @@ prometheus.io/port: {{ .port | quote }}
 prometheus.io/path: /metrics
 {{- end }}
 {{- end }}
+
+{{/* agent.mode, checked: csi (beside a kubelet) or standalone (no kubelet). */}}
+{{- define "stowage.agent.mode" -}}
+{{- $a := .Values.agent }}
+{{- if not (has $a.mode (list "csi" "standalone")) }}
+{{- fail (printf "agent.mode must be csi (beside a kubelet) or standalone (nodes without a kubelet), not %q" (toString $a.mode)) }}
+{{- end }}
+{{- if and (eq $a.mode "csi") $a.registerNode }}
+{{- fail "agent.registerNode is for nodes without a kubelet: it needs agent.mode=standalone (in csi mode the kubelet keeps the Node)" }}
+{{- end }}
+{{- $a.mode }}
+{{- end }}
+
+{{/* Pod-level host networking of a workload: call with its values (controller or agent). */}}
+{{- define "stowage.hostNetwork" -}}
+{{- if .hostNetwork }}
+hostNetwork: true
+# Cluster DNS names still resolve from the host's network namespace.
+dnsPolicy: ClusterFirstWithHostNet
+{{- end }}
+{{- end }}
+
+{{/* KUBERNETES_SERVICE_HOST/PORT from apiServer, for both containers' in-cluster config. */}}
+{{- define "stowage.apiServerEnv" -}}
+{{- $s := .Values.apiServer }}
+{{- if or $s.host $s.port }}
+{{- if not (and $s.host $s.port) }}
+{{- fail "apiServer.host and apiServer.port go together: set both, or neither for the in-cluster default" }}
+{{- end }}
+# In-cluster config reads these; they replace the kubernetes Service's address.
+- name: KUBERNETES_SERVICE_HOST
+  value: {{ $s.host | toString | quote }}
+- name: KUBERNETES_SERVICE_PORT
+  value: {{ $s.port | toString | quote }}
+{{- end }}
+{{- end }}

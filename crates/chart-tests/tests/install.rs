@@ -26,13 +26,15 @@ const INSTALL_VALUES: &str = r#"
 storageClass: {create: true, reclaimPolicy: Retain, volumeBindingMode: Immediate}
 "#;
 
-/// Changed on upgrade: more replicas, another QPS, --register-node (and its extra rights), scrape
-/// annotations, ServiceMonitors, the class made the default.
+/// Changed on upgrade: more replicas, another QPS, the standalone agent with --register-node
+/// (and its extra rights), host networking and an explicit apiserver address for both pods,
+/// scrape annotations, ServiceMonitors, the class made the default.
 const UPGRADE_VALUES: &str = r#"
 storageClass: {create: true, default: true, reclaimPolicy: Retain, volumeBindingMode: Immediate}
-controller: {replicas: 3, extraArgs: ["--binder-max-in-flight=32"]}
+controller: {replicas: 3, hostNetwork: true, extraArgs: ["--binder-max-in-flight=32"]}
 kubeApi: {qps: 20}
-agent: {registerNode: true}
+agent: {mode: standalone, registerNode: true, hostNetwork: true}
+apiServer: {host: 192.0.2.10, port: 6443}
 metrics: {podAnnotations: true, serviceMonitor: {enabled: true}}
 "#;
 
@@ -111,6 +113,47 @@ fn only_container(spec: Option<&PodSpec>) -> &Container {
 
 fn args(c: &Container) -> Vec<String> {
     c.args.clone().unwrap_or_default()
+}
+
+/// The propagation of `c`'s mount at `path` (`Some(None)`: mounted without one).
+fn propagation(c: &Container, path: &str) -> Option<Option<String>> {
+    c.volume_mounts
+        .iter()
+        .flatten()
+        .find(|m| m.mount_path == path)
+        .map(|m| m.mount_propagation.clone())
+}
+
+/// The value of `c`'s plain environment variable `name`.
+fn env_value(c: &Container, name: &str) -> Option<String> {
+    c.env
+        .iter()
+        .flatten()
+        .find(|e| e.name == name)
+        .and_then(|e| e.value.clone())
+}
+
+/// Both ways a pod reaches the apiserver after the upgrade: the host's network with cluster DNS,
+/// and the explicit address.
+fn assert_host_network_and_apiserver(what: &str, spec: Option<&PodSpec>) {
+    let pod = spec.expect("pod template spec");
+    assert_eq!(pod.host_network, Some(true), "{what}");
+    assert_eq!(
+        pod.dns_policy.as_deref(),
+        Some("ClusterFirstWithHostNet"),
+        "{what}"
+    );
+    let c = only_container(spec);
+    assert_eq!(
+        env_value(c, "KUBERNETES_SERVICE_HOST").as_deref(),
+        Some("192.0.2.10"),
+        "{what}"
+    );
+    assert_eq!(
+        env_value(c, "KUBERNETES_SERVICE_PORT").as_deref(),
+        Some("6443"),
+        "{what}"
+    );
 }
 
 /// Runs `(question, expected)` through `kubectl auth can-i` as `sa` and reports every mismatch.
@@ -210,13 +253,25 @@ async fn helm_install_upgrade_uninstall_on_a_real_apiserver() {
     let pod = ds.spec.as_ref().unwrap().template.spec.as_ref();
     let c = only_container(pod);
     assert_eq!(c.security_context.as_ref().and_then(|s| s.privileged), Some(true));
-    let mounts = c.volume_mounts.clone().unwrap_or_default();
-    let root = mounts
+    // The default csi mode: the kubelet's dir carries the mounts back to the host; the agent's
+    // root dir only holds stage records.
+    assert_eq!(
+        propagation(c, "/var/lib/kubelet"),
+        Some(Some("Bidirectional".into())),
+        "kubelet dir mount"
+    );
+    assert_eq!(propagation(c, "/var/lib/stowage"), Some(None), "root dir mount");
+    assert!(propagation(c, "/dev").is_some(), "/dev mount");
+    let volumes = pod.and_then(|p| p.volumes.clone()).unwrap_or_default();
+    let kubelet_dir = volumes
         .iter()
-        .find(|m| m.mount_path == "/var/lib/stowage")
-        .expect("root dir mount");
-    assert_eq!(root.mount_propagation.as_deref(), Some("Bidirectional"));
-    assert!(mounts.iter().any(|m| m.mount_path == "/dev"));
+        .find(|v| v.name == "kubelet-dir")
+        .and_then(|v| v.host_path.clone())
+        .expect("kubelet dir hostPath volume");
+    assert_eq!(kubelet_dir.path, "/var/lib/kubelet");
+    assert_eq!(kubelet_dir.type_.as_deref(), Some("Directory"));
+    assert_eq!(pod.unwrap().host_network, None);
+    assert_eq!(env_value(c, "KUBERNETES_SERVICE_HOST"), None);
     let node_name = c
         .env
         .iter()
@@ -228,6 +283,7 @@ async fn helm_install_upgrade_uninstall_on_a_real_apiserver() {
     assert_eq!(node_name.as_deref(), Some("spec.nodeName"));
     let a = args(c);
     assert!(a.contains(&"--node-name=$(NODE_NAME)".to_string()), "{a:?}");
+    assert!(a.contains(&"--kubelet-dir=/var/lib/kubelet".to_string()), "{a:?}");
     assert!(!a.contains(&"--register-node".to_string()), "{a:?}");
 
     let driver = Api::<CSIDriver>::all(client.clone())
@@ -236,6 +292,13 @@ async fn helm_install_upgrade_uninstall_on_a_real_apiserver() {
         .unwrap();
     assert_eq!(driver.spec.attach_required, Some(true));
     assert_eq!(driver.spec.pod_info_on_mount, Some(false));
+    assert_eq!(driver.spec.fs_group_policy.as_deref(), Some("File"));
+    assert_eq!(
+        driver.spec.volume_lifecycle_modes,
+        Some(vec!["Persistent".to_string()])
+    );
+    assert_eq!(driver.spec.requires_republish, Some(false));
+    assert_eq!(driver.spec.storage_capacity, Some(false));
 
     let class = Api::<StorageClass>::all(client.clone())
         .get("loop")
@@ -354,12 +417,24 @@ async fn helm_install_upgrade_uninstall_on_a_real_apiserver() {
             .map(String::as_str),
         Some("8080")
     );
+    assert_host_network_and_apiserver("controller", spec.template.spec.as_ref());
     let ds = Api::<DaemonSet>::namespaced(client.clone(), &ns)
         .get(AGENT)
         .await
         .unwrap();
-    let a = args(only_container(ds.spec.as_ref().unwrap().template.spec.as_ref()));
+    let pod = ds.spec.as_ref().unwrap().template.spec.as_ref();
+    assert_host_network_and_apiserver("agent", pod);
+    let c = only_container(pod);
+    let a = args(c);
     assert!(a.contains(&"--register-node".to_string()), "{a:?}");
+    // Standalone: no kubelet; the agent's own mounts under its root dir reach the host.
+    assert!(!a.iter().any(|a| a.starts_with("--kubelet-dir")), "{a:?}");
+    assert_eq!(propagation(c, "/var/lib/kubelet"), None, "no kubelet dir mount");
+    assert_eq!(
+        propagation(c, "/var/lib/stowage"),
+        Some(Some("Bidirectional".into())),
+        "root dir mount"
+    );
     let class = Api::<StorageClass>::all(client.clone())
         .get("loop")
         .await

@@ -4,14 +4,54 @@
 use stowage_chart_tests::{Helm, chart_dir, document, kinds_and_names};
 
 /// Every optional feature switched on (the install test turns most of these on in its upgrade).
+/// `registerNode` needs the kubelet-less mode, so this is the standalone agent; the default csi
+/// agent is checked with the same host network and apiserver values in its own test.
 const ALL_ON: &str = r#"
 storageClass: {create: true, default: true, reclaimPolicy: Retain, volumeBindingMode: Immediate, parameters: {extra: "1"}}
 metrics: {podAnnotations: true, serviceMonitor: {enabled: true, scrapeTimeout: 10s, labels: {release: prom}}}
-agent: {registerNode: true, extraArgs: ["--metrics-bind-address=0.0.0.0:9091"], podAnnotations: {team: storage}}
-controller: {extraArgs: ["--binder-max-in-flight=32"], controllers: ["*", "-expand"], nodeSelector: {role: infra}, tolerations: [{operator: Exists}]}
+agent: {mode: standalone, registerNode: true, hostNetwork: true, extraArgs: ["--metrics-bind-address=0.0.0.0:9091"], podAnnotations: {team: storage}}
+controller: {hostNetwork: true, extraArgs: ["--binder-max-in-flight=32"], controllers: ["*", "-expand"], nodeSelector: {role: infra}, tolerations: [{operator: Exists}]}
+apiServer: {host: 192.0.2.10, port: 6443}
 kubeApi: {qps: 20, burst: 40}
 imagePullSecrets: [{name: regcred}]
 "#;
+
+/// The entry named `name` of the first list `section` (e.g. `volumeMounts`, `volumes`) of a
+/// rendered document: its lines after `- name: <name>`, trimmed, without comments. `None` when
+/// the section has no such entry.
+fn list_entry(doc: &str, section: &str, name: &str) -> Option<Vec<String>> {
+    let indent = |l: &str| l.len() - l.trim_start().len();
+    let significant = |l: &&str| !l.trim().is_empty() && !l.trim_start().starts_with('#');
+    let mut lines = doc.lines().skip_while(|l| l.trim() != format!("{section}:"));
+    let section_indent = indent(lines.next()?);
+    let mut lines = lines.filter(significant);
+    while let Some(l) = lines.next() {
+        if indent(l) <= section_indent {
+            return None;
+        }
+        if l.trim() == format!("- name: {name}") {
+            let entry_indent = indent(l);
+            return Some(
+                lines
+                    .take_while(|l| indent(l) > entry_indent)
+                    .map(|l| l.trim().to_string())
+                    .collect(),
+            );
+        }
+    }
+    None
+}
+
+/// Asserts the entry `name` of `section` in `doc` is exactly `want`.
+#[track_caller]
+fn assert_entry(doc: &str, section: &str, name: &str, want: &[&str]) {
+    let got = list_entry(doc, section, name);
+    assert_eq!(
+        got.as_deref(),
+        Some(&want.iter().map(|w| w.to_string()).collect::<Vec<_>>()[..]),
+        "{section} entry {name}:\n{doc}"
+    );
+}
 
 async fn render(helm: &Helm, extra: &[&str]) -> Result<String, String> {
     let chart = chart_dir();
@@ -116,8 +156,6 @@ async fn defaults_render_the_core_objects_only() {
         "agent DaemonSet",
         &[
             "privileged: true",
-            "mountPropagation: Bidirectional",
-            "path: /dev",
             "fieldPath: spec.nodeName",
             "- --node-name=$(NODE_NAME)",
             "- --root-dir=/var/lib/stowage",
@@ -129,13 +167,30 @@ async fn defaults_render_the_core_objects_only() {
             "imagePullPolicy: IfNotPresent",
         ],
     );
+    // The default mode, csi: checked in detail by default_agent_is_the_csi_node_plugin; the
+    // CSIDriver by csi_driver_suits_the_kubelet.
+    assert_has(a, "agent DaemonSet", &["- --kubelet-dir=/var/lib/kubelet"]);
     assert!(!a.contains("--register-node"), "{a}");
-
-    let c = doc(&m, "CSIDriver", "loop.stowage.dev");
-    assert!(
-        c.contains("attachRequired: true") && c.contains("podInfoOnMount: false"),
-        "{c}"
+    // losetup needs the host's loop devices, in both modes.
+    assert_entry(a, "volumeMounts", "dev", &["mountPath: /dev"]);
+    assert_entry(
+        a,
+        "volumes",
+        "dev",
+        &["hostPath:", "path: /dev", "type: Directory"],
     );
+    assert_entry(
+        a,
+        "volumeMounts",
+        "images",
+        &["mountPath: /var/lib/stowage/images"],
+    );
+    // Both pods use the pod network and the in-cluster apiserver address by default.
+    for (what, pod) in [("controller Deployment", d), ("agent DaemonSet", a)] {
+        for unwanted in ["hostNetwork", "dnsPolicy", "KUBERNETES_SERVICE_"] {
+            assert!(!pod.contains(unwanted), "{what} has {unwanted:?}:\n{pod}");
+        }
+    }
     // Without --register-node the agent may not create Nodes.
     let r = doc(&m, "ClusterRole", "st-stowage-agent");
     assert!(
@@ -198,6 +253,238 @@ async fn every_option_on_renders() {
             "- --kube-api-burst=40",
         ],
     );
+    assert!(!a.contains("--kubelet-dir"), "{a}");
+    for (what, pod) in [("controller Deployment", d), ("agent DaemonSet", a)] {
+        assert_host_network_and_apiserver(pod, what, "192.0.2.10", "6443");
+    }
+}
+
+/// `pod` runs in the host's network namespace with cluster DNS, and its container reaches the
+/// apiserver at `host`:`port`.
+#[track_caller]
+fn assert_host_network_and_apiserver(pod: &str, what: &str, host: &str, port: &str) {
+    assert_has(
+        pod,
+        what,
+        &[
+            "\n      hostNetwork: true\n",
+            "\n      dnsPolicy: ClusterFirstWithHostNet\n",
+        ],
+    );
+    assert_entry(
+        pod,
+        "env",
+        "KUBERNETES_SERVICE_HOST",
+        &[&format!("value: \"{host}\"")],
+    );
+    assert_entry(
+        pod,
+        "env",
+        "KUBERNETES_SERVICE_PORT",
+        &[&format!("value: \"{port}\"")],
+    );
+}
+
+#[tokio::test]
+async fn default_agent_is_the_csi_node_plugin() {
+    let helm = Helm::new(None);
+    for m in [
+        render(&helm, &[]).await.unwrap(),
+        render(&helm, &["--set", "agent.mode=csi"]).await.unwrap(),
+    ] {
+        let a = doc(&m, "DaemonSet", "st-stowage-agent");
+        assert_has(
+            a,
+            "agent DaemonSet",
+            &[
+                "- --kubelet-dir=/var/lib/kubelet",
+                "- --root-dir=/var/lib/stowage",
+                "privileged: true",
+            ],
+        );
+        // The kubelet keeps the Node; the agent's own volume manager does not run.
+        assert!(!a.contains("--register-node"), "{a}");
+        // The kubelet's root dir at its own path: the CSI sockets, and the stage and publish
+        // mounts the kubelet asks for, which must reach the host.
+        assert_entry(
+            a,
+            "volumeMounts",
+            "kubelet-dir",
+            &["mountPath: /var/lib/kubelet", "mountPropagation: Bidirectional"],
+        );
+        assert_entry(
+            a,
+            "volumes",
+            "kubelet-dir",
+            &["hostPath:", "path: /var/lib/kubelet", "type: Directory"],
+        );
+        // The agent's root dir only holds CSI stage records: no propagation.
+        assert_entry(a, "volumeMounts", "root-dir", &["mountPath: /var/lib/stowage"]);
+        assert_entry(
+            a,
+            "volumes",
+            "root-dir",
+            &["hostPath:", "path: /var/lib/stowage", "type: DirectoryOrCreate"],
+        );
+        assert_eq!(a.matches("mountPropagation:").count(), 1, "{a}");
+    }
+
+    // Another kubelet root dir moves the flag, the mount and the volume together.
+    let m = render(&helm, &["--set", "agent.kubeletDir=/data/kubelet"])
+        .await
+        .unwrap();
+    let a = doc(&m, "DaemonSet", "st-stowage-agent");
+    assert_has(a, "agent DaemonSet", &["- --kubelet-dir=/data/kubelet"]);
+    assert_entry(
+        a,
+        "volumeMounts",
+        "kubelet-dir",
+        &["mountPath: /data/kubelet", "mountPropagation: Bidirectional"],
+    );
+    assert_entry(
+        a,
+        "volumes",
+        "kubelet-dir",
+        &["hostPath:", "path: /data/kubelet", "type: Directory"],
+    );
+    assert!(!a.contains("/var/lib/kubelet"), "{a}");
+}
+
+#[tokio::test]
+async fn standalone_agent_renders_the_kubelet_less_node() {
+    let helm = Helm::new(None);
+    for (set, register) in [
+        ("agent.mode=standalone", false),
+        ("agent.mode=standalone,agent.registerNode=true", true),
+    ] {
+        let m = render(&helm, &["--set", set]).await.unwrap();
+        let a = doc(&m, "DaemonSet", "st-stowage-agent");
+        assert_has(
+            a,
+            "agent DaemonSet",
+            &[
+                "- --node-name=$(NODE_NAME)",
+                "- --root-dir=/var/lib/stowage",
+                "- --image-dir=/var/lib/stowage/images",
+                "- --metrics-bind-address=0.0.0.0:8081",
+                "- --kube-api-qps=50",
+                "- --kube-api-burst=100",
+                "privileged: true",
+            ],
+        );
+        assert_eq!(a.contains("- --register-node"), register, "{set}:\n{a}");
+        // No kubelet: no --kubelet-dir and no kubelet dir volume.
+        assert!(!a.contains("kubelet-dir"), "{set}:\n{a}");
+        assert!(list_entry(a, "volumes", "kubelet-dir").is_none(), "{a}");
+        // The agent mounts devices and pod volumes under its root dir itself.
+        assert_entry(
+            a,
+            "volumeMounts",
+            "root-dir",
+            &["mountPath: /var/lib/stowage", "mountPropagation: Bidirectional"],
+        );
+        assert_entry(
+            a,
+            "volumes",
+            "root-dir",
+            &["hostPath:", "path: /var/lib/stowage", "type: DirectoryOrCreate"],
+        );
+        assert_entry(a, "volumeMounts", "dev", &["mountPath: /dev"]);
+        assert_eq!(a.matches("mountPropagation:").count(), 1, "{a}");
+
+        // --register-node, and only it, brings the Node and kube-node-lease rights.
+        let r = doc(&m, "ClusterRole", "st-stowage-agent");
+        assert_eq!(r.contains(r#""get", "create", "patch""#), register, "{r}");
+        assert_eq!(
+            document(&m, "Role", "st-stowage-agent-node-lease").is_some(),
+            register,
+            "{set}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn host_network_and_apiserver_reach_both_pods() {
+    let helm = Helm::new(None);
+    let m = render(
+        &helm,
+        &[
+            "--set",
+            "agent.hostNetwork=true,controller.hostNetwork=true",
+            "--set",
+            "apiServer.host=10.20.30.40,apiServer.port=6443",
+        ],
+    )
+    .await
+    .unwrap();
+    let d = doc(&m, "Deployment", "st-stowage-controller");
+    let a = doc(&m, "DaemonSet", "st-stowage-agent");
+    assert_host_network_and_apiserver(d, "controller Deployment", "10.20.30.40", "6443");
+    assert_host_network_and_apiserver(a, "agent DaemonSet", "10.20.30.40", "6443");
+    // The values still sit beside the Downward API variables (csi mode here).
+    assert_has(
+        a,
+        "agent DaemonSet",
+        &["fieldPath: spec.nodeName", "- --kubelet-dir=/var/lib/kubelet"],
+    );
+    assert_has(d, "controller Deployment", &["fieldPath: metadata.name"]);
+
+    // Each workload's switch is its own; the apiserver address is a string either way.
+    let m = render(
+        &helm,
+        &[
+            "--set",
+            "agent.hostNetwork=true",
+            "--set-string",
+            "apiServer.host=apiserver.example,apiServer.port=443",
+        ],
+    )
+    .await
+    .unwrap();
+    let d = doc(&m, "Deployment", "st-stowage-controller");
+    let a = doc(&m, "DaemonSet", "st-stowage-agent");
+    assert!(!d.contains("hostNetwork") && !d.contains("dnsPolicy"), "{d}");
+    assert_has(a, "agent DaemonSet", &["hostNetwork: true"]);
+    for pod in [d, a] {
+        assert_entry(
+            pod,
+            "env",
+            "KUBERNETES_SERVICE_HOST",
+            &[r#"value: "apiserver.example""#],
+        );
+        assert_entry(pod, "env", "KUBERNETES_SERVICE_PORT", &[r#"value: "443""#]);
+    }
+}
+
+#[tokio::test]
+async fn csi_driver_suits_the_kubelet() {
+    let helm = Helm::new(None);
+    for set in ["agent.mode=csi", "agent.mode=standalone"] {
+        let m = render(&helm, &["--set", set]).await.unwrap();
+        let c = doc(&m, "CSIDriver", "loop.stowage.dev");
+        let spec: Vec<&str> = c
+            .lines()
+            .skip_while(|l| *l != "spec:")
+            .skip(1)
+            .map(str::trim)
+            .filter(|l| !l.starts_with('#'))
+            .collect();
+        assert_eq!(
+            spec,
+            [
+                "attachRequired: true",
+                "podInfoOnMount: false",
+                "fsGroupPolicy: File",
+                "volumeLifecycleModes:",
+                "- Persistent",
+                "requiresRepublish: false",
+                "storageCapacity: false",
+            ],
+            "{set}:\n{c}"
+        );
+    }
+    let m = render(&helm, &["--set", "csiDriver.create=false"]).await.unwrap();
+    assert!(document(&m, "CSIDriver", "loop.stowage.dev").is_none());
 }
 
 #[tokio::test]
@@ -224,12 +511,43 @@ async fn bad_values_are_refused_with_a_reason() {
             vec!["--set", "imageStore.fixPermissions.image.repository=busybox"],
             "imageStore.fixPermissions.image.tag is required",
         ),
+        (
+            vec!["--set", "agent.mode=kubeletless"],
+            r#"agent.mode must be csi (beside a kubelet) or standalone (nodes without a kubelet), not "kubeletless""#,
+        ),
+        (
+            vec!["--set", "agent.mode="],
+            "agent.mode must be csi (beside a kubelet) or standalone",
+        ),
+        (
+            // registerNode in the default (csi) mode.
+            vec!["--set", "agent.registerNode=true"],
+            "agent.registerNode is for nodes without a kubelet: it needs agent.mode=standalone",
+        ),
+        (
+            vec!["--set", "agent.mode=csi,agent.registerNode=true"],
+            "agent.registerNode is for nodes without a kubelet: it needs agent.mode=standalone",
+        ),
+        (
+            vec!["--set", "apiServer.host=10.0.0.1"],
+            "apiServer.host and apiServer.port go together",
+        ),
+        (
+            vec!["--set", "apiServer.port=6443"],
+            "apiServer.host and apiServer.port go together",
+        ),
     ];
     for (args, why) in cases {
         let e = render(&helm, &args).await.unwrap_err();
         assert!(e.contains(why), "{args:?}: {e}");
     }
     // The valid neighbours of those cases render.
+    render(&helm, &["--set", "agent.mode=standalone,agent.registerNode=true"])
+        .await
+        .unwrap();
+    render(&helm, &["--set", "apiServer.host=10.0.0.1,apiServer.port=6443"])
+        .await
+        .unwrap();
     render(
         &helm,
         &["--set", "imageStore.type=pvc,imageStore.existingClaim=images"],
