@@ -29,6 +29,8 @@ test: deps controlplane csi-sanity ## Run unit, property and integration tests (
 	$(CARGO) build --workspace --bins
 	@# The image tests unpack an archive of the binaries under test; debug ones cost no second build.
 	STOWAGE_IMAGE_BIN_DIR=$(TARGET_DIR)/debug ./e2e/scripts/image.sh
+	@# The real-node test's pod and sandbox images (Debian busybox-static, cached).
+	./e2e/scripts/pod-images.sh
 	$(CARGO) test --workspace --no-fail-fast
 
 .PHONY: image

@@ -156,15 +156,51 @@ pub async fn backing_file(dev: &str) -> Option<String> {
 
 /// Is `dev` the loop device of `image` right now? Guards against mounting another volume's data
 /// when a device path in an attachment went stale (device freed and reused).
+///
+/// Compared by the backing file's device and inode (what `losetup -j` matches), not by path: the
+/// kernel prints the backing path as seen from the mount namespace that attached it, so a device
+/// an earlier agent container attached shows only `/<handle>.img` to its successor.
 pub async fn backs(dev: &str, image: &Path) -> bool {
     let Some(file) = backing_file(dev).await else {
         return false;
     };
-    let Ok(canon) = tokio::fs::canonicalize(image).await else {
-        // The image is gone; the kernel marks its old path as deleted.
-        return file == format!("{} (deleted)", image.display());
-    };
-    file == canon.to_string_lossy()
+    match tokio::fs::metadata(image).await {
+        Ok(m) => backing_inode(dev).await == Some((m.dev(), m.ino())),
+        // The image is gone; the kernel marks its old path as deleted (a path that may be
+        // relative to another container's view, so only the file name is compared).
+        Err(_) => image
+            .file_name()
+            .is_some_and(|n| file.ends_with(&format!("/{} (deleted)", n.to_string_lossy()))),
+    }
+}
+
+/// `(st_dev, st_ino)` of the file behind a loop device (LOOP_GET_STATUS64).
+pub async fn backing_inode(dev: &str) -> Option<(u64, u64)> {
+    let dev = dev.to_string();
+    tokio::task::spawn_blocking(move || {
+        use std::os::fd::AsRawFd;
+        // struct loop_info64: lo_device and lo_inode lead; 232 bytes in all.
+        #[repr(C)]
+        struct LoopInfo64 {
+            lo_device: u64,
+            lo_inode: u64,
+            rest: [u8; 216],
+        }
+        const LOOP_GET_STATUS64: libc::c_ulong = 0x4C05;
+        let f = std::fs::File::open(&dev).ok()?;
+        let mut info = LoopInfo64 {
+            lo_device: 0,
+            lo_inode: 0,
+            rest: [0; 216],
+        };
+        // SAFETY: the fd is open for the call's duration and `info` is a writable buffer of the
+        // size the kernel fills for LOOP_GET_STATUS64.
+        let rc = unsafe { libc::ioctl(f.as_raw_fd(), LOOP_GET_STATUS64, &mut info as *mut LoopInfo64) };
+        (rc == 0).then_some((info.lo_device, info.lo_inode))
+    })
+    .await
+    .ok()
+    .flatten()
 }
 
 /// The device numbers of a block device node.

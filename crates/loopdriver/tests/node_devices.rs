@@ -468,3 +468,30 @@ async fn reader_modes_get_a_read_only_device_and_mount() {
 fn libc_erofs() -> i32 {
     30
 }
+
+#[tokio::test]
+async fn a_device_is_matched_to_its_image_by_inode_and_after_deletion_by_name() {
+    let s = Scratch::new("backs");
+    let img = s.base.join("images/v.img");
+    let other = s.base.join("images/w.img");
+    for p in [&img, &other] {
+        std::fs::write(p, vec![0u8; 1 << 20]).unwrap();
+    }
+    let out = Command::new("losetup")
+        .args(["--find", "--show"])
+        .arg(&img)
+        .output()
+        .unwrap();
+    let dev = String::from_utf8(out.stdout).unwrap().trim().to_string();
+    let sys = stowage_loopdriver::sys::backs;
+    assert!(sys(&dev, &img).await);
+    assert!(!sys(&dev, &other).await, "another image is not this device's");
+    // Through another path to the same file (a bind mount in another container sees this).
+    let link = s.base.join("images/hard.img");
+    std::fs::hard_link(&img, &link).unwrap();
+    assert!(sys(&dev, &link).await, "same inode, other path");
+    std::fs::remove_file(&link).unwrap();
+    std::fs::remove_file(&img).unwrap();
+    assert!(sys(&dev, &img).await, "deleted image: matched by name");
+    assert!(!sys(&dev, &s.base.join("images/x.img")).await);
+}

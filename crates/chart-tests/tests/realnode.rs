@@ -1,0 +1,356 @@
+//! stowage on a real node, installed the way a user installs it: the test control plane plus a
+//! kubelet, containerd and runc (`stowage_testkit::realnode`), `helm install` of charts/stowage
+//! with the image `make image` builds, then claims and pods of a WaitForFirstConsumer class:
+//! the kubelet stages and publishes through the agent's CSI node service. Each step prints
+//! `kubectl get pv,pvc,volumeattachment,pod` so CI logs show what was observed.
+//!
+//! Needs root (loop devices, mounts, containers) and the archives `make test` builds
+//! (target/image/{stowage-<version>,busybox,pause}.oci.tar).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use stowage_chart_tests::{Helm, chart_dir, kubectl_bin, repo_root};
+use stowage_testkit::ControlPlane;
+use stowage_testkit::host::Cleanup;
+use stowage_testkit::realnode::{BUSYBOX_IMAGE, NODE_NAME, RealNode};
+
+const BOUND: Duration = Duration::from_secs(180);
+const NS: &str = "app";
+
+struct Kubectl {
+    kubeconfig: PathBuf,
+}
+
+impl Kubectl {
+    fn run(&self, args: &[&str]) -> Result<String, String> {
+        let out = Command::new(kubectl_bin())
+            .arg(format!("--kubeconfig={}", self.kubeconfig.display()))
+            .args(args)
+            .output()
+            .map_err(|e| e.to_string())?;
+        if out.status.success() {
+            Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+        } else {
+            Err(format!(
+                "kubectl {}: {}",
+                args.join(" "),
+                String::from_utf8_lossy(&out.stderr)
+            ))
+        }
+    }
+
+    fn must(&self, args: &[&str]) -> String {
+        self.run(args).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    fn apply(&self, yaml: &str) {
+        let f = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(f.path(), yaml).unwrap();
+        self.must(&["apply", "-f", f.path().to_str().unwrap()]);
+    }
+
+    /// Waits until `jsonpath` of the object reads `want`; the state at timeout is in the panic.
+    fn wait(&self, what: &[&str], jsonpath: &str, want: &str) {
+        let start = Instant::now();
+        let mut args = vec!["get"];
+        args.extend_from_slice(what);
+        let jp = format!("jsonpath={jsonpath}");
+        args.extend_from_slice(&["-o", &jp]);
+        loop {
+            let got = self.run(&args).unwrap_or_default();
+            if got.trim() == want {
+                return;
+            }
+            if start.elapsed() > BOUND {
+                self.show("timeout");
+                panic!("{what:?} {jsonpath}: {got:?}, want {want:?}");
+            }
+            std::thread::sleep(Duration::from_millis(500));
+        }
+    }
+
+    fn wait_gone(&self, what: &[&str]) {
+        let start = Instant::now();
+        let mut args = vec!["get"];
+        args.extend_from_slice(what);
+        args.push("--ignore-not-found");
+        while !self.run(&args).unwrap_or_default().trim().is_empty() {
+            if start.elapsed() > BOUND {
+                self.show("timeout");
+                panic!("{what:?} still there");
+            }
+            std::thread::sleep(Duration::from_millis(500));
+        }
+    }
+
+    /// The observed state, printed for the CI log.
+    fn show(&self, step: &str) {
+        let state = self
+            .run(&["get", "pv,pvc,volumeattachment,pod", "-A", "-o", "wide"])
+            .unwrap_or_else(|e| e);
+        println!("==> {step}\n{state}");
+    }
+
+    fn logs(&self, pod: &str) -> String {
+        self.run(&["logs", "-n", NS, pod]).unwrap_or_default()
+    }
+}
+
+fn archives() -> Vec<PathBuf> {
+    let dir = repo_root().join("target/image");
+    let version = env!("CARGO_PKG_VERSION");
+    let list = [
+        dir.join(format!("stowage-{version}.oci.tar")),
+        dir.join("busybox.oci.tar"),
+        dir.join("pause.oci.tar"),
+    ];
+    for a in &list {
+        assert!(
+            a.exists(),
+            "{} is missing: `make test` builds it (e2e/scripts/image.sh, e2e/scripts/pod-images.sh)",
+            a.display()
+        );
+    }
+    list.to_vec()
+}
+
+fn pod(name: &str, claim: &str) -> String {
+    format!(
+        r#"apiVersion: v1
+kind: Pod
+metadata: {{name: {name}, namespace: {NS}}}
+spec:
+  terminationGracePeriodSeconds: 1
+  containers:
+  - name: c
+    image: {BUSYBOX_IMAGE}
+    imagePullPolicy: Never
+    command: [sh, -c, 'if [ -f /data/f ]; then echo "found $(cat /data/f)"; else echo data-1 > /data/f && sync && echo wrote; fi; df -k /data | tail -1; sleep 3600']
+    volumeMounts: [{{name: v, mountPath: /data}}]
+  volumes: [{{name: v, persistentVolumeClaim: {{claimName: {claim}}}}}]
+"#
+    )
+}
+
+fn claim(name: &str, class: &str, mode: &str) -> String {
+    format!(
+        r#"apiVersion: v1
+kind: PersistentVolumeClaim
+metadata: {{name: {name}, namespace: {NS}}}
+spec:
+  accessModes: [{mode}]
+  storageClassName: {class}
+  resources: {{requests: {{storage: 64Mi}}}}
+"#
+    )
+}
+
+fn mounts_of(dir: &Path, needle: &str) -> Vec<String> {
+    std::fs::read_to_string("/proc/self/mountinfo")
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.contains(dir.to_str().unwrap()) && l.contains(needle))
+        .map(String::from)
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_kubelet_runs_pods_on_loop_volumes_installed_by_helm() {
+    let started = Instant::now();
+    let archives = archives();
+    let cp = tokio::task::spawn_blocking(ControlPlane::start)
+        .await
+        .unwrap()
+        .unwrap();
+    let images = cp.dir().join("images");
+    std::fs::create_dir_all(&images).unwrap();
+    let _cleanup = Cleanup {
+        base: cp.dir().join("images"),
+        images: images.clone(),
+    };
+    let node = RealNode::start(&cp, &archives).unwrap_or_else(|e| panic!("real node: {e:#}"));
+    println!("real node up after {:?}", started.elapsed());
+    let k = Kubectl {
+        kubeconfig: cp.kubeconfig(),
+    };
+    let helm = Helm::new(Some(&cp.kubeconfig()));
+    let values = helm.values(
+        "realnode.yaml",
+        &format!(
+            r#"image: {{repository: localhost/stowage, tag: "{version}", pullPolicy: Never}}
+apiServer: {{host: 127.0.0.1, port: "{port}"}}
+imageStore: {{path: {images}}}
+controller: {{replicas: 1, hostNetwork: true}}
+agent: {{mode: csi, kubeletDir: {kubelet}, hostNetwork: true}}
+storageClass: {{create: true, name: loop, volumeBindingMode: WaitForFirstConsumer, reclaimPolicy: Delete, allowVolumeExpansion: true}}
+"#,
+            version = env!("CARGO_PKG_VERSION"),
+            port = cp.port(),
+            images = images.display(),
+            kubelet = node.kubelet_dir.display(),
+        ),
+    );
+    helm.run(&[
+        "install",
+        "st",
+        chart_dir().to_str().unwrap(),
+        "-n",
+        "stowage",
+        "--create-namespace",
+        "-f",
+        values.to_str().unwrap(),
+    ])
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    k.must(&["create", "namespace", NS]);
+    let rollout = |what: &str| {
+        k.run(&["rollout", "status", "-n", "stowage", what, "--timeout=180s"])
+            .unwrap_or_else(|e| {
+                k.show("rollout failed");
+                panic!("{e}\n{}", node.log_tail("kubelet"))
+            })
+    };
+    rollout("deployment/st-stowage-controller");
+    rollout("daemonset/st-stowage-agent");
+    // The kubelet registered the driver: CSINode lists it.
+    k.wait(
+        &["csinode", NODE_NAME],
+        "{.spec.drivers[*].name}",
+        "loop.stowage.dev",
+    );
+    k.show("installed");
+
+    // 1. WaitForFirstConsumer: claim + pod → provisioned on the pod's node, attached, staged and
+    //    published by the kubelet through the agent; the pod writes a file.
+    k.apply(&claim("data", "loop", "ReadWriteOnce"));
+    k.apply(&pod("writer", "data"));
+    k.wait(&["pod", "-n", NS, "writer"], "{.status.phase}", "Running");
+    k.wait(&["pvc", "-n", NS, "data"], "{.status.phase}", "Bound");
+    let pv = k.must(&[
+        "get",
+        "pvc",
+        "-n",
+        NS,
+        "data",
+        "-o",
+        "jsonpath={.spec.volumeName}",
+    ]);
+    k.wait(&["volumeattachment"], "{.items[0].status.attached}", "true");
+    let start = Instant::now();
+    while !k.logs("writer").contains("wrote") {
+        assert!(start.elapsed() < BOUND, "writer logs: {}", k.logs("writer"));
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    k.show("1: pod Running on a provisioned, attached, staged and published volume");
+
+    // 8. The kubelet reports the volume in use, which holds the detach back.
+    let unique = format!("kubernetes.io/csi/loop.stowage.dev^{pv}");
+    k.wait(&["node", NODE_NAME], "{.status.volumesInUse[0]}", &unique);
+    // Device mounted twice: the kubelet's staging path and the pod's publish target.
+    let staged = mounts_of(&node.kubelet_dir, &pv);
+    assert!(!staged.is_empty(), "no mount of {pv} under the kubelet dir");
+
+    // 2. Delete the pod, start another: it finds the file (no re-format).
+    k.must(&["delete", "pod", "-n", NS, "writer", "--wait=true"]);
+    k.apply(&pod("reader", "data"));
+    k.wait(&["pod", "-n", NS, "reader"], "{.status.phase}", "Running");
+    let start = Instant::now();
+    while !k.logs("reader").contains("found data-1") {
+        assert!(start.elapsed() < BOUND, "reader logs: {}", k.logs("reader"));
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    k.show("2: a new pod reads the file the first one wrote");
+
+    // 4. Restart the agent pod, then the kubelet, while the pod runs: it keeps running, no
+    //    second mount of the device.
+    let before = mounts_of(&node.kubelet_dir, &pv).len();
+    k.must(&[
+        "delete",
+        "pod",
+        "-n",
+        "stowage",
+        "-l",
+        "app.kubernetes.io/component=agent",
+        "--wait=true",
+    ]);
+    rollout("daemonset/st-stowage-agent");
+    node.restart_kubelet().unwrap();
+    k.wait(
+        &["node", NODE_NAME],
+        "{.status.conditions[?(@.type==\"Ready\")].status}",
+        "True",
+    );
+    std::thread::sleep(Duration::from_secs(5));
+    k.wait(
+        &["pod", "-n", NS, "reader"],
+        "{.status.containerStatuses[0].restartCount}",
+        "0",
+    );
+    assert_eq!(mounts_of(&node.kubelet_dir, &pv).len(), before, "no second mount");
+    k.show("4: agent and kubelet restarted under a running pod");
+
+    // 7. A claim for several writers of the loop class is refused with an Event that says why.
+    k.apply(&claim("shared", "loop", "ReadWriteMany"));
+    k.apply(&pod("shared-user", "shared"));
+    let start = Instant::now();
+    loop {
+        let events = k
+            .run(&[
+                "get",
+                "events",
+                "-n",
+                NS,
+                "--field-selector",
+                "involvedObject.name=shared",
+                "-o",
+                "jsonpath={.items[*].reason}",
+            ])
+            .unwrap_or_default();
+        if events.contains("ProvisioningFailed") {
+            break;
+        }
+        assert!(
+            start.elapsed() < BOUND,
+            "no ProvisioningFailed for shared: {events}"
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    println!("{}", k.must(&["describe", "pvc", "-n", NS, "shared"]));
+    k.must(&["delete", "pod", "-n", NS, "shared-user", "--wait=true"]);
+    k.must(&["delete", "pvc", "-n", NS, "shared", "--wait=true"]);
+
+    // 6. Delete pod and claim (Delete policy): unpublish, unstage, detach, VolumeAttachment
+    //    gone, image removed, PV gone.
+    k.must(&["delete", "pod", "-n", NS, "reader", "--wait=true"]);
+    k.must(&["delete", "pvc", "-n", NS, "data", "--wait=false"]);
+    k.wait_gone(&["pv", &pv]);
+    k.wait_gone(&["volumeattachment", "--all-namespaces"]);
+    let start = Instant::now();
+    while images.join(format!("{pv}.img")).exists() {
+        assert!(start.elapsed() < BOUND, "image of {pv} still there");
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    assert!(
+        mounts_of(&node.kubelet_dir, &pv).is_empty(),
+        "mounts of {pv} left"
+    );
+    // The device an earlier agent pod attached is released by its successor.
+    let start = Instant::now();
+    loop {
+        let loops = String::from_utf8(Command::new("losetup").arg("-a").output().unwrap().stdout).unwrap();
+        if !loops.contains(&pv) {
+            break;
+        }
+        assert!(start.elapsed() < BOUND, "loop device of {pv} left:\n{loops}");
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    k.show("6: pod and claim deleted; PV, attachment and image gone");
+
+    helm.run(&["uninstall", "st", "-n", "stowage", "--wait"])
+        .await
+        .unwrap();
+    drop(node);
+    println!("real-node scenarios took {:?}", started.elapsed());
+}
