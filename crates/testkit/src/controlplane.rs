@@ -103,6 +103,8 @@ impl ControlPlane {
             "--authorization-mode=Node,RBAC".into(),
             format!("--token-auth-file={}", d("tokens.csv")),
             "--allow-privileged=true".into(),
+            // A real node is reached by its address: its name resolves nowhere here.
+            "--kubelet-preferred-address-types=InternalIP,Hostname".into(),
             "--profiling=false".into(),
             "--v=0".into(),
         ];

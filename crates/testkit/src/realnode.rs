@@ -26,7 +26,7 @@ pub const NODE_NAME: &str = "realnode";
 pub const NODE_TOKEN: &str = "stowage-node-token";
 /// KCM without the controllers stowage replaces.
 pub const KCM_CONTROLLERS: &str = "*,-persistentvolume-binder-controller,-persistentvolume-attach-detach-controller,\
--persistentvolume-expander-controller,-persistentvolume-protection-controller,-pvc-protection-controller";
+-persistentvolume-expander-controller,-persistentvolume-protection-controller,-persistentvolumeclaim-protection-controller";
 /// The image of test pods and of the pod sandbox (`e2e/scripts/node-images.sh`).
 pub const BUSYBOX_IMAGE: &str = "localhost/busybox:stowage";
 pub const PAUSE_IMAGE: &str = "localhost/pause:stowage";
