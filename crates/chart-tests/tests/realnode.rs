@@ -291,6 +291,107 @@ storageClass: {{create: true, name: loop, volumeBindingMode: WaitForFirstConsume
     assert_eq!(mounts_of(&node.kubelet_dir, &pv).len(), before, "no second mount");
     k.show("4: agent and kubelet restarted under a running pod");
 
+    // 8. The kubelet's volumesInUse holds the detach back: with the kubelet stopped, a pod
+    //    deleted by force leaves its mounts, and the attachment stays; once the kubelet is back
+    //    and has unmounted, it goes.
+    k.apply(&claim("held", "loop", "ReadWriteOnce"));
+    k.apply(&pod("holder", "held"));
+    k.wait(&["pod", "-n", NS, "holder"], "{.status.phase}", "Running");
+    let held = k.must(&[
+        "get",
+        "pvc",
+        "-n",
+        NS,
+        "held",
+        "-o",
+        "jsonpath={.spec.volumeName}",
+    ]);
+    let held_va = format!("{{.items[?(@.spec.source.persistentVolumeName==\"{held}\")].status.attached}}");
+    k.wait(&["volumeattachment"], &held_va, "true");
+    node.stop_kubelet();
+    k.must(&["delete", "pod", "-n", NS, "holder", "--force", "--grace-period=0"]);
+    std::thread::sleep(Duration::from_secs(15));
+    assert_eq!(
+        k.must(&["get", "volumeattachment", "-o", &format!("jsonpath={held_va}")])
+            .trim(),
+        "true",
+        "the attachment of a volume the node still reports in use must stay"
+    );
+    assert!(
+        !mounts_of(&node.kubelet_dir, &held).is_empty(),
+        "still mounted while the kubelet is down"
+    );
+    k.show("8: kubelet down, pod force-deleted: volume still in use, attachment kept");
+    node.start_kubelet_again().unwrap();
+    k.wait(&["volumeattachment"], &held_va, "");
+    assert!(
+        mounts_of(&node.kubelet_dir, &held).is_empty(),
+        "the kubelet unmounted it"
+    );
+    k.must(&["delete", "pvc", "-n", NS, "held", "--wait=false"]);
+    k.show("8: kubelet back: unmounted, then detached");
+
+    // 5. A Block claim used as a raw device, and an fsGroup pod that sees group ownership.
+    k.apply(&format!(
+        r#"apiVersion: v1
+kind: PersistentVolumeClaim
+metadata: {{name: raw, namespace: {NS}}}
+spec:
+  accessModes: [ReadWriteOnce]
+  volumeMode: Block
+  storageClassName: loop
+  resources: {{requests: {{storage: 64Mi}}}}
+---
+apiVersion: v1
+kind: Pod
+metadata: {{name: raw-user, namespace: {NS}}}
+spec:
+  terminationGracePeriodSeconds: 1
+  containers:
+  - name: c
+    image: {BUSYBOX_IMAGE}
+    imagePullPolicy: Never
+    command: [sh, -c, 'echo "size $(blockdev --getsize64 /dev/xvda)"; sleep 3600']
+    volumeDevices: [{{name: v, devicePath: /dev/xvda}}]
+  volumes: [{{name: v, persistentVolumeClaim: {{claimName: raw}}}}]
+"#
+    ));
+    k.apply(&claim("grouped", "loop", "ReadWriteOnce"));
+    k.apply(&format!(
+        r#"apiVersion: v1
+kind: Pod
+metadata: {{name: grouped-user, namespace: {NS}}}
+spec:
+  terminationGracePeriodSeconds: 1
+  securityContext: {{runAsUser: 1000, runAsGroup: 1000, fsGroup: 4321}}
+  containers:
+  - name: c
+    image: {BUSYBOX_IMAGE}
+    imagePullPolicy: Never
+    command: [sh, -c, 'echo "group $(stat -c %g /data)"; touch /data/mine && echo writable; sleep 3600']
+    volumeMounts: [{{name: v, mountPath: /data}}]
+  volumes: [{{name: v, persistentVolumeClaim: {{claimName: grouped}}}}]
+"#
+    ));
+    for (p, want) in [("raw-user", "size 67108864"), ("grouped-user", "group 4321")] {
+        k.wait(&["pod", "-n", NS, p], "{.status.phase}", "Running");
+        let start = Instant::now();
+        while !k.logs(p).contains(want) {
+            assert!(start.elapsed() < BOUND, "{p} logs: {:?}, want {want}", k.logs(p));
+            std::thread::sleep(Duration::from_millis(500));
+        }
+    }
+    assert!(
+        k.logs("grouped-user").contains("writable"),
+        "{}",
+        k.logs("grouped-user")
+    );
+    k.show("5: a raw block device, and fsGroup ownership");
+    for p in ["raw-user", "grouped-user"] {
+        k.must(&["delete", "pod", "-n", NS, p, "--wait=true"]);
+    }
+    k.must(&["delete", "pvc", "-n", NS, "raw", "grouped", "--wait=false"]);
+
     // 7. A claim for several writers of the loop class is refused with an Event that says why.
     k.apply(&claim("shared", "loop", "ReadWriteMany"));
     k.apply(&pod("shared-user", "shared"));

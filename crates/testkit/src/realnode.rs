@@ -292,15 +292,22 @@ evictionHard:
         self.spawn("kubelet", cmd)
     }
 
-    /// Stops the kubelet and starts it again (its pods keep running, as on a real node).
-    pub fn restart_kubelet(&self) -> anyhow::Result<()> {
-        {
-            let mut children = self.children.lock().unwrap_or_else(|p| p.into_inner());
-            if let Some(i) = children.iter().position(|(n, _)| n == "kubelet") {
-                let (_, mut c) = children.remove(i);
-                stop(&mut c, Duration::from_secs(20));
-            }
+    /// Stops the kubelet (its pods keep running, as on a real node); `start_kubelet` brings it back.
+    pub fn stop_kubelet(&self) {
+        let mut children = self.children.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(i) = children.iter().position(|(n, _)| n == "kubelet") {
+            let (_, mut c) = children.remove(i);
+            stop(&mut c, Duration::from_secs(20));
         }
+    }
+
+    pub fn start_kubelet_again(&self) -> anyhow::Result<()> {
+        self.spawn_kubelet()
+    }
+
+    /// Stops the kubelet and starts it again.
+    pub fn restart_kubelet(&self) -> anyhow::Result<()> {
+        self.stop_kubelet();
         self.spawn_kubelet()
     }
 
