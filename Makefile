@@ -48,6 +48,24 @@ demo: deps controlplane ## Start a control plane, the controller and two agents;
 	$(CARGO) build --workspace --bins
 	./e2e/scripts/demo.sh
 
+.PHONY: node-images
+node-images: deps ## Build the stowage image (debug binaries) and the pod/sandbox images for the real node
+	$(CARGO) build --workspace --bins
+	STOWAGE_IMAGE_BIN_DIR=$(TARGET_DIR)/debug ./e2e/scripts/image.sh
+	./e2e/scripts/pod-images.sh
+
+.PHONY: realnode-up
+realnode-up: deps controlplane node-images ## Start a real node (kubelet, containerd) and helm-install stowage into it
+	./e2e/scripts/realnode.sh up
+
+.PHONY: realnode-down
+realnode-down: ## Stop the real node and remove what it left behind
+	./e2e/scripts/realnode.sh down
+
+.PHONY: demo-node
+demo-node: deps controlplane node-images ## The demo on a real kubelet: a claim and a pod with a mounted volume
+	./e2e/scripts/realnode.sh demo
+
 .PHONY: bench
 bench: deps controlplane ## Side-by-side benchmarks against upstream kube-controller-manager
 	$(CARGO) build --release --workspace --bins

@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# A real single-node cluster with stowage installed by helm, for trying it by hand.
+#   realnode.sh up     control plane + KCM (storage controllers off) + scheduler + containerd +
+#                      kubelet, the images imported, `helm install` of charts/stowage (CSI mode)
+#   realnode.sh down   stops everything and removes what it left (mounts, loop devices, netns,
+#                      cgroups, processes)
+#   realnode.sh demo   up, a claim and a pod that writes to it, the state printed, then down
+# KUBECONFIG=.realnode/kubeconfig afterwards. Root is required.
+set -euo pipefail
+top=$(cd "$(dirname "$0")/../.." && pwd)
+cd "$top"
+dir="$top/.realnode"
+kubectl="$top/e2e/bin/kubectl"
+version=$(sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)
+export KUBECONFIG="$dir/kubeconfig"
+
+up() {
+  if [ -f "$dir/pid" ] && kill -0 "$(cat "$dir/pid")" 2>/dev/null; then
+    echo "realnode: already up (KUBECONFIG=$KUBECONFIG)"; return
+  fi
+  rm -rf "$dir" && mkdir -p "$dir/images"
+  setsid "$top/target/debug/stowage-devcluster" --dir "$dir" --real-node \
+    --image target/image/busybox.oci.tar --image target/image/pause.oci.tar \
+    --image "target/image/stowage-$version.oci.tar" >"$dir/devcluster.log" 2>&1 &
+  echo $! >"$dir/pid"
+  for _ in $(seq 240); do
+    grep -q "node realnode ready" "$dir/devcluster.log" && break
+    kill -0 "$(cat "$dir/pid")" 2>/dev/null || { cat "$dir/devcluster.log"; exit 1; }
+    sleep 0.5
+  done
+  grep -q "node realnode ready" "$dir/devcluster.log" || { cat "$dir/devcluster.log"; exit 1; }
+  port=$(grep -o 'https://127.0.0.1:[0-9]*' "$dir/devcluster.log" | head -1 | cut -d: -f3)
+  cat >"$dir/values.yaml" <<VALUES
+image: {repository: localhost/stowage, tag: "$version", pullPolicy: Never}
+apiServer: {host: 127.0.0.1, port: "$port"}
+imageStore: {path: $dir/images}
+controller: {replicas: 1, hostNetwork: true}
+agent: {mode: csi, kubeletDir: $dir/realnode/kubelet, hostNetwork: true}
+storageClass: {create: true, default: true, name: loop, volumeBindingMode: WaitForFirstConsumer}
+VALUES
+  ./e2e/scripts/helm.sh install st charts/stowage -n stowage --create-namespace -f "$dir/values.yaml" --wait --timeout 3m >/dev/null
+  "$kubectl" get pods -n stowage -o wide
+  echo "realnode: up; export KUBECONFIG=$KUBECONFIG (e2e/bin/kubectl)"
+}
+
+down() {
+  [ -f "$dir/pid" ] || { echo "realnode: not running"; return; }
+  pid=$(cat "$dir/pid")
+  # The devcluster stops the node (kubelet, containers, containerd) and removes what it left.
+  kill -TERM "$pid" 2>/dev/null || true
+  for _ in $(seq 120); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
+  for img in "$dir"/images/*.img; do
+    [ -e "$img" ] || continue
+    losetup -j "$img" | cut -d: -f1 | while read -r d; do losetup -d "$d"; done
+  done
+  rm -rf "$dir"
+  echo "realnode: down"
+}
+
+demo() {
+  up
+  trap down EXIT
+  "$kubectl" create namespace demo
+  "$kubectl" apply -n demo -f - <<'YAML'
+apiVersion: v1
+kind: PersistentVolumeClaim
+metadata: {name: data}
+spec: {accessModes: [ReadWriteOnce], resources: {requests: {storage: 64Mi}}}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: app}
+spec:
+  containers:
+  - name: c
+    image: localhost/busybox:stowage
+    imagePullPolicy: Never
+    command: [sh, -c, 'echo hello > /data/hello; df -h /data; sleep 3600']
+    volumeMounts: [{name: v, mountPath: /data}]
+  volumes: [{name: v, persistentVolumeClaim: {claimName: data}}]
+YAML
+  "$kubectl" wait -n demo --for=condition=Ready pod/app --timeout=180s
+  "$kubectl" get pv,pvc,volumeattachment,pod -A
+  "$kubectl" logs -n demo app
+  if [ "${DEMO_WAIT:-1}" = 1 ] && [ -t 0 ]; then
+    echo "demo-node: Ctrl-C to stop"; sleep infinity
+  fi
+}
+
+case "${1:-}" in
+  up) up ;;
+  down) down ;;
+  demo) demo ;;
+  *) echo "usage: $0 up|down|demo" >&2; exit 2 ;;
+esac
