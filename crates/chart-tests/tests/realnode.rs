@@ -96,6 +96,19 @@ impl Kubectl {
     fn logs(&self, pod: &str) -> String {
         self.run(&["logs", "-n", NS, pod]).unwrap_or_default()
     }
+
+    /// Waits until the pod's log holds `want` (what its command printed about its volume).
+    fn wait_logs(&self, pod: &str, want: &str) {
+        let start = Instant::now();
+        while !self.logs(pod).contains(want) {
+            assert!(
+                start.elapsed() < BOUND,
+                "{pod} logs: {:?}, want {want:?}",
+                self.logs(pod)
+            );
+            std::thread::sleep(Duration::from_millis(500));
+        }
+    }
 }
 
 fn archives() -> Vec<PathBuf> {
@@ -238,11 +251,7 @@ storageClass: {{create: true, name: loop, volumeBindingMode: WaitForFirstConsume
         "jsonpath={.spec.volumeName}",
     ]);
     k.wait(&["volumeattachment"], "{.items[0].status.attached}", "true");
-    let start = Instant::now();
-    while !k.logs("writer").contains("wrote") {
-        assert!(start.elapsed() < BOUND, "writer logs: {}", k.logs("writer"));
-        std::thread::sleep(Duration::from_millis(500));
-    }
+    k.wait_logs("writer", "wrote");
     k.show("1: pod Running on a provisioned, attached, staged and published volume");
 
     // 8. The kubelet reports the volume in use, which holds the detach back.
@@ -256,11 +265,7 @@ storageClass: {{create: true, name: loop, volumeBindingMode: WaitForFirstConsume
     k.must(&["delete", "pod", "-n", NS, "writer", "--wait=true"]);
     k.apply(&pod("reader", "data"));
     k.wait(&["pod", "-n", NS, "reader"], "{.status.phase}", "Running");
-    let start = Instant::now();
-    while !k.logs("reader").contains("found data-1") {
-        assert!(start.elapsed() < BOUND, "reader logs: {}", k.logs("reader"));
-        std::thread::sleep(Duration::from_millis(500));
-    }
+    k.wait_logs("reader", "found data-1");
     k.show("2: a new pod reads the file the first one wrote");
 
     // 4. Restart the agent pod, then the kubelet, while the pod runs: it keeps running, no
@@ -375,11 +380,7 @@ spec:
     ));
     for (p, want) in [("raw-user", "size 67108864"), ("grouped-user", "group 4321")] {
         k.wait(&["pod", "-n", NS, p], "{.status.phase}", "Running");
-        let start = Instant::now();
-        while !k.logs(p).contains(want) {
-            assert!(start.elapsed() < BOUND, "{p} logs: {:?}, want {want}", k.logs(p));
-            std::thread::sleep(Duration::from_millis(500));
-        }
+        k.wait_logs(p, want);
     }
     assert!(
         k.logs("grouped-user").contains("writable"),
@@ -422,9 +423,66 @@ spec:
     k.must(&["delete", "pod", "-n", NS, "shared-user", "--wait=true"]);
     k.must(&["delete", "pvc", "-n", NS, "shared", "--wait=true"]);
 
+    // 3. Grow the claim while the pod runs. The controller grows the image and the PV; the
+    //    kubelet's NodeExpandVolume grows ext4 online where the kernel lets it (it needs
+    //    CAP_SYS_RESOURCE, which root lacks on these machines: the volume's next stage then grows
+    //    it offline), so the check is made from a pod started after the expansion.
+    k.must(&[
+        "patch",
+        "pvc",
+        "-n",
+        NS,
+        "data",
+        "--type=merge",
+        "-p",
+        r#"{"spec":{"resources":{"requests":{"storage":"128Mi"}}}}"#,
+    ]);
+    k.wait(&["pv", &pv], "{.spec.capacity.storage}", "128Mi");
+    k.must(&["delete", "pod", "-n", NS, "reader", "--wait=true"]);
+    k.apply(&pod("grown", "data"));
+    k.wait(&["pod", "-n", NS, "grown"], "{.status.phase}", "Running");
+    k.wait_logs("grown", "found data-1");
+    k.wait(&["pvc", "-n", NS, "data"], "{.status.capacity.storage}", "128Mi");
+    k.wait(&["pvc", "-n", NS, "data"], "{.status.conditions}", "");
+    let df = k.logs("grown");
+    let kb: u64 = df
+        .lines()
+        .find(|l| l.contains("/data"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no df line: {df}"));
+    assert!(kb > 110 * 1024, "the pod sees the grown file system: {df}");
+    k.show("3: claim grown to 128Mi; the pod's file system has the new size, conditions cleared");
+
     // 6. Delete pod and claim (Delete policy): unpublish, unstage, detach, VolumeAttachment
     //    gone, image removed, PV gone.
-    k.must(&["delete", "pod", "-n", NS, "reader", "--wait=true"]);
+    // With Retain the image stays (the volume is Released, its data kept for an admin).
+    k.apply(
+        r#"apiVersion: storage.k8s.io/v1
+kind: StorageClass
+metadata: {name: loop-retain}
+provisioner: loop.stowage.dev
+reclaimPolicy: Retain
+volumeBindingMode: WaitForFirstConsumer
+"#,
+    );
+    k.apply(&claim("kept", "loop-retain", "ReadWriteOnce"));
+    k.apply(&pod("keeper", "kept"));
+    k.wait(&["pod", "-n", NS, "keeper"], "{.status.phase}", "Running");
+    k.wait_logs("keeper", "wrote");
+    let kept = k.must(&[
+        "get",
+        "pvc",
+        "-n",
+        NS,
+        "kept",
+        "-o",
+        "jsonpath={.spec.volumeName}",
+    ]);
+    k.must(&["delete", "pod", "-n", NS, "keeper", "--wait=true"]);
+    k.must(&["delete", "pvc", "-n", NS, "kept", "--wait=true"]);
+    k.wait(&["pv", &kept], "{.status.phase}", "Released");
+    k.must(&["delete", "pod", "-n", NS, "grown", "--wait=true"]);
     k.must(&["delete", "pvc", "-n", NS, "data", "--wait=false"]);
     k.wait_gone(&["pv", &pv]);
     k.wait_gone(&["volumeattachment", "--all-namespaces"]);
@@ -447,7 +505,11 @@ spec:
         assert!(start.elapsed() < BOUND, "loop device of {pv} left:\n{loops}");
         std::thread::sleep(Duration::from_millis(500));
     }
-    k.show("6: pod and claim deleted; PV, attachment and image gone");
+    assert!(
+        images.join(format!("{kept}.img")).exists(),
+        "a Retain volume keeps its image"
+    );
+    k.show("6: Delete: PV, attachment, image and loop device gone; Retain: Released, image kept");
 
     helm.run(&["uninstall", "st", "-n", "stowage", "--wait"])
         .await
