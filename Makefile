@@ -31,8 +31,10 @@ test: deps controlplane csi-sanity ## Run unit, property and integration tests (
 	STOWAGE_IMAGE_BIN_DIR=$(TARGET_DIR)/debug ./e2e/scripts/image.sh
 	@# The real-node test's pod and sandbox images (Debian busybox-static, cached).
 	./e2e/scripts/pod-images.sh
-	@# The real-node scenarios run on their own, their output shown: CI logs keep each step's state.
-	$(CARGO) test --workspace --no-fail-fast -- --skip a_kubelet_runs_pods_on_loop_volumes
+	@# csi-sanity and the real-node scenarios run on their own, their output shown: CI logs keep
+	@# the csi-sanity counts and each real-node step's state.
+	$(CARGO) test --workspace --no-fail-fast -- --skip a_kubelet_runs_pods_on_loop_volumes --skip csi_sanity_passes
+	$(CARGO) test -p stowage-agent --test csi_sanity -- --nocapture
 	@start=$$(date +%s); $(CARGO) test -p stowage-chart-tests --test realnode -- --nocapture && \
 	  echo "real-node scenarios: $$(( $$(date +%s) - start ))s"
 
