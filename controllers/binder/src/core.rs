@@ -869,9 +869,32 @@ fn sync_claim_phase(claim: &PersistentVolumeClaim, cache: &Cache, env: &Env) -> 
 }
 
 /// Why the built-in provisioner will not (or can no longer) provision a volume for `claim`:
-/// a multi-node writer access mode, or an image creation that failed for good (the provisioned
-/// PV is `Failed`, its message says why). `None`: go ahead (or keep waiting for the image).
+/// a multi-node writer access mode, a selector or a data source it cannot honour (as
+/// external-provisioner refuses them), or an image creation that failed for good (the
+/// provisioned PV is `Failed`, its message says why). `None`: go ahead (or keep waiting).
 pub fn loop_refusal(claim: &PersistentVolumeClaim, cache: &Cache) -> Option<String> {
+    if let Some(spec) = claim.spec.as_ref() {
+        if spec.selector.is_some() {
+            return Some(format!(
+                "{LOOP_DRIVER} cannot provision a volume for a claim with a selector: it creates volumes, it cannot pick one by its labels; bind the claim to a labelled volume made by hand, or remove the selector"
+            ));
+        }
+        let source = spec
+            .data_source_ref
+            .as_ref()
+            .map(|r| (r.kind.as_str(), r.name.as_str()))
+            .or_else(|| {
+                spec.data_source
+                    .as_ref()
+                    .map(|r| (r.kind.as_str(), r.name.as_str()))
+            });
+        if let Some((kind, name)) = source {
+            // Provisioning anyway would hand out an empty volume where data was expected.
+            return Some(format!(
+                "{LOOP_DRIVER} cannot fill a volume from {kind} {name:?}: cloning and snapshot restore are not supported, and an empty volume in its place would lose that data silently; remove the data source to get an empty volume"
+            ));
+        }
+    }
     let modes = claim_modes(claim);
     let refused: Vec<&str> = MULTI_NODE_WRITER_MODES
         .iter()

@@ -250,6 +250,60 @@ fn multi_node_writer_modes_are_refused_for_the_loop_driver() {
 }
 
 #[test]
+fn selectors_and_data_sources_are_refused_for_the_loop_driver() {
+    use k8s_openapi::api::core::v1::TypedLocalObjectReference;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
+    let base = || {
+        let mut c = pvc("app", "c")
+            .access_modes(&["ReadWriteOnce"])
+            .class("loop")
+            .build();
+        c.metadata.uid = Some("u".into());
+        c
+    };
+    let mut selector = base();
+    selector.spec.as_mut().unwrap().selector = Some(LabelSelector::default());
+    let mut clone = base();
+    clone.spec.as_mut().unwrap().data_source = Some(TypedLocalObjectReference {
+        kind: "PersistentVolumeClaim".into(),
+        name: "src".into(),
+        api_group: None,
+    });
+    let mut restore = base();
+    restore.spec.as_mut().unwrap().data_source_ref = Some(k8s_openapi::api::core::v1::TypedObjectReference {
+        kind: "VolumeSnapshot".into(),
+        name: "snap".into(),
+        api_group: Some("snapshot.storage.k8s.io".into()),
+        namespace: None,
+    });
+    for (c, says) in [
+        (selector, "selector"),
+        (clone, "\"src\""),
+        (restore, "VolumeSnapshot \"snap\""),
+    ] {
+        let out = core::sync_claim(&c, &cache(&[], &[&c]), &env());
+        assert!(
+            !out.iter().any(|a| matches!(a, Action::ProvisionLoop { .. })),
+            "{out:?}"
+        );
+        let note = out
+            .iter()
+            .find_map(|a| match a {
+                Action::Event(e) if e.reason == "ProvisioningFailed" && e.warning => Some(e.note.clone()),
+                _ => None,
+            })
+            .expect("ProvisioningFailed");
+        assert!(note.contains(says), "{note}");
+    }
+    let plain = base();
+    let out = core::sync_claim(&plain, &cache(&[], &[&plain]), &env());
+    assert!(
+        out.iter().any(|a| matches!(a, Action::ProvisionLoop { .. })),
+        "{out:?}"
+    );
+}
+
+#[test]
 fn failure_retries_back_off_exponentially_to_five_minutes() {
     assert_eq!(failure_backoff(0), Duration::from_secs(1));
     assert_eq!(failure_backoff(1), Duration::from_secs(2));
