@@ -137,11 +137,12 @@ impl Desired {
     }
 
     /// Pods using `volume` on nodes other than `node`.
-    pub fn pods_elsewhere<'a>(&'a self, volume: &'a str, node: &'a str) -> impl Iterator<Item = &'a PodRef> {
+    /// The pods on `node` that use `volume`.
+    pub fn pods_on<'a>(&'a self, volume: &str, node: &str) -> impl Iterator<Item = &'a PodRef> {
         self.nodes
-            .iter()
-            .filter(move |(n, _)| n.as_str() != node)
-            .filter_map(move |(_, vols)| vols.get(volume))
+            .get(node)
+            .and_then(|vols| vols.get(volume))
+            .into_iter()
             .flat_map(|e| e.pods.values())
     }
 

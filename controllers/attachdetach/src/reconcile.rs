@@ -252,7 +252,12 @@ pub fn reconcile(
                         notes: want
                             .pods
                             .values()
-                            .map(|p| (p.clone(), multi_attach_note(desired, volume, node, &want.spec, p)))
+                            .map(|p| {
+                                (
+                                    p.clone(),
+                                    multi_attach_note(desired, actual, volume, node, &want.spec, p),
+                                )
+                            })
                             .collect(),
                     });
                 }
@@ -271,16 +276,21 @@ pub fn reconcile(
     actions
 }
 
-/// The event text for `waiting`: names of pods holding the volume only from its own namespace,
-/// a count for the rest, so no names leak across namespaces.
+/// The event text for `waiting`, in upstream's words (users and runbooks grep for them):
+/// "Multi-Attach error for volume "<pv>" Volume is already used by pod(s) a, b". Only pods on
+/// the nodes the volume is attached to count (those are what holds it); their names only from
+/// the waiting pod's own namespace, a count for the rest, so no names leak across namespaces.
 fn multi_attach_note(
     desired: &Desired,
+    actual: &Actual,
     volume: &str,
     node: &str,
     spec: &VolumeSpec,
     waiting: &PodRef,
 ) -> String {
-    let note = multi_attach_text(desired, volume, node, &spec.pv_name, waiting);
+    let attached: BTreeSet<&str> = actual.other_nodes(volume, node).collect();
+    let holders = attached.iter().flat_map(|n| desired.pods_on(volume, n));
+    let note = multi_attach_text(holders, &spec.pv_name, waiting);
     if spec.driver == LOOP_DRIVER {
         format!("{note} ({LOOP_SINGLE_NODE_RULE})")
     } else {
@@ -288,10 +298,14 @@ fn multi_attach_note(
     }
 }
 
-fn multi_attach_text(desired: &Desired, volume: &str, node: &str, pv_name: &str, waiting: &PodRef) -> String {
+fn multi_attach_text<'a>(
+    holders: impl Iterator<Item = &'a PodRef>,
+    pv_name: &str,
+    waiting: &PodRef,
+) -> String {
     let mut same: Vec<&str> = Vec::new();
     let mut others = 0usize;
-    for p in desired.pods_elsewhere(volume, node) {
+    for p in holders {
         if p.namespace == waiting.namespace {
             same.push(&p.name);
         } else {
@@ -300,20 +314,15 @@ fn multi_attach_text(desired: &Desired, volume: &str, node: &str, pv_name: &str,
     }
     same.sort_unstable();
     same.dedup();
-    let head = format!("Multi-Attach error for volume \"{pv_name}\":");
+    let head = format!("Multi-Attach error for volume \"{pv_name}\"");
     match (same.is_empty(), others) {
         (true, 0) => format!(
-            "{head} it is still attached to another node and can be used on one node only; it is attached here once the other node lets go of it"
+            "{head} Volume is already exclusively attached to one node and can't be attached to another"
         ),
-        (false, 0) => format!(
-            "{head} still used by pod(s) {} on another node; it is attached here once they release it",
-            same.join(", ")
-        ),
-        (true, n) => format!(
-            "{head} still used by {n} pod(s) in other namespaces on another node; it is attached here once they release it"
-        ),
+        (false, 0) => format!("{head} Volume is already used by pod(s) {}", same.join(", ")),
+        (true, n) => format!("{head} Volume is already used by {n} pod(s) in different namespaces"),
         (false, n) => format!(
-            "{head} still used by pod(s) {} and {n} pod(s) in other namespaces on another node; it is attached here once they release it",
+            "{head} Volume is already used by pod(s) {} and {n} pod(s) in different namespaces",
             same.join(", ")
         ),
     }

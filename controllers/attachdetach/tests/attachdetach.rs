@@ -463,7 +463,10 @@ async fn single_node_volume_moves_only_after_the_first_pod_is_gone() {
 
     w.pod("second", "vol-1", "node-b").await;
     let note = w.warning_note("second", "FailedAttachVolume").await;
-    assert!(note.starts_with("Multi-Attach error"), "{note}");
+    assert!(
+        note.starts_with("Multi-Attach error for volume \"vol-1\" Volume is already used by pod(s) first"),
+        "{note}"
+    );
     assert!(
         note.contains("first"),
         "the holding pod is named in its own namespace: {note}"

@@ -318,16 +318,17 @@ fn single_node_volume_waits_for_the_other_node_and_says_why_once() {
     assert_eq!(notes.len(), 1);
     assert_eq!(notes[0].0.name, "new");
     let note = &notes[0].1;
+    // Upstream's wording, which users and runbooks grep for.
     assert!(
-        note.starts_with("Multi-Attach error for volume \"pv-v\""),
+        note.starts_with(
+            "Multi-Attach error for volume \"pv-v\" Volume is already used by pod(s) old and 1 pod(s) in different namespaces"
+        ),
         "{note}"
     );
-    assert!(note.contains("old"), "{note}");
     assert!(
         !note.contains("foreign"),
         "names from other namespaces leak: {note}"
     );
-    assert!(note.contains("1 pod(s) in other namespaces"), "{note}");
 
     d.mark_multi_attach_reported(&vname("v"), "n2");
     let again = reconcile(&d, &a, &nodes, Instant::now(), &cfg());
@@ -335,6 +336,50 @@ fn single_node_volume_waits_for_the_other_node_and_says_why_once() {
         again
             .iter()
             .all(|x| !matches!(x, Action::MultiAttachError { .. }))
+    );
+}
+
+#[test]
+fn multi_attach_names_only_pods_on_nodes_the_volume_is_attached_to() {
+    let mut d = Desired::default();
+    d.set_pod(pod(NS, "holder"), "n1", vec![spec("v", false)]);
+    // Scheduled to a third node where the volume is not attached: it holds nothing.
+    d.set_pod(pod(NS, "bystander"), "n3", vec![spec("v", false)]);
+    d.set_pod(pod(NS, "new"), "n2", vec![spec("v", false)]);
+    let mut a = Actual::default();
+    attach(&mut a, "v", "n1");
+    let nodes = Nodes::from([
+        ("n1".to_string(), node(true)),
+        ("n2".to_string(), node(true)),
+        ("n3".to_string(), node(true)),
+    ]);
+    let actions = reconcile(&d, &a, &nodes, Instant::now(), &cfg());
+    let note = actions
+        .iter()
+        .find_map(|x| match x {
+            Action::MultiAttachError { node, notes, .. } if node == "n2" => Some(notes[0].1.clone()),
+            _ => None,
+        })
+        .expect("multi-attach event for n2");
+    assert!(note.contains("Volume is already used by pod(s) holder"), "{note}");
+    assert!(!note.contains("bystander"), "{note}");
+
+    // Attached elsewhere with no pod left there: upstream's "exclusively attached" text.
+    let mut d = Desired::default();
+    d.set_pod(pod(NS, "new"), "n2", vec![spec("v", false)]);
+    let actions = reconcile(&d, &a, &nodes, Instant::now(), &cfg());
+    let note = actions
+        .iter()
+        .find_map(|x| match x {
+            Action::MultiAttachError { notes, .. } => Some(notes[0].1.clone()),
+            _ => None,
+        })
+        .expect("multi-attach event");
+    assert!(
+        note.starts_with(
+            "Multi-Attach error for volume \"pv-v\" Volume is already exclusively attached to one node and can't be attached to another"
+        ),
+        "{note}"
     );
 }
 
