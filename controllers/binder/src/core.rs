@@ -111,6 +111,16 @@ pub struct Env<'a> {
     pub default_class: Option<String>,
     /// Labels of a node, when it exists.
     pub node_labels: &'a dyn Fn(&str) -> Option<BTreeMap<String, String>>,
+    /// The pods (not terminated) whose volumes name claim `namespace/name`, sorted by name.
+    pub pods_of: &'a dyn Fn(&str) -> Vec<PodUse>,
+}
+
+/// A pod that uses a claim (in the claim's namespace).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct PodUse {
+    pub name: String,
+    /// Has the scheduler put it on a node?
+    pub scheduled: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -184,8 +194,23 @@ pub enum Action {
         pv: String,
         present: bool,
     },
+    /// Metadata edits on one object, written with its resourceVersion: annotations set or
+    /// removed and finalizers dropped (CSI migration marks, a selected node given back to the
+    /// scheduler). `op` names the write in metrics.
+    Annotate {
+        target: Target,
+        set: BTreeMap<String, String>,
+        remove: Vec<String>,
+        drop_finalizers: Vec<String>,
+        op: &'static str,
+    },
     /// Sync a claim soon (a PV changed in a way the claim must react to).
     WakeClaim(String),
+    /// Nothing to write, but the object is in a state that should not last: sync it again
+    /// with the failure backoff (upstream returns an error from the sync).
+    RetryLater {
+        why: String,
+    },
     /// Say on the claim why it is still Pending (condition `stowage.dev/Pending`).
     ClaimCondition {
         claim: String,
@@ -354,7 +379,7 @@ pub enum Found<'a> {
 /// binding is delayed without a chosen node, the free volumes of its class through the index.
 pub fn find_best<'a>(claim: &PersistentVolumeClaim, cache: &'a Cache, env: &Env, delay: bool) -> Found<'a> {
     let key = claim_key(claim);
-    let node = ann(claim, ANN_SELECTED_NODE);
+    let node = chosen_node(claim, delay);
     let mut prebound: Vec<&PersistentVolume> = cache
         .index
         .prebound_to(&key)
@@ -386,11 +411,22 @@ pub fn find_best<'a>(claim: &PersistentVolumeClaim, cache: &'a Cache, env: &Env,
     Found::None
 }
 
+/// The node a volume's node affinity is checked against: the scheduler's choice, and only for
+/// delayed binding. Upstream never checks node affinity for an Immediate claim (its volume
+/// decides where the pod can go), even if some tool annotated a node on it.
+fn chosen_node(claim: &PersistentVolumeClaim, delay: bool) -> Option<&str> {
+    ann(claim, ANN_SELECTED_NODE).filter(|_| delay)
+}
+
 /// Names the rule that ruled out the nearest free volumes of the claim's class (by size).
 pub fn explain(claim: &PersistentVolumeClaim, cache: &Cache, env: &Env) -> String {
     let class = claim_class(claim).unwrap_or("");
     let want = claim_request(claim).unwrap_or(0);
-    let node = ann(claim, ANN_SELECTED_NODE);
+    let delay = claim_class(claim)
+        .filter(|c| !c.is_empty())
+        .and_then(|c| (env.class)(c))
+        .is_some_and(|c| is_wffc(&c));
+    let node = chosen_node(claim, delay);
     let key = claim_key(claim);
     // Bounded work whatever the number of volumes: only the neighbours of the requested size.
     let (total, candidates) = cache.index.near(class, want, 4);
@@ -602,7 +638,10 @@ pub const CONDITION_PENDING: &str = "stowage.dev/Pending";
 /// syncClaim: the actions that move one claim toward Bound (or report why it cannot), plus the
 /// Pending condition that keeps the reason visible on the claim itself.
 pub fn sync_claim(claim: &PersistentVolumeClaim, cache: &Cache, env: &Env) -> Vec<Action> {
-    let mut out = sync_claim_phase(claim, cache, env);
+    let mut out: Vec<Action> = migration_edit(Target::Claim(claim_key(claim)), claim, true)
+        .into_iter()
+        .collect();
+    out.extend(sync_claim_phase(claim, cache, env));
     if has_ann(claim, ANN_BIND_COMPLETED) || out.iter().any(|a| matches!(a, Action::Bind { .. })) {
         return out;
     }
@@ -763,13 +802,19 @@ fn sync_claim_phase(claim: &PersistentVolumeClaim, cache: &Cache, env: &Env) -> 
             }
             return out;
         }
+        let note = format!("volume {vol:?} already bound to a different claim.");
+        if has_ann(claim, ANN_BOUND_BY_CONTROLLER) {
+            // The controller named this volume and someone removed bind-completed: nothing a
+            // retry of ours can mend, and resetting the claim would hide the evidence. Left as
+            // it is, reported, and tried again with backoff (upstream: "should never happen").
+            out.push(ev(target, true, "FailedBinding", note));
+            out.push(Action::RetryLater {
+                why: format!("invalid binding of claim {key:?} to volume {vol:?}: volume already claimed by another claim"),
+            });
+            return out;
+        }
         out.extend(claim_phase_action(claim, "Pending"));
-        out.push(ev(
-            target,
-            true,
-            "FailedBinding",
-            format!("volume {vol:?} already bound to a different claim."),
-        ));
+        out.push(ev(target, true, "FailedBinding", note));
         return out;
     }
 
@@ -787,12 +832,32 @@ fn sync_claim_phase(claim: &PersistentVolumeClaim, cache: &Cache, env: &Env) -> 
         }
         Found::WaitForConsumer => {
             out.extend(claim_phase_action(claim, "Pending"));
-            out.push(ev(
-                target,
-                false,
-                "WaitForFirstConsumer",
-                "waiting for first consumer to be created before binding",
-            ));
+            // A consumer exists but is not scheduled yet: say which pod(s) it waits for.
+            let waiting: Vec<String> = (env.pods_of)(&key)
+                .into_iter()
+                .filter(|p| !p.scheduled)
+                .map(|p| p.name)
+                .collect();
+            out.push(match waiting.as_slice() {
+                [] => ev(
+                    target,
+                    false,
+                    "WaitForFirstConsumer",
+                    "waiting for first consumer to be created before binding",
+                ),
+                [one] => ev(
+                    target,
+                    false,
+                    "WaitForPodScheduled",
+                    format!("waiting for pod {one} to be scheduled"),
+                ),
+                many => ev(
+                    target,
+                    false,
+                    "WaitForPodScheduled",
+                    format!("waiting for pods {} to be scheduled", many.join(",")),
+                ),
+            });
             return out;
         }
         Found::None => {}
@@ -814,7 +879,10 @@ fn sync_claim_phase(claim: &PersistentVolumeClaim, cache: &Cache, env: &Env) -> 
             "ProvisioningFailed",
             format!("storageclass.storage.k8s.io {name:?} not found; create it or change the claim's class"),
         )),
-        (Some(_), Some(class)) if class.provisioner.starts_with("kubernetes.io/") => {
+        (Some(_), Some(class))
+            if class.provisioner.starts_with("kubernetes.io/")
+                && migrated_driver(&class.provisioner).is_none() =>
+        {
             // In-tree plugin names (kubernetes.io/no-provisioner, …): stowage has no in-tree
             // provisioners, and upstream reports these the same way when no plugin matches.
             out.push(ev(
@@ -829,7 +897,9 @@ fn sync_claim_phase(claim: &PersistentVolumeClaim, cache: &Cache, env: &Env) -> 
             ))
         }
         (Some(name), Some(class)) => {
-            let prov = class.provisioner.as_str();
+            // An in-tree plugin's class is served by the CSI driver it migrated to, whose
+            // external-provisioner acts on claims that name it (upstream's migration path).
+            let prov = migrated_driver(&class.provisioner).unwrap_or(class.provisioner.as_str());
             if ann(claim, ANN_STORAGE_PROVISIONER) != Some(prov)
                 || ann(claim, ANN_BETA_STORAGE_PROVISIONER) != Some(prov)
             {
@@ -839,12 +909,24 @@ fn sync_claim_phase(claim: &PersistentVolumeClaim, cache: &Cache, env: &Env) -> 
                 });
             }
             if prov == LOOP_DRIVER {
-                match loop_refusal(claim, cache) {
-                    Some(why) => out.push(ev(target, true, "ProvisioningFailed", why)),
-                    None => out.push(Action::ProvisionLoop {
+                if let Some(why) = loop_refusal(claim, cache) {
+                    out.push(ev(target, true, "ProvisioningFailed", why));
+                } else if let Some(why) = node_refusal(claim, &class, env, delay) {
+                    // The scheduler picked a node this class cannot serve: give the choice
+                    // back (upstream's rescheduleProvisioning) so it picks again.
+                    out.push(ev(target, true, "ProvisioningFailed", why));
+                    out.push(Action::Annotate {
+                        target: Target::Claim(key),
+                        set: BTreeMap::new(),
+                        remove: vec![ANN_SELECTED_NODE.into()],
+                        drop_finalizers: vec![],
+                        op: "reschedule",
+                    });
+                } else {
+                    out.push(Action::ProvisionLoop {
                         claim: key,
                         class: name.into(),
-                    }),
+                    });
                 }
             } else {
                 out.push(ev(
@@ -866,6 +948,37 @@ fn sync_claim_phase(claim: &PersistentVolumeClaim, cache: &Cache, env: &Env) -> 
         )),
     }
     out
+}
+
+/// Why the built-in provisioner cannot provision for the node the scheduler selected (delayed
+/// binding only): the node is unknown, or the class's allowed topologies exclude it, so a volume
+/// made now could never be used by the pod waiting on that node.
+fn node_refusal(
+    claim: &PersistentVolumeClaim,
+    class: &StorageClass,
+    env: &Env,
+    delay: bool,
+) -> Option<String> {
+    let node = chosen_node(claim, delay)?;
+    let Some(labels) = (env.node_labels)(node) else {
+        return Some(format!(
+            "selected node {node:?} does not exist; the scheduler is asked to choose again"
+        ));
+    };
+    let terms = class.allowed_topologies.as_ref().filter(|t| !t.is_empty())?;
+    let fits = terms.iter().any(|t| {
+        t.match_label_expressions.iter().flatten().all(|e| {
+            labels
+                .get(&e.key)
+                .is_some_and(|v| e.values.iter().any(|w| w == v))
+        })
+    });
+    (!fits).then(|| {
+        format!(
+            "selected node {node:?} is outside the allowed topologies of storage class {:?}; the scheduler is asked to choose again",
+            class.name_any()
+        )
+    })
 }
 
 /// Why the built-in provisioner will not (or can no longer) provision a volume for `claim`:
@@ -939,8 +1052,57 @@ fn claim_alive(pv: &PersistentVolume, cache: &Cache) -> bool {
     })
 }
 
+/// Where `pv.kubernetes.io/migrated-to` should stand on an object (upstream's
+/// updateMigrationAnnotations): `None` leaves it alone (no provisioner recorded: a static
+/// volume); otherwise the CSI driver the recorded in-tree provisioner migrated to, or absent.
+pub fn wanted_migrated_to(anns: &BTreeMap<String, String>, claim: bool) -> Option<Option<&'static str>> {
+    let provisioner = if claim {
+        anns.get(ANN_STORAGE_PROVISIONER)
+            .or_else(|| anns.get(ANN_BETA_STORAGE_PROVISIONER))
+    } else {
+        anns.get(ANN_PROVISIONED_BY)
+    }?;
+    Some(migrated_driver(provisioner))
+}
+
+/// The edit that brings an object's migration marks in line: `migrated-to` as
+/// [`wanted_migrated_to`] says, and on a volume a CSI driver took over, no in-tree deletion
+/// finalizer (its external-provisioner deletes it; upstream's modifyDeletionFinalizers).
+fn migration_edit<K: ResourceExt>(target: Target, obj: &K, claim: bool) -> Option<Action> {
+    let mut set = BTreeMap::new();
+    let mut remove = Vec::new();
+    let mut drop_finalizers = Vec::new();
+    let have = ann(obj, ANN_MIGRATED_TO);
+    match wanted_migrated_to(obj.annotations(), claim) {
+        Some(Some(driver)) if have != Some(driver) => {
+            set.insert(ANN_MIGRATED_TO.to_string(), driver.to_string());
+        }
+        Some(None) if have.is_some() => remove.push(ANN_MIGRATED_TO.to_string()),
+        _ => {}
+    }
+    let migrated = !claim && matches!(wanted_migrated_to(obj.annotations(), claim), Some(Some(_)));
+    if migrated && obj.finalizers().iter().any(|f| f == FINALIZER_IN_TREE_PROTECTION) {
+        drop_finalizers.push(FINALIZER_IN_TREE_PROTECTION.to_string());
+    }
+    (!set.is_empty() || !remove.is_empty() || !drop_finalizers.is_empty()).then_some(Action::Annotate {
+        target,
+        set,
+        remove,
+        drop_finalizers,
+        op: "migration",
+    })
+}
+
 /// syncVolume: the actions that keep one PV's phase and reclaim in line with its claim.
-pub fn sync_volume(pv: &PersistentVolume, cache: &Cache, _env: &Env) -> Vec<Action> {
+pub fn sync_volume(pv: &PersistentVolume, cache: &Cache, env: &Env) -> Vec<Action> {
+    let mut out: Vec<Action> = migration_edit(Target::Volume(pv.name_any()), pv, false)
+        .into_iter()
+        .collect();
+    out.extend(sync_volume_phase(pv, cache, env));
+    out
+}
+
+fn sync_volume_phase(pv: &PersistentVolume, cache: &Cache, env: &Env) -> Vec<Action> {
     let name = pv.name_any();
     let mut out = Vec::new();
     let ours = csi_driver(pv) == Some(LOOP_DRIVER);
@@ -1003,7 +1165,7 @@ pub fn sync_volume(pv: &PersistentVolume, cache: &Cache, _env: &Env) -> Vec<Acti
             out.push(Action::Release { pv: name });
             return out;
         }
-        out.extend(reclaim(pv, cache));
+        out.extend(reclaim(pv, cache, env));
         return out;
     };
     let vol = claim_volume_name(claim);
@@ -1036,7 +1198,7 @@ pub fn sync_volume(pv: &PersistentVolume, cache: &Cache, _env: &Env) -> Vec<Acti
             });
             return out;
         }
-        out.extend(reclaim(pv, cache));
+        out.extend(reclaim(pv, cache, env));
         return out;
     }
     out.push(Action::Unbind { pv: name });
@@ -1044,23 +1206,85 @@ pub fn sync_volume(pv: &PersistentVolume, cache: &Cache, _env: &Env) -> Vec<Acti
 }
 
 /// reclaimVolume for a Released (or Failed) volume.
-fn reclaim(pv: &PersistentVolume, cache: &Cache) -> Vec<Action> {
+fn reclaim(pv: &PersistentVolume, cache: &Cache, env: &Env) -> Vec<Action> {
+    if migrated(pv) {
+        // A CSI driver took this in-tree volume over; its external-provisioner reclaims it.
+        return vec![];
+    }
     match reclaim_policy(pv) {
         "Retain" => vec![],
         "Delete" if csi_driver(pv) == Some(LOOP_DRIVER) => reclaim_loop(pv, cache),
-        // Other drivers' volumes are deleted by their external provisioner.
-        "Delete" => vec![],
-        "Recycle" => failed(
-            pv,
-            "VolumeFailedRecycle",
-            "recycling is not supported (the Recycle policy is deprecated upstream); delete and re-create the volume, or set the policy to Retain or Delete",
-        ),
+        "Delete" => match deleter(pv) {
+            // Other drivers' volumes are deleted by their external provisioner.
+            Deleter::External => vec![],
+            Deleter::Nobody(why) => failed(pv, "VolumeFailedDelete", &why),
+        },
+        "Recycle" => {
+            // Pods still using the old claim may still write to the volume: wait for them
+            // (only while no new claim of that name exists; those pods then use the new one).
+            let (ns, claim, _) = claim_ref(pv).unwrap_or_default();
+            let key = format!("{ns}/{claim}");
+            let pods = (env.pods_of)(&key);
+            if !pods.is_empty() && !cache.claims.contains_key(&key) {
+                let names: Vec<String> = pods.iter().map(|p| format!("{ns}/{}", p.name)).collect();
+                return vec![ev(
+                    Target::Volume(pv.name_any()),
+                    false,
+                    "VolumeFailedRecycle",
+                    format!("Volume is used by pods: {}", names.join(",")),
+                )];
+            }
+            failed(
+                pv,
+                "VolumeFailedRecycle",
+                "recycling is not supported (the Recycle policy is deprecated upstream); delete and re-create the volume, or set the policy to Retain or Delete",
+            )
+        }
         other => failed(
             pv,
             "VolumeUnknownReclaimPolicy",
             &format!("volume has unrecognized PersistentVolumeReclaimPolicy {other:?}"),
         ),
     }
+}
+
+/// Has a CSI driver taken this volume over (as its marks stand once [`migration_edit`] ran)?
+fn migrated(pv: &PersistentVolume) -> bool {
+    match wanted_migrated_to(pv.annotations(), false) {
+        Some(driver) => driver.is_some(),
+        None => has_ann(pv, ANN_MIGRATED_TO),
+    }
+}
+
+/// Who deletes a Released Delete-policy volume that is not the built-in driver's.
+#[derive(Debug, PartialEq, Eq)]
+enum Deleter {
+    /// An external provisioner (a CSI volume, or one an external provisioner made).
+    External,
+    /// Nobody: an in-tree volume (local, nfs, hostPath, …). stowage runs no in-tree deleters.
+    Nobody(String),
+}
+
+/// Upstream's findDeletablePlugin, without in-tree plugins: the provisioner recorded on the
+/// volume if it is external, else the CSI driver's provisioner; anything else has no deleter.
+fn deleter(pv: &PersistentVolume) -> Deleter {
+    match ann(pv, ANN_PROVISIONED_BY).filter(|p| !p.is_empty()) {
+        Some(p) if !p.starts_with("kubernetes.io/") => return Deleter::External,
+        Some(p) => {
+            return Deleter::Nobody(format!(
+                "error getting deleter volume plugin for volume {:?}: no deletable volume plugin matched name {p:?} (stowage runs no in-tree volume plugins); delete the volume's storage and the PersistentVolume by hand, or set the reclaim policy to Retain",
+                pv.name_any()
+            ));
+        }
+        None => {}
+    }
+    if pv.spec.as_ref().is_some_and(|s| s.csi.is_some()) {
+        return Deleter::External;
+    }
+    Deleter::Nobody(format!(
+        "error getting deleter volume plugin for volume {:?}: no deletable volume plugin matched (a volume made by hand has no deleter); delete its storage and the PersistentVolume by hand, or set the reclaim policy to Retain",
+        pv.name_any()
+    ))
 }
 
 /// Event reason for a Delete-policy volume of the built-in driver whose image is kept.

@@ -3,12 +3,12 @@
 //! concurrently, each object's writes in order, and their results come back to that task, which
 //! keeps the newest objects it has seen or written.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{ObjectReference, PersistentVolume, PersistentVolumeClaim};
+use k8s_openapi::api::core::v1::{ObjectReference, PersistentVolume, PersistentVolumeClaim, Pod};
 use k8s_openapi::api::storage::v1::StorageClass;
 use kube::api::{DeleteParams, PostParams};
 use kube::runtime::reflector::ObjectRef;
@@ -19,7 +19,7 @@ use stowage_common::inflight::{Landed, Window};
 use stowage_common::informer::{Change, strip_managed_fields};
 use tokio::time::Instant;
 
-use crate::core::{self, Action, Cache, Env, Event, Target};
+use crate::core::{self, Action, Cache, Env, Event, PodUse, Target};
 use crate::loopdev;
 use crate::metrics::Metrics;
 use crate::objects::*;
@@ -164,6 +164,8 @@ struct Brain {
     last_event: HashMap<Target, (&'static str, String)>,
     /// Consecutive failures (other than conflicts) per key, for the retry backoff.
     failing: HashMap<Key, u32>,
+    /// Which pods use which claim (delayed-binding events, Recycle waiting for pods).
+    pods: PodIndex,
     cluster: Arc<Cluster>,
     writer: Writer,
 }
@@ -174,6 +176,7 @@ pub async fn run(cluster: Arc<Cluster>, metrics: Metrics, config: Config) -> any
     let mut pv_feed = cluster.pvs.feed();
     let mut pvc_feed = cluster.pvcs.feed();
     let mut class_feed = cluster.classes.feed();
+    let mut pod_feed = cluster.pods.feed();
     let client = cluster.client.clone();
     let mut brain = Brain {
         window: Window::new(config.max_in_flight),
@@ -184,6 +187,7 @@ pub async fn run(cluster: Arc<Cluster>, metrics: Metrics, config: Config) -> any
         woken: HashSet::new(),
         last_event: HashMap::new(),
         failing: HashMap::new(),
+        pods: PodIndex::default(),
         writer: Writer {
             pvs: Api::all(client.clone()),
             events: Events::new(client.clone(), "stowage-binder"),
@@ -194,6 +198,7 @@ pub async fn run(cluster: Arc<Cluster>, metrics: Metrics, config: Config) -> any
         },
         cluster,
     };
+    brain.pods_resync();
     brain.resync();
     let mut resync = tokio::time::interval_at(Instant::now() + config.resync, config.resync);
     loop {
@@ -211,6 +216,11 @@ pub async fn run(cluster: Arc<Cluster>, metrics: Metrics, config: Config) -> any
                 Change::Applied(c) => brain.claim_seen(c),
                 Change::Deleted(c) => brain.claim_gone(&c),
                 Change::Resynced => brain.resync(),
+            },
+            r = pod_feed.next() => match r? {
+                Change::Applied(p) => brain.pod_seen(&p, false),
+                Change::Deleted(p) => brain.pod_seen(&p, true),
+                Change::Resynced => brain.pods_resync(),
             },
             // A new or changed class can unblock claims waiting for it.
             r = class_feed.next() => { r?; brain.wake_pending_claims() }
@@ -351,6 +361,27 @@ impl Brain {
         }
     }
 
+    /// Indexes a pod's claims; a change wakes what waits on pods: an unbound claim (its
+    /// WaitForPodScheduled event) and a volume still naming the claim (Recycle waits for pods).
+    fn pod_seen(&mut self, pod: &Pod, gone: bool) {
+        for claim in self.pods.update(pod, gone) {
+            if self.unbound.contains_key(&claim) {
+                self.queue.add(Key::Claim(claim.clone()));
+            }
+            let pvs: Vec<String> = self.cache.index.prebound_to(&claim).map(String::from).collect();
+            for pv in pvs {
+                self.queue.add(Key::Volume(pv));
+            }
+        }
+    }
+
+    fn pods_resync(&mut self) {
+        self.pods = PodIndex::default();
+        for p in self.cluster.pods.store().state() {
+            self.pods.update(&p, false);
+        }
+    }
+
     /// Keeps the index of unbound claims by class in step with the cache.
     fn track_claim(&mut self, key: &str, claim: Option<&PersistentVolumeClaim>) {
         if let Some(old) = self.unbound.remove(key)
@@ -418,10 +449,13 @@ impl Brain {
         let nodes = self.cluster.nodes.store().clone();
         let class_fn = |name: &str| classes.get(&ObjectRef::new(name));
         let node_fn = |name: &str| nodes.get(&ObjectRef::new(name)).map(|n| n.labels().clone());
+        let pods = &self.pods;
+        let pods_fn = |claim: &str| pods.of(claim);
         let env = Env {
             class: &class_fn,
             default_class,
             node_labels: &node_fn,
+            pods_of: &pods_fn,
         };
         let timer = self
             .writer
@@ -451,16 +485,23 @@ impl Brain {
     /// Handles the in-memory actions here and hands the API writes to a task of their own.
     fn execute(&mut self, key: Key, actions: Vec<Action>) {
         let mut writes = Vec::new();
+        let mut retry = None;
         for a in actions {
             match a {
                 Action::WakeClaim(k) => self.queue.add(Key::Claim(k)),
                 Action::Event(e) => self.event(e),
+                Action::RetryLater { why } => retry = Some(why),
                 other => writes.push(other),
             }
         }
         if writes.is_empty() {
-            self.queue.forget(&key);
-            self.failing.remove(&key);
+            match retry {
+                Some(why) => self.backoff(key, "Invalid", &why, Instant::now()),
+                None => {
+                    self.queue.forget(&key);
+                    self.failing.remove(&key);
+                }
+            }
             return;
         }
         // Claim to reserve, objects as the cache has them now.
@@ -539,6 +580,29 @@ impl Brain {
         })
     }
 
+    /// Counts a failed sync and retries its key: conflicts at the queue's quick pace (they pass
+    /// once the cache catches up), anything else with the failure backoff.
+    fn backoff(&mut self, key: Key, category: &'static str, msg: &str, now: Instant) {
+        self.writer
+            .metrics
+            .errors
+            .with_label_values(&[key.kind(), category])
+            .inc();
+        let delay = if category == "Conflict" {
+            self.queue.retry(key.clone(), now)
+        } else {
+            let n = self.failing.entry(key.clone()).or_insert(0);
+            let delay = failure_backoff(*n);
+            *n = n.saturating_add(1);
+            self.queue.add_at(key.clone(), now + delay);
+            delay
+        };
+        tracing::debug!(?key, %msg, ?delay, "sync failed, retrying");
+        if category != "Conflict" {
+            tracing::warn!(?key, error = %msg, "binder sync failed");
+        }
+    }
+
     /// Takes a batch's results: newest objects into the cache, reservation released, and the
     /// key requeued — at once if it changed meanwhile, with backoff if the batch failed.
     fn finish(&mut self, landed: Landed<Key, Done>) {
@@ -584,26 +648,7 @@ impl Brain {
             self.send_event(e, reference);
         }
         match done.error {
-            Some((category, msg)) => {
-                self.writer
-                    .metrics
-                    .errors
-                    .with_label_values(&[done.key.kind(), category])
-                    .inc();
-                let delay = if category == "Conflict" {
-                    self.queue.retry(done.key.clone(), now)
-                } else {
-                    let n = self.failing.entry(done.key.clone()).or_insert(0);
-                    let delay = failure_backoff(*n);
-                    *n = n.saturating_add(1);
-                    self.queue.add_at(done.key.clone(), now + delay);
-                    delay
-                };
-                tracing::debug!(key = ?done.key, %msg, ?delay, "sync failed, retrying");
-                if category != "Conflict" {
-                    tracing::warn!(key = ?done.key, error = %msg, "binder write failed");
-                }
-            }
+            Some((category, msg)) => self.backoff(done.key, category, &msg, now),
             None => {
                 self.queue.forget(&done.key);
                 self.failing.remove(&done.key);
@@ -613,6 +658,21 @@ impl Brain {
             }
         }
     }
+}
+
+/// Applies an `Action::Annotate` to an object's metadata.
+fn edit_metadata<K: ResourceExt>(
+    o: &mut K,
+    set: &BTreeMap<String, String>,
+    remove: &[String],
+    drop: &[String],
+) {
+    let anns = o.annotations_mut();
+    for k in remove {
+        anns.remove(k);
+    }
+    anns.extend(set.iter().map(|(k, v)| (k.clone(), v.clone())));
+    o.finalizers_mut().retain(|f| !drop.contains(f));
 }
 
 /// An event about the claim `reference` names.
@@ -666,6 +726,74 @@ fn claim_of(pv: &PersistentVolume) -> Option<ObjectReference> {
         uid: (!uid.is_empty()).then(|| uid.into()),
         ..Default::default()
     })
+}
+
+/// Claim key → the pods (not terminated) that use it, and back.
+#[derive(Default)]
+struct PodIndex {
+    by_claim: HashMap<String, BTreeMap<String, bool>>,
+    by_pod: HashMap<String, Vec<String>>,
+}
+
+impl PodIndex {
+    fn of(&self, claim: &str) -> Vec<PodUse> {
+        self.by_claim
+            .get(claim)
+            .into_iter()
+            .flatten()
+            .map(|(name, scheduled)| PodUse {
+                name: name.clone(),
+                scheduled: *scheduled,
+            })
+            .collect()
+    }
+
+    /// Records `pod` (or its removal); returns the claims whose pods changed.
+    fn update(&mut self, pod: &Pod, gone: bool) -> Vec<String> {
+        let ns = pod.namespace().unwrap_or_default();
+        let name = pod.name_any();
+        let pod_key = format!("{ns}/{name}");
+        let scheduled = pod
+            .spec
+            .as_ref()
+            .and_then(|s| s.node_name.as_deref())
+            .is_some_and(|n| !n.is_empty());
+        let now: Vec<String> = if gone || stowage_common::objects::pod_terminated(pod) {
+            vec![]
+        } else {
+            stowage_common::objects::pod_claims(pod)
+                .into_iter()
+                .map(|c| format!("{ns}/{}", c.claim))
+                .collect()
+        };
+        let before = self.by_pod.remove(&pod_key).unwrap_or_default();
+        let mut changed = Vec::new();
+        for c in &before {
+            if !now.contains(c)
+                && let Some(m) = self.by_claim.get_mut(c)
+            {
+                m.remove(&name);
+                if m.is_empty() {
+                    self.by_claim.remove(c);
+                }
+                changed.push(c.clone());
+            }
+        }
+        for c in &now {
+            let old = self
+                .by_claim
+                .entry(c.clone())
+                .or_default()
+                .insert(name.clone(), scheduled);
+            if old != Some(scheduled) {
+                changed.push(c.clone());
+            }
+        }
+        if !now.is_empty() {
+            self.by_pod.insert(pod_key, now);
+        }
+        changed
+    }
 }
 
 /// Retry delay after `n` earlier consecutive failures that are not conflicts (an image that
@@ -735,7 +863,15 @@ impl Snapshot {
                 | Action::SetProvisioner { claim, .. }
                 | Action::SetDefaultClass { claim, .. }
                 | Action::ProvisionLoop { claim, .. } => claim_names.push(claim.clone()),
-                Action::WakeClaim(_) | Action::Event(_) => {}
+                Action::Annotate {
+                    target: Target::Volume(p),
+                    ..
+                } => pv(p),
+                Action::Annotate {
+                    target: Target::Claim(claim),
+                    ..
+                } => claim_names.push(claim.clone()),
+                Action::WakeClaim(_) | Action::Event(_) | Action::RetryLater { .. } => {}
             }
         }
         for c in claim_names {
@@ -925,7 +1061,29 @@ impl Writer {
                         .await?,
                 );
             }
-            Action::WakeClaim(_) | Action::Event(_) => {}
+            Action::Annotate {
+                target,
+                set,
+                remove,
+                drop_finalizers,
+                op,
+            } => match target {
+                Target::Claim(claim) => {
+                    let Some(mut c) = Self::claim(snap, done, claim) else {
+                        return Ok(());
+                    };
+                    edit_metadata(&mut c, set, remove, drop_finalizers);
+                    done.claims.push(self.writes().replace_claim(&c, op).await?);
+                }
+                Target::Volume(pv) => {
+                    let Some(mut v) = Self::pv(snap, done, pv) else {
+                        return Ok(());
+                    };
+                    edit_metadata(&mut v, set, remove, drop_finalizers);
+                    done.pvs.push(self.writes().replace_pv(&v, op).await?);
+                }
+            },
+            Action::WakeClaim(_) | Action::Event(_) | Action::RetryLater { .. } => {}
         }
         Ok(())
     }

@@ -127,11 +127,16 @@ fn no_node(_: &str) -> Option<BTreeMap<String, String>> {
     None
 }
 
+fn no_pods(_: &str) -> Vec<crate::core::PodUse> {
+    vec![]
+}
+
 fn env() -> Env<'static> {
     Env {
         class: &no_class,
         default_class: None,
         node_labels: &no_node,
+        pods_of: &no_pods,
     }
 }
 

@@ -620,3 +620,113 @@ async fn fifty_claims_race_for_ten_volumes() {
         Some(10.0)
     );
 }
+
+#[tokio::test]
+async fn in_tree_classes_and_volumes_are_handed_to_their_csi_drivers() {
+    let h = Harness::start().await;
+    h.namespace("app").await;
+    // A cluster whose default class is the in-tree gp2 (issue: every claim stayed Pending).
+    h.create::<StorageClass>(storage_class("gp2", "kubernetes.io/aws-ebs").build())
+        .await;
+    h.create_pvc(pvc("app", "c").class("gp2").build()).await;
+    let note = h.event("c", "ExternalProvisioning").await;
+    assert!(note.contains("'ebs.csi.aws.com'"), "{note}");
+    let c = h
+        .claim_until(
+            "app",
+            "c",
+            "the CSI driver's storage-provisioner annotations",
+            |c| {
+                let a = anns(c);
+                a.get("volume.kubernetes.io/storage-provisioner")
+                    .is_some_and(|p| p == "ebs.csi.aws.com")
+                    && a.get("volume.beta.kubernetes.io/storage-provisioner")
+                        .is_some_and(|p| p == "ebs.csi.aws.com")
+            },
+        )
+        .await;
+    assert!(h.events(Some("app"), "c", "ProvisioningFailed").await.is_empty());
+    assert_eq!(c.status.unwrap().phase.as_deref(), Some("Pending"));
+
+    // A volume the in-tree plugin made before, still carrying its in-tree deletion finalizer.
+    let mut made = pv("pvc-old")
+        .class("gp2")
+        .reclaim("Delete")
+        .driver("ebs.csi.aws.com", "vol-0abc")
+        .build();
+    made.metadata.annotations = Some(BTreeMap::from([(
+        "pv.kubernetes.io/provisioned-by".into(),
+        "kubernetes.io/aws-ebs".into(),
+    )]));
+    made.metadata.finalizers = Some(vec!["kubernetes.io/pv-controller".into()]);
+    h.create_pv(made).await;
+    stowage_testkit::eventually(WAIT, || async {
+        let v = h.pvs().get("pvc-old").await.unwrap();
+        let marked = anns(&v)
+            .get("pv.kubernetes.io/migrated-to")
+            .is_some_and(|d| d == "ebs.csi.aws.com");
+        let guarded = v.finalizers().iter().any(|f| f == "kubernetes.io/pv-controller");
+        if marked && !guarded {
+            Ok(())
+        } else {
+            Err(format!("migrated-to {marked}, in-tree finalizer {guarded}"))
+        }
+    })
+    .await;
+    // Binding is unaffected: the claim still waiting in that class takes the volume.
+    h.volume_phase("pvc-old", "Bound").await;
+}
+
+#[tokio::test]
+async fn a_delayed_claim_says_which_pod_it_waits_for() {
+    let h = Harness::start().await;
+    h.namespace("app").await;
+    h.create::<StorageClass>(
+        storage_class("late", "example.com/external")
+            .wait_for_first_consumer()
+            .build(),
+    )
+    .await;
+    h.create_pvc(pvc("app", "w").class("late").build()).await;
+    h.event("w", "WaitForFirstConsumer").await;
+    // A consumer appears, not yet scheduled: the claim names it.
+    h.pods("app")
+        .create(
+            &Default::default(),
+            &stowage_testkit::builders::pod("app", "web-0")
+                .claim("data", "w")
+                .build(),
+        )
+        .await
+        .unwrap();
+    let note = h.event("w", "WaitForPodScheduled").await;
+    assert_eq!(note, "waiting for pod web-0 to be scheduled");
+}
+
+#[tokio::test]
+async fn a_released_hand_made_delete_volume_nobody_can_delete_is_failed() {
+    let h = Harness::start().await;
+    h.namespace("app").await;
+    let mut hp = pv("hp").reclaim("Delete").claim_ref("app", "gone", "").build();
+    let spec = hp.spec.as_mut().unwrap();
+    spec.csi = None;
+    spec.host_path = Some(k8s_openapi::api::core::v1::HostPathVolumeSource {
+        path: "/srv/data".into(),
+        type_: None,
+    });
+    h.create_pv(hp).await;
+    h.create_pvc(pvc("app", "gone").class("").build()).await;
+    h.claim_phase("app", "gone", "Bound").await;
+    h.delete_claim("app", "gone").await;
+    let v = h.volume_phase("hp", "Failed").await;
+    let note = h.event("hp", "VolumeFailedDelete").await;
+    assert!(note.contains("no deletable volume plugin matched"), "{note}");
+    assert!(
+        v.status
+            .unwrap()
+            .message
+            .unwrap_or_default()
+            .contains("no deletable volume plugin"),
+        "the reason is on the volume too"
+    );
+}

@@ -72,6 +72,31 @@ pub fn pod_claims(pod: &Pod) -> Vec<PodClaim> {
         .collect()
 }
 
+/// Has the pod finished for good (upstream's `util.IsPodTerminated`): Succeeded or Failed, or
+/// being deleted with no container running (every status terminated or waiting, or none).
+pub fn pod_terminated(pod: &Pod) -> bool {
+    let status = pod.status.as_ref();
+    if matches!(
+        status.and_then(|s| s.phase.as_deref()),
+        Some("Succeeded" | "Failed")
+    ) {
+        return true;
+    }
+    if pod.metadata.deletion_timestamp.is_none() {
+        return false;
+    }
+    let not_running = |list: Option<&Vec<k8s_openapi::api::core::v1::ContainerStatus>>| {
+        list.into_iter()
+            .flatten()
+            .all(|c| c.state.as_ref().is_none_or(|s| s.running.is_none()))
+    };
+    status.is_none_or(|s| {
+        not_running(s.init_container_statuses.as_ref())
+            && not_running(s.container_statuses.as_ref())
+            && not_running(s.ephemeral_container_statuses.as_ref())
+    })
+}
+
 /// Is `claim` controlled by `pod` (an ownerReference with `controller: true` and the pod's UID)?
 pub fn claim_is_for_pod(pod: &Pod, claim: &PersistentVolumeClaim) -> bool {
     let Some(uid) = pod.metadata.uid.as_deref().filter(|u| !u.is_empty()) else {

@@ -24,6 +24,26 @@ pub const ANN_IMAGE_PENDING: &str = "loop.stowage.dev/image-pending";
 /// Held on Delete-policy volumes of the built-in driver until their image is removed.
 pub const FINALIZER_LOOP_DELETER: &str = "loop.stowage.dev/deleter";
 
+/// On a PV or claim made for an in-tree plugin whose volumes a CSI driver now serves: that driver.
+pub const ANN_MIGRATED_TO: &str = "pv.kubernetes.io/migrated-to";
+/// Upstream's in-tree deletion guard; never needed on a volume a CSI driver has taken over.
+pub const FINALIZER_IN_TREE_PROTECTION: &str = "kubernetes.io/pv-controller";
+
+/// The CSI driver that serves an in-tree plugin's volumes since CSI migration went GA (the
+/// table of csi-translation-lib; every entry is migrated unconditionally in v1.36).
+pub fn migrated_driver(in_tree: &str) -> Option<&'static str> {
+    Some(match in_tree {
+        "kubernetes.io/aws-ebs" => "ebs.csi.aws.com",
+        "kubernetes.io/gce-pd" => "pd.csi.storage.gke.io",
+        "kubernetes.io/azure-disk" => "disk.csi.azure.com",
+        "kubernetes.io/azure-file" => "file.csi.azure.com",
+        "kubernetes.io/cinder" => "cinder.csi.openstack.org",
+        "kubernetes.io/vsphere-volume" => "csi.vsphere.vmware.com",
+        "kubernetes.io/portworx-volume" => "pxd.portworx.com",
+        _ => return None,
+    })
+}
+
 /// The built-in driver.
 pub use stowage_loopdriver::DRIVER as LOOP_DRIVER;
 /// A handle that names a file directly inside the image dir (the driver's one rule).

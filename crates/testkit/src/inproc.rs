@@ -98,6 +98,10 @@ impl InProcess {
         Api::namespaced(self.client.clone(), ns)
     }
 
+    pub fn pods(&self, ns: &str) -> Api<k8s_openapi::api::core::v1::Pod> {
+        Api::namespaced(self.client.clone(), ns)
+    }
+
     pub async fn create_pv(&self, pv: PersistentVolume) -> PersistentVolume {
         self.pvs().create(&PostParams::default(), &pv).await.unwrap()
     }
