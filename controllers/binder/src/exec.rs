@@ -181,7 +181,7 @@ pub async fn run(cluster: Arc<Cluster>, metrics: Metrics, config: Config) -> any
     let mut brain = Brain {
         window: Window::new(config.max_in_flight),
         cache: Cache::default(),
-        queue: WorkQueue::default(),
+        queue: WorkQueue::default().named("binder"),
         unbound: HashMap::new(),
         unbound_by_class: HashMap::new(),
         woken: HashSet::new(),
@@ -203,6 +203,7 @@ pub async fn run(cluster: Arc<Cluster>, metrics: Metrics, config: Config) -> any
     let mut resync = tokio::time::interval_at(Instant::now() + config.resync, config.resync);
     loop {
         brain.writer.metrics.queue_depth.set(brain.queue.len() as i64);
+        brain.queue.report(Instant::now());
         let next_due = brain.queue.next_due();
         tokio::select! {
             biased;
@@ -466,11 +467,11 @@ impl Brain {
         let actions = match &key {
             Key::Claim(k) => match self.cache.claims.get(k) {
                 Some(c) => core::sync_claim(c, &self.cache, &env),
-                None => return,
+                None => vec![],
             },
             Key::Volume(n) => match self.cache.pvs.get(n) {
                 Some(pv) => core::sync_volume(pv, &self.cache, &env),
-                None => return,
+                None => vec![],
             },
         };
         timer.observe_duration();
@@ -594,7 +595,7 @@ impl Brain {
             let n = self.failing.entry(key.clone()).or_insert(0);
             let delay = failure_backoff(*n);
             *n = n.saturating_add(1);
-            self.queue.add_at(key.clone(), now + delay);
+            self.queue.retry_at(key.clone(), now, now + delay);
             delay
         };
         tracing::debug!(?key, %msg, ?delay, "sync failed, retrying");

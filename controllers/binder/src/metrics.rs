@@ -11,7 +11,8 @@ use prometheus::proto::MetricFamily;
 use prometheus::{Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, Opts, Registry};
 use stowage_common::metrics::register;
 
-use crate::objects::{claim_class, claim_phase, pv_class, pv_phase};
+use crate::objects::{claim_class, claim_phase, claim_vac, pv_block, pv_class, pv_phase};
+use kube::ResourceExt;
 
 /// The stores of the current leadership term, read at scrape time.
 type SharedStores = Arc<RwLock<Option<(Store<PersistentVolume>, Store<PersistentVolumeClaim>)>>>;
@@ -170,27 +171,98 @@ struct Inventory {
 }
 
 impl Inventory {
-    fn opts() -> [Opts; 2] {
+    /// Our gauges, then kube-controller-manager's `pv_collector_*` under its names and labels,
+    /// so a KCM dashboard keeps working after the switch (docs/metrics.md maps them).
+    fn opts() -> [(Opts, &'static [&'static str]); 7] {
+        let pv_class: &'static [&'static str] = &["storage_class"];
+        let pvc_dims: &'static [&'static str] = &["namespace", "storage_class", "volume_attributes_class"];
         [
-            Opts::new(
-                "stowage_persistentvolumes",
-                "PersistentVolumes by phase and storage class.",
-            )
-            .variable_labels(vec!["phase".into(), "storage_class".into()]),
-            Opts::new(
-                "stowage_persistentvolumeclaims",
-                "PersistentVolumeClaims by phase and storage class.",
-            )
-            .variable_labels(vec!["phase".into(), "storage_class".into()]),
+            (
+                Opts::new(
+                    "stowage_persistentvolumes",
+                    "PersistentVolumes by phase and storage class.",
+                ),
+                &["phase", "storage_class"],
+            ),
+            (
+                Opts::new(
+                    "stowage_persistentvolumeclaims",
+                    "PersistentVolumeClaims by phase and storage class.",
+                ),
+                &["phase", "storage_class"],
+            ),
+            (
+                Opts::new(
+                    "pv_collector_bound_pv_count",
+                    "PersistentVolumes that are Bound (KCM's gauge).",
+                ),
+                pv_class,
+            ),
+            (
+                Opts::new(
+                    "pv_collector_unbound_pv_count",
+                    "PersistentVolumes that are not Bound (KCM's gauge).",
+                ),
+                pv_class,
+            ),
+            (
+                Opts::new(
+                    "pv_collector_bound_pvc_count",
+                    "PersistentVolumeClaims that are Bound (KCM's gauge).",
+                ),
+                pvc_dims,
+            ),
+            (
+                Opts::new(
+                    "pv_collector_unbound_pvc_count",
+                    "PersistentVolumeClaims that are not Bound (KCM's gauge).",
+                ),
+                pvc_dims,
+            ),
+            (
+                Opts::new(
+                    "pv_collector_total_pv_count",
+                    "PersistentVolumes by volume plugin and volume mode (KCM's gauge).",
+                ),
+                &["plugin_name", "volume_mode"],
+            ),
         ]
     }
 
     fn descs() -> Vec<Desc> {
         Self::opts()
             .into_iter()
-            .map(|o| o.describe().expect("static metric definition"))
+            .map(|(o, labels)| {
+                o.variable_labels(labels.iter().map(|l| l.to_string()).collect())
+                    .describe()
+                    .expect("static metric definition")
+            })
             .collect()
     }
+}
+
+/// The plugin name KCM reports for a volume (`kubernetes.io/csi:<driver>` for CSI).
+fn plugin_name(pv: &PersistentVolume) -> String {
+    let Some(spec) = pv.spec.as_ref() else {
+        return "N/A".into();
+    };
+    if let Some(csi) = &spec.csi {
+        return format!("kubernetes.io/csi:{}", csi.driver);
+    }
+    let name = if spec.host_path.is_some() {
+        "kubernetes.io/host-path"
+    } else if spec.local.is_some() {
+        "kubernetes.io/local-volume"
+    } else if spec.nfs.is_some() {
+        "kubernetes.io/nfs"
+    } else if spec.fc.is_some() {
+        "kubernetes.io/fc"
+    } else if spec.iscsi.is_some() {
+        "kubernetes.io/iscsi"
+    } else {
+        "N/A"
+    };
+    name.into()
 }
 
 impl Collector for Inventory {
@@ -199,28 +271,36 @@ impl Collector for Inventory {
     }
 
     fn collect(&self) -> Vec<MetricFamily> {
+        type Counts = BTreeMap<Vec<String>, i64>;
         let guard = self.stores.read().unwrap_or_else(|p| p.into_inner());
-        let mut pv_counts: BTreeMap<(String, String), i64> = BTreeMap::new();
-        let mut pvc_counts: BTreeMap<(String, String), i64> = BTreeMap::new();
+        // One map per family, in the order of `opts`.
+        let mut counts: [Counts; 7] = Default::default();
+        let mut bump = |i: usize, labels: Vec<String>| *counts[i].entry(labels).or_default() += 1;
         if let Some((pvs, pvcs)) = guard.as_ref() {
             for pv in pvs.state() {
-                *pv_counts
-                    .entry((pv_phase(&pv).into(), pv_class(&pv).into()))
-                    .or_default() += 1;
+                let class = pv_class(&pv).to_string();
+                bump(0, vec![pv_phase(&pv).into(), class.clone()]);
+                bump(if pv_phase(&pv) == "Bound" { 2 } else { 3 }, vec![class]);
+                let mode = if pv_block(&pv) { "Block" } else { "Filesystem" };
+                bump(6, vec![plugin_name(&pv), mode.into()]);
             }
             for c in pvcs.state() {
-                *pvc_counts
-                    .entry((claim_phase(&c).into(), claim_class(&c).unwrap_or("").into()))
-                    .or_default() += 1;
+                let class = claim_class(&c).unwrap_or("").to_string();
+                bump(1, vec![claim_phase(&c).into(), class.clone()]);
+                let vac = claim_vac(&c).to_string();
+                let ns = c.namespace().unwrap_or_default();
+                bump(
+                    if claim_phase(&c) == "Bound" { 4 } else { 5 },
+                    vec![ns, class, vac],
+                );
             }
         }
-        let [pv_opts, pvc_opts] = Self::opts();
         let mut out = Vec::new();
-        for (opts, counts) in [(pv_opts, pv_counts), (pvc_opts, pvc_counts)] {
-            let g = prometheus::IntGaugeVec::new(opts, &["phase", "storage_class"])
-                .expect("static metric definition");
-            for ((phase, class), n) in counts {
-                g.with_label_values(&[phase.as_str(), class.as_str()]).set(n);
+        for ((opts, labels), counts) in Self::opts().into_iter().zip(counts) {
+            let g = prometheus::IntGaugeVec::new(opts, labels).expect("static metric definition");
+            for (values, n) in counts {
+                let v: Vec<&str> = values.iter().map(String::as_str).collect();
+                g.with_label_values(&v).set(n);
             }
             out.extend(g.collect());
         }

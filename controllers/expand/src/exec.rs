@@ -136,7 +136,7 @@ pub async fn run(cluster: Arc<Cluster>, metrics: Metrics, config: Config) -> any
     let client = cluster.client.clone();
     let mut brain = Brain {
         window: Window::new(config.max_in_flight),
-        queue: WorkQueue::default(),
+        queue: WorkQueue::default().named("volume_expand"),
         claims: HashMap::new(),
         pvs: HashMap::new(),
         resizing: HashMap::new(),
@@ -154,6 +154,7 @@ pub async fn run(cluster: Arc<Cluster>, metrics: Metrics, config: Config) -> any
     let mut resync = tokio::time::interval_at(Instant::now() + config.resync, config.resync);
     loop {
         brain.worker.metrics.queue_depth.set(brain.queue.len() as i64);
+        brain.queue.report(Instant::now());
         brain.worker.metrics.in_progress.set(brain.resizing.len() as i64);
         let next_due = brain.queue.next_due();
         tokio::select! {
@@ -350,6 +351,7 @@ impl Brain {
             return;
         }
         let Some(claim) = self.claim(&key) else {
+            self.queue.forget(&key);
             return;
         };
         let pv = Some(claim_volume_name(&claim))

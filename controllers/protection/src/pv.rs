@@ -41,7 +41,8 @@ pub async fn run_pv_protection(cluster: Arc<Cluster>, metrics: Metrics) -> anyho
         queue: WorkQueue::with_backoff(
             std::time::Duration::from_millis(10),
             std::time::Duration::from_secs(120),
-        ),
+        )
+        .named("pvprotection"),
         waiting: HashSet::new(),
     };
     c.resync();
@@ -54,6 +55,7 @@ pub async fn run_pv_protection(cluster: Arc<Cluster>, metrics: Metrics) -> anyho
             .queue_depth
             .with_label_values(&[metrics::PV_CONTROLLER])
             .set(c.queue.len() as i64);
+        c.queue.report(Instant::now());
         if let Some(name) = c.queue.pop(Instant::now()) {
             c.sync(name).await;
             continue;

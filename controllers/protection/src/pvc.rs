@@ -74,7 +74,8 @@ pub async fn run_pvc_protection(cluster: Arc<Cluster>, metrics: Metrics) -> anyh
         queue: WorkQueue::with_backoff(
             std::time::Duration::from_millis(10),
             std::time::Duration::from_secs(120),
-        ),
+        )
+        .named("pvcprotection"),
         index: PodsByClaim::default(),
         waiting: HashMap::new(),
     };
@@ -94,6 +95,7 @@ pub async fn run_pvc_protection(cluster: Arc<Cluster>, metrics: Metrics) -> anyh
             .queue_depth
             .with_label_values(&[metrics::PVC_CONTROLLER])
             .set(c.queue.len() as i64);
+        c.queue.report(Instant::now());
         if let Some(key) = c.queue.pop(Instant::now()) {
             c.sync(key).await;
             continue;

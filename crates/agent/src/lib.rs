@@ -48,6 +48,8 @@ use tokio::task::JoinSet;
 pub struct Args {
     #[command(flatten)]
     pub api: ApiArgs,
+    #[command(flatten)]
+    pub log: stowage_common::logging::LogArgs,
     /// Name of the Node this agent serves.
     #[arg(long, env = "NODE_NAME")]
     pub node_name: String,

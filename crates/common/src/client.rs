@@ -9,6 +9,7 @@ use kube::client::ClientBuilder;
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Client, Config};
 
+use crate::clientmetrics::MetricsLayer;
 use crate::ratelimit::RateLimitLayer;
 
 /// The API connection flags shared by both binaries.
@@ -60,10 +61,19 @@ impl ApiArgs {
     }
 }
 
-/// Builds a client whose every request passes the token bucket.
+/// Builds a client whose every request passes the token bucket and is counted in the
+/// `rest_client_*` metrics.
 pub fn build(config: Config, qps: f32, burst: u32) -> anyhow::Result<Client> {
+    let host = config
+        .cluster_url
+        .authority()
+        .map(|a| a.to_string())
+        .unwrap_or_default();
     let builder = ClientBuilder::try_from(config).context("cannot build an API client")?;
-    Ok(builder.with_layer(&RateLimitLayer::new(qps, burst)).build())
+    Ok(builder
+        .with_layer(&MetricsLayer::new(host.clone()))
+        .with_layer(&RateLimitLayer::for_host(qps, burst, &host))
+        .build())
 }
 
 /// Asks the apiserver for its version until it answers or `limit` passes.

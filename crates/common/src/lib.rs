@@ -1,6 +1,7 @@
 //! Plumbing shared by `stowage-controller` and `stowage-agent`.
 
 pub mod client;
+pub mod clientmetrics;
 pub mod cluster;
 pub mod events;
 pub mod inflight;

@@ -1,12 +1,64 @@
-//! Log set-up: human-readable lines on stderr, filtered by `RUST_LOG` (default `info`).
+//! Log set-up shared by both binaries: lines on stderr (stdout stays free for output a user
+//! asked for), colour only on a terminal, text or JSON, and a kube-controller-manager-style
+//! verbosity (`--v`) unless `RUST_LOG` says more precisely what to show.
+
+use std::io::IsTerminal;
 
 use tracing_subscriber::EnvFilter;
 
-pub fn init() {
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    // A second init (tests that run binaries' mains in-process) is harmless.
-    let _ = tracing_subscriber::fmt()
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Format {
+    /// One human-readable line per event.
+    Text,
+    /// One JSON object per line (timestamp, level, fields, spans) for log pipelines.
+    Json,
+}
+
+/// The logging flags of both binaries.
+#[derive(Debug, Clone, clap::Args)]
+pub struct LogArgs {
+    /// Log line format (kube-controller-manager's --logging-format).
+    #[arg(long, value_enum, default_value_t = Format::Text)]
+    pub log_format: Format,
+    /// Verbosity as klog counts it: 0-2 info, 3-4 debug, 5 and more trace. `RUST_LOG`, when
+    /// set, wins (it can also pick modules: `RUST_LOG=stowage_binder=debug`).
+    #[arg(short = 'v', long = "v", default_value_t = 2, value_name = "LEVEL")]
+    pub verbosity: u8,
+}
+
+impl Default for LogArgs {
+    fn default() -> Self {
+        Self {
+            log_format: Format::Text,
+            verbosity: 2,
+        }
+    }
+}
+
+/// The filter `--v` stands for.
+pub fn level(verbosity: u8) -> &'static str {
+    match verbosity {
+        0..=2 => "info",
+        3..=4 => "debug",
+        _ => "trace",
+    }
+}
+
+/// Installs the process's subscriber. A second call (tests that run several binaries' mains in
+/// one process) keeps the first.
+pub fn init(args: &LogArgs) {
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(level(args.verbosity)));
+    let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_target(false)
-        .try_init();
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal());
+    let _ = match args.log_format {
+        Format::Text => builder.with_target(false).try_init(),
+        // Targets (the crate: stowage_binder, …) help pipelines filter by controller.
+        Format::Json => builder
+            .json()
+            .with_current_span(true)
+            .with_span_list(false)
+            .try_init(),
+    };
 }

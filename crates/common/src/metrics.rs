@@ -15,6 +15,8 @@ pub fn registry(binary: &str) -> Registry {
         .set(1);
     register(&registry, info);
     register(&registry, crate::events::EVENTS_TOTAL.clone());
+    crate::queue::FAMILIES.register(&registry);
+    crate::clientmetrics::FAMILIES.register(&registry);
     #[cfg(target_os = "linux")]
     registry
         .register(Box::new(
@@ -24,15 +26,57 @@ pub fn registry(binary: &str) -> Registry {
     registry
 }
 
-/// `stowage_leader`: 1 while this replica holds the lease.
-pub fn leader_gauge(registry: &Registry) -> IntGauge {
-    let g = IntGauge::new(
+/// Leadership as seen by dashboards: `stowage_leader` (1 while this replica holds the lease),
+/// client-go's `leader_election_master_status{name}` (the same, under the lease's name, as
+/// kube-controller-manager exports it) and `stowage_leader_transitions_total` (times this
+/// replica became leader; a rate above zero across replicas means leadership flaps).
+#[derive(Clone)]
+pub struct Leader {
+    ours: IntGauge,
+    client_go: IntGauge,
+    transitions: prometheus::IntCounter,
+}
+
+impl Leader {
+    pub fn set(&self, leading: bool) {
+        if leading && self.ours.get() == 0 {
+            self.transitions.inc();
+        }
+        self.ours.set(i64::from(leading));
+        self.client_go.set(i64::from(leading));
+    }
+}
+
+/// Registers the leadership metrics for the lease `name`.
+pub fn leader_metrics(registry: &Registry, name: &str) -> Leader {
+    let ours = IntGauge::new(
         "stowage_leader",
         "1 while this replica holds the leader lease, else 0.",
     )
     .expect("static metric definition");
-    register(registry, g.clone());
-    g
+    let status = IntGaugeVec::new(
+        Opts::new(
+            "leader_election_master_status",
+            "1 while this replica is the leader of the lease `name`, else 0 (client-go's gauge).",
+        ),
+        &["name"],
+    )
+    .expect("static metric definition");
+    let transitions = prometheus::IntCounter::new(
+        "stowage_leader_transitions_total",
+        "Times this replica became leader.",
+    )
+    .expect("static metric definition");
+    register(registry, ours.clone());
+    register(registry, status.clone());
+    register(registry, transitions.clone());
+    let client_go = status.with_label_values(&[name]);
+    client_go.set(0);
+    Leader {
+        ours,
+        client_go,
+        transitions,
+    }
 }
 
 /// Registers a collector; a duplicate name is a programming error caught by every test run.

@@ -5,9 +5,120 @@
 
 use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::hash::Hash;
+use std::sync::LazyLock;
 use std::time::Duration;
 
+use prometheus::{GaugeVec, IntGaugeVec};
+use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, Opts};
 use tokio::time::Instant;
+
+/// The work-queue families, process-wide (several controllers' queues share them by `name`);
+/// `metrics::registry` exposes them.
+pub(crate) struct Families {
+    depth: IntGaugeVec,
+    adds: IntCounterVec,
+    retries: IntCounterVec,
+    queue_duration: HistogramVec,
+    work_duration: HistogramVec,
+    unfinished: GaugeVec,
+    longest: GaugeVec,
+}
+
+/// client-go's buckets: 1 µs to 10 s, ten per decade apart.
+fn buckets() -> Vec<f64> {
+    prometheus::exponential_buckets(1e-8, 10.0, 10).expect("static buckets")
+}
+
+pub(crate) static FAMILIES: LazyLock<Families> = LazyLock::new(|| {
+    let name = ["name"];
+    Families {
+        depth: IntGaugeVec::new(Opts::new("workqueue_depth", "Current depth of the work queue."), &name)
+            .expect("static metric definition"),
+        adds: IntCounterVec::new(
+            Opts::new("workqueue_adds_total", "Keys added to the work queue (a key already queued is not counted)."),
+            &name,
+        )
+        .expect("static metric definition"),
+        retries: IntCounterVec::new(
+            Opts::new("workqueue_retries_total", "Keys queued again after a failed sync."),
+            &name,
+        )
+        .expect("static metric definition"),
+        queue_duration: HistogramVec::new(
+            HistogramOpts::new(
+                "workqueue_queue_duration_seconds",
+                "How long a key waits in the queue, from ready to handed to a worker.",
+            )
+            .buckets(buckets()),
+            &name,
+        )
+        .expect("static metric definition"),
+        work_duration: HistogramVec::new(
+            HistogramOpts::new(
+                "workqueue_work_duration_seconds",
+                "How long processing a key takes, from handed out to success or retry.",
+            )
+            .buckets(buckets()),
+            &name,
+        )
+        .expect("static metric definition"),
+        unfinished: GaugeVec::new(
+            Opts::new(
+                "workqueue_unfinished_work_seconds",
+                "Seconds of work in progress not yet observed by work_duration; a large value that keeps growing means a stuck worker.",
+            ),
+            &name,
+        )
+        .expect("static metric definition"),
+        longest: GaugeVec::new(
+            Opts::new(
+                "workqueue_longest_running_processor_seconds",
+                "How long the longest-running key in progress has been processed.",
+            ),
+            &name,
+        )
+        .expect("static metric definition"),
+    }
+});
+
+impl Families {
+    pub(crate) fn register(&self, registry: &prometheus::Registry) {
+        use crate::metrics::register;
+        register(registry, self.depth.clone());
+        register(registry, self.adds.clone());
+        register(registry, self.retries.clone());
+        register(registry, self.queue_duration.clone());
+        register(registry, self.work_duration.clone());
+        register(registry, self.unfinished.clone());
+        register(registry, self.longest.clone());
+    }
+}
+
+/// One queue's series.
+struct Series {
+    depth: prometheus::IntGauge,
+    adds: prometheus::IntCounter,
+    retries: prometheus::IntCounter,
+    queue_duration: prometheus::Histogram,
+    work_duration: prometheus::Histogram,
+    unfinished: prometheus::Gauge,
+    longest: prometheus::Gauge,
+}
+
+impl Series {
+    fn new(name: &str) -> Self {
+        let f = &*FAMILIES;
+        Self {
+            depth: f.depth.with_label_values(&[name]),
+            adds: f.adds.with_label_values(&[name]),
+            retries: f.retries.with_label_values(&[name]),
+            queue_duration: f.queue_duration.with_label_values(&[name]),
+            work_duration: f.work_duration.with_label_values(&[name]),
+            unfinished: f.unfinished.with_label_values(&[name]),
+            longest: f.longest.with_label_values(&[name]),
+        }
+    }
+}
 
 const BASE: Duration = Duration::from_millis(5);
 const CAP: Duration = Duration::from_secs(60);
@@ -21,6 +132,11 @@ pub struct WorkQueue<K: Clone + Eq + Hash + Ord> {
     failures: HashMap<K, u32>,
     base: Duration,
     cap: Duration,
+    /// Metrics, when the queue has a name: when each ready key became ready, and when each key
+    /// being worked on was handed out.
+    series: Option<Series>,
+    ready_since: HashMap<K, Instant>,
+    processing: HashMap<K, Instant>,
 }
 
 impl<K: Clone + Eq + Hash + Ord> Default for WorkQueue<K> {
@@ -33,6 +149,9 @@ impl<K: Clone + Eq + Hash + Ord> Default for WorkQueue<K> {
             failures: HashMap::new(),
             base: BASE,
             cap: CAP,
+            series: None,
+            ready_since: HashMap::new(),
+            processing: HashMap::new(),
         }
     }
 }
@@ -47,6 +166,12 @@ impl<K: Clone + Eq + Hash + Ord> WorkQueue<K> {
         }
     }
 
+    /// The same queue, exporting the work-queue metrics under `name`.
+    pub fn named(mut self, name: &str) -> Self {
+        self.series = Some(Series::new(name));
+        self
+    }
+
     /// Queues `key` now (a delayed key is brought forward).
     pub fn add(&mut self, key: K) {
         if let Some(at) = self.due.remove(&key) {
@@ -54,7 +179,23 @@ impl<K: Clone + Eq + Hash + Ord> WorkQueue<K> {
             self.queued.remove(&key);
         }
         if self.queued.insert(key.clone()) {
+            self.became_ready(&key, Instant::now());
             self.ready.push_back(key);
+        }
+    }
+
+    fn became_ready(&mut self, key: &K, now: Instant) {
+        if let Some(s) = &self.series {
+            s.adds.inc();
+            self.ready_since.insert(key.clone(), now);
+        }
+    }
+
+    /// Work on `key` ended (it succeeded or is being retried).
+    fn finished(&mut self, key: &K, now: Instant) {
+        if let (Some(s), Some(start)) = (&self.series, self.processing.remove(key)) {
+            s.work_duration
+                .observe(now.saturating_duration_since(start).as_secs_f64());
         }
     }
 
@@ -78,13 +219,38 @@ impl<K: Clone + Eq + Hash + Ord> WorkQueue<K> {
         let n = self.failures.entry(key.clone()).or_insert(0);
         let delay = self.base.saturating_mul(1u32 << (*n).min(20)).min(self.cap);
         *n = n.saturating_add(1);
-        self.add_at(key, now + delay);
+        self.retry_at(key, now, now + delay);
         delay
     }
 
-    /// Forgets the failures of `key` (after a success).
+    /// Queues `key` again at `at` after a failed sync (a caller with its own backoff).
+    pub fn retry_at(&mut self, key: K, now: Instant, at: Instant) {
+        self.finished(&key, now);
+        if let Some(s) = &self.series {
+            s.retries.inc();
+        }
+        self.add_at(key, at);
+    }
+
+    /// Ends the work on `key` with success: its failures are forgotten (the key itself stays
+    /// queued if it was queued again meanwhile).
     pub fn forget(&mut self, key: &K) {
         self.failures.remove(key);
+        self.finished(key, Instant::now());
+    }
+
+    /// Sets the gauges that change with time alone (depth, work in progress); call it from the
+    /// controller's loop.
+    pub fn report(&self, now: Instant) {
+        let Some(s) = &self.series else { return };
+        s.depth.set(self.len() as i64);
+        let ages = self
+            .processing
+            .values()
+            .map(|t| now.saturating_duration_since(*t).as_secs_f64());
+        let (total, longest) = ages.fold((0.0, 0.0f64), |(sum, max), a| (sum + a, max.max(a)));
+        s.unfinished.set(total);
+        s.longest.set(longest);
     }
 
     /// Moves due keys to ready and pops the first ready key.
@@ -93,12 +259,21 @@ impl<K: Clone + Eq + Hash + Ord> WorkQueue<K> {
             if *at > now {
                 break;
             }
-            let (_, key) = self.delayed.pop_first().expect("checked non-empty");
+            let (at, key) = self.delayed.pop_first().expect("checked non-empty");
             self.due.remove(&key);
+            self.became_ready(&key, at);
             self.ready.push_back(key);
         }
         let key = self.ready.pop_front()?;
         self.queued.remove(&key);
+        if let Some(s) = &self.series {
+            if let Some(since) = self.ready_since.remove(&key) {
+                s.queue_duration
+                    .observe(now.saturating_duration_since(since).as_secs_f64());
+            }
+            self.processing.insert(key.clone(), now);
+            s.depth.set(self.len() as i64);
+        }
         Some(key)
     }
 
@@ -153,6 +328,37 @@ mod tests {
         assert_eq!(q.pop(t0), Some("a"));
         assert!(q.is_empty());
         assert_eq!(q.next_due(), None);
+    }
+
+    #[test]
+    fn a_named_queue_counts_adds_retries_and_work() {
+        let t0 = Instant::now();
+        let mut q = WorkQueue::default().named("test-queue-metrics");
+        let f = &*FAMILIES;
+        let adds = || f.adds.with_label_values(&["test-queue-metrics"]).get();
+        let retries = || f.retries.with_label_values(&["test-queue-metrics"]).get();
+        let work = || {
+            f.work_duration
+                .with_label_values(&["test-queue-metrics"])
+                .get_sample_count()
+        };
+        q.add("a");
+        q.add("a"); // already queued: not an add
+        assert_eq!(adds(), 1);
+        assert_eq!(q.pop(t0), Some("a"));
+        q.report(t0 + Duration::from_secs(3));
+        let longest = f.longest.with_label_values(&["test-queue-metrics"]).get();
+        assert_eq!(longest, 3.0, "a key handed out 3 s ago is still in progress");
+        q.retry("a", t0 + Duration::from_secs(3));
+        assert_eq!((retries(), work()), (1, 1));
+        let due = q.next_due().unwrap();
+        assert_eq!(q.pop(due), Some("a"));
+        assert_eq!(adds(), 2, "a retried key counts again when it becomes ready");
+        q.forget(&"a");
+        assert_eq!(work(), 2);
+        q.report(due);
+        assert_eq!(f.longest.with_label_values(&["test-queue-metrics"]).get(), 0.0);
+        assert_eq!(f.depth.with_label_values(&["test-queue-metrics"]).get(), 0);
     }
 
     proptest::proptest! {

@@ -51,17 +51,26 @@ impl Bucket {
     }
 }
 
-/// A shared limiter; `qps <= 0` means unlimited.
+/// A shared limiter; `qps <= 0` means unlimited. Each request's wait is recorded in
+/// `rest_client_rate_limiter_duration_seconds` under `host`.
 #[derive(Clone, Debug)]
 pub struct RateLimitLayer {
     bucket: Option<Arc<Mutex<Bucket>>>,
+    host: Arc<str>,
 }
 
 impl RateLimitLayer {
     pub fn new(qps: f32, burst: u32) -> Self {
+        Self::for_host(qps, burst, "")
+    }
+
+    pub fn for_host(qps: f32, burst: u32, host: &str) -> Self {
         let bucket =
             (qps > 0.0).then(|| Arc::new(Mutex::new(Bucket::new(f64::from(qps), burst, Instant::now()))));
-        Self { bucket }
+        Self {
+            bucket,
+            host: host.into(),
+        }
     }
 }
 
@@ -72,7 +81,9 @@ impl<S> Layer<S> for RateLimitLayer {
         RateLimit {
             inner,
             bucket: self.bucket.clone(),
+            host: self.host.clone(),
             wait: None,
+            waited: Duration::ZERO,
             permitted: false,
         }
     }
@@ -82,13 +93,17 @@ impl<S> Layer<S> for RateLimitLayer {
 pub struct RateLimit<S> {
     inner: S,
     bucket: Option<Arc<Mutex<Bucket>>>,
+    host: Arc<str>,
     wait: Option<Pin<Box<tokio::time::Sleep>>>,
+    /// The wait the permitted request was given (recorded once the request, and with it its
+    /// verb, is known).
+    waited: Duration,
     permitted: bool,
 }
 
-impl<S, Req> Service<Req> for RateLimit<S>
+impl<S, B> Service<http::Request<B>> for RateLimit<S>
 where
-    S: Service<Req>,
+    S: Service<http::Request<B>>,
 {
     type Response = S::Response;
     type Error = S::Error;
@@ -102,6 +117,7 @@ where
                     // A poisoned lock only means another request panicked mid-arithmetic; the
                     // numbers are still usable.
                     let delay = bucket.lock().unwrap_or_else(|p| p.into_inner()).reserve(now);
+                    self.waited = delay;
                     self.wait = Some(Box::pin(tokio::time::sleep_until(now + delay)));
                 }
                 if let Some(wait) = self.wait.as_mut()
@@ -116,8 +132,15 @@ where
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, req: Req) -> Self::Future {
+    fn call(&mut self, req: http::Request<B>) -> Self::Future {
         self.permitted = false;
+        if self.bucket.is_some() {
+            crate::clientmetrics::limiter_waited(
+                req.method().as_str(),
+                &self.host,
+                self.waited.as_secs_f64(),
+            );
+        }
         self.inner.call(req)
     }
 }

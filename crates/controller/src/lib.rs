@@ -32,6 +32,8 @@ pub const CONTROLLERS: &[(&str, bool)] = &[
 pub struct Args {
     #[command(flatten)]
     pub api: ApiArgs,
+    #[command(flatten)]
+    pub log: stowage_common::logging::LogArgs,
     /// Controllers to run: names, `*` for all default ones, `-name` to leave one out
     /// (kube-controller-manager's syntax).
     #[arg(long, value_delimiter = ',', default_value = "*")]
@@ -122,6 +124,39 @@ impl Wiring {
     }
 }
 
+/// kube-controller-manager's names for the same controllers (v1.36's `names.go`, and the older
+/// ones it still accepts as aliases — those equal to ours need no entry), so a `--controllers`
+/// value copied from a KCM manifest works unchanged.
+pub const KCM_ALIASES: &[(&str, &str)] = &[
+    ("persistentvolume-binder-controller", "binder"),
+    ("persistentvolume-binder", "binder"),
+    ("persistentvolume-protection-controller", "pv-protection"),
+    ("persistentvolumeclaim-protection-controller", "pvc-protection"),
+    ("persistentvolume-attach-detach-controller", "attachdetach"),
+    ("persistentvolume-expander-controller", "expand"),
+    ("persistentvolume-expander", "expand"),
+];
+
+/// The kube-controller-manager flag that turns off, on the KCM side, the controllers this
+/// process runs (both running them would fight over the same objects).
+pub fn kcm_flag(running: &[&str]) -> String {
+    let mut off: Vec<&str> = Vec::new();
+    for name in running {
+        if let Some((kcm, _)) = KCM_ALIASES
+            .iter()
+            .find(|(k, n)| n == name && k.ends_with("-controller"))
+        {
+            off.push(kcm);
+        }
+    }
+    let mut flag = String::from("--controllers=*");
+    for k in off {
+        flag.push_str(",-");
+        flag.push_str(k);
+    }
+    flag
+}
+
 /// Expands `--controllers` into the list to run, rejecting unknown names.
 pub fn resolve_controllers(spec: &[String]) -> anyhow::Result<Vec<&'static str>> {
     let mut on: Vec<&'static str> = Vec::new();
@@ -135,6 +170,10 @@ pub fn resolve_controllers(spec: &[String]) -> anyhow::Result<Vec<&'static str>>
             Some(n) => (n, false),
             None => (item, true),
         };
+        let name = KCM_ALIASES
+            .iter()
+            .find(|(k, _)| *k == name)
+            .map_or(name, |(_, ours)| *ours);
         let Some((known, _)) = CONTROLLERS.iter().find(|(n, _)| *n == name) else {
             let names: Vec<_> = CONTROLLERS.iter().map(|(n, _)| *n).collect();
             bail!(
@@ -174,7 +213,7 @@ fn default_identity() -> String {
 pub async fn run(args: Args) -> anyhow::Result<()> {
     let controllers = resolve_controllers(&args.controllers)?;
     let registry = stowage_common::metrics::registry("stowage-controller");
-    let leader_gauge = stowage_common::metrics::leader_gauge(&registry);
+    let leader_gauge = stowage_common::metrics::leader_metrics(&registry, &args.leader_elect_resource_name);
     let wiring = Wiring::new(&args, &registry);
     let health = Health::new(registry.clone());
     serve::spawn(args.metrics_bind_address, health.clone()).await?;
@@ -188,11 +227,15 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     }
     let (client, election_client) = args.api.clients().await?;
     health.ready.store(true, Ordering::Relaxed);
-    tracing::info!(controllers = ?controllers, "starting");
+    tracing::info!(
+        controllers = ?controllers,
+        kube_controller_manager = %kcm_flag(&controllers),
+        "starting; run kube-controller-manager with the flag shown so the two do not both run these"
+    );
 
     let shutdown = stowage_common::shutdown::signalled();
     if !args.leader_elect {
-        leader_gauge.set(1);
+        leader_gauge.set(true);
         tokio::select! {
             _ = shutdown => {}
             r = run_controllers(client, &controllers, &registry, &wiring) => r?,
@@ -220,7 +263,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         if leading.wait_for(|l| *l).await.is_err() {
             break; // the election ended: shutdown
         }
-        leader_gauge.set(1);
+        leader_gauge.set(true);
         tokio::select! {
             r = leading.wait_for(|l| !*l) => { let _ = r; }
             r = run_controllers(client.clone(), &controllers, &registry, &wiring) => {
@@ -233,15 +276,22 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
                 }
             }
         }
-        leader_gauge.set(0);
+        leader_gauge.set(false);
         if election.is_finished() {
             break;
         }
     }
-    leader_gauge.set(0);
+    leader_gauge.set(false);
     // The election task releases the lease before it ends.
     let _ = election.await;
     Ok(())
+}
+
+/// Runs `f` in a span naming the controller, so every line it logs can be filtered by it
+/// (`"span":{"controller":"binder",…}` in JSON lines, a `run{controller=binder}:` prefix in text).
+fn in_span<F: std::future::Future>(name: &'static str, f: F) -> tracing::instrument::Instrumented<F> {
+    use tracing::Instrument;
+    f.instrument(tracing::info_span!("run", controller = name))
 }
 
 /// Runs the selected controllers until one fails or the future is dropped (leadership lost):
@@ -262,24 +312,33 @@ async fn run_controllers(
         match name {
             "binder" => {
                 let (m, c) = wiring.binder.clone();
-                running.spawn(async move { (name, stowage_binder::run(cluster, m, c).await) });
+                running.spawn(in_span(name, async move {
+                    (name, stowage_binder::run(cluster, m, c).await)
+                }));
             }
             "pvc-protection" => {
                 let m = wiring.protection.clone();
-                running
-                    .spawn(async move { (name, stowage_protection::run_pvc_protection(cluster, m).await) });
+                running.spawn(in_span(name, async move {
+                    (name, stowage_protection::run_pvc_protection(cluster, m).await)
+                }));
             }
             "pv-protection" => {
                 let m = wiring.protection.clone();
-                running.spawn(async move { (name, stowage_protection::run_pv_protection(cluster, m).await) });
+                running.spawn(in_span(name, async move {
+                    (name, stowage_protection::run_pv_protection(cluster, m).await)
+                }));
             }
             "attachdetach" => {
                 let (m, c) = wiring.attachdetach.clone();
-                running.spawn(async move { (name, stowage_attachdetach::run(cluster, m, c).await) });
+                running.spawn(in_span(name, async move {
+                    (name, stowage_attachdetach::run(cluster, m, c).await)
+                }));
             }
             "expand" => {
                 let (m, c) = wiring.expand.clone();
-                running.spawn(async move { (name, stowage_expand::run(cluster, m, c).await) });
+                running.spawn(in_span(name, async move {
+                    (name, stowage_expand::run(cluster, m, c).await)
+                }));
             }
             other => unreachable!("resolve_controllers only returns known names, got {other}"),
         }
@@ -309,6 +368,36 @@ mod tests {
         assert_eq!(
             resolve_controllers(&s(&["*", "-expand"])).unwrap(),
             vec!["binder", "pv-protection", "pvc-protection", "attachdetach"]
+        );
+    }
+
+    #[test]
+    fn kube_controller_manager_names_are_accepted() {
+        assert_eq!(
+            resolve_controllers(&s(&[
+                "persistentvolume-binder-controller",
+                "persistentvolume-attach-detach-controller",
+                "persistentvolume-expander"
+            ]))
+            .unwrap(),
+            vec!["binder", "attachdetach", "expand"]
+        );
+        assert_eq!(
+            resolve_controllers(&s(&["*", "-persistentvolumeclaim-protection-controller"])).unwrap(),
+            vec!["binder", "pv-protection", "attachdetach", "expand"]
+        );
+        assert!(resolve_controllers(&s(&["persistentvolume-binder-controler"])).is_err());
+    }
+
+    #[test]
+    fn the_kcm_flag_turns_off_what_runs_here() {
+        assert_eq!(
+            kcm_flag(&resolve_controllers(&s(&["*"])).unwrap()),
+            "--controllers=*,-persistentvolume-binder-controller,-persistentvolume-protection-controller,-persistentvolumeclaim-protection-controller,-persistentvolume-attach-detach-controller,-persistentvolume-expander-controller"
+        );
+        assert_eq!(
+            kcm_flag(&["expand"]),
+            "--controllers=*,-persistentvolume-expander-controller"
         );
     }
 

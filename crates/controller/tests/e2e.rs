@@ -18,21 +18,13 @@ fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
 
-/// The agent binary, built next to this package's binary (cargo builds every package's binaries
-/// for a workspace test run; a lone `cargo test -p stowage-controller` builds it here).
+/// The agent binary, next to this package's binary.
 fn agent_bin() -> PathBuf {
-    let bin = Path::new(env!("CARGO_BIN_EXE_stowage-controller")).with_file_name("stowage-agent");
-    if !bin.exists() {
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let ok = Command::new(cargo)
-            .args(["build", "-p", "stowage-agent", "--bin", "stowage-agent"])
-            .status();
-        assert!(
-            ok.map(|s| s.success()).unwrap_or(false),
-            "cannot build stowage-agent"
-        );
-    }
-    bin
+    stowage_testkit::binary::sibling(
+        Path::new(env!("CARGO_BIN_EXE_stowage-controller")),
+        "stowage-agent",
+        "stowage-agent",
+    )
 }
 
 struct Kubectl(PathBuf);
@@ -128,6 +120,8 @@ fn check_against_docs(binary: &str, m: &Metrics) {
         "waiting",
         "cancel",
         "infeasible",
+        // KCM's unbound gauges have no series once everything is bound.
+        "unbound",
     ];
     let missing: Vec<_> = docs
         .iter()
@@ -400,9 +394,55 @@ async fn the_demo_scenario_through_kubectl_and_metrics() {
     ] {
         nonzero(&cm, name);
     }
+    // What a kube-controller-manager dashboard reads, under its names: the queues worked, the
+    // client counted its requests and its limiter waits, the leader and the bound claims show.
+    let series = |name: &str, label: &str| -> f64 {
+        let (k, v) = label.split_once('=').expect("label=value");
+        cm.samples
+            .get(name)
+            .into_iter()
+            .flatten()
+            .filter(|(labels, _)| labels.get(k).map(String::as_str) == Some(v.trim_matches('"')))
+            .map(|(_, v)| *v)
+            .sum()
+    };
+    for queue in ["binder", "volume_expand", "pvcprotection", "pvprotection"] {
+        let q = format!("name=\"{queue}\"");
+        assert!(
+            series("workqueue_adds_total", &q) > 0.0,
+            "no adds on queue {queue}"
+        );
+        assert!(
+            series("workqueue_work_duration_seconds_count", &q) > 0.0,
+            "no finished work on queue {queue}"
+        );
+    }
+    assert!(
+        series("rest_client_requests_total", "code=\"201\"") > 0.0,
+        "creates counted"
+    );
+    assert!(
+        series("rest_client_requests_total", "method=\"PUT\"") > 0.0,
+        "updates counted"
+    );
+    nonzero(&cm, "rest_client_request_duration_seconds_count");
+    nonzero(&cm, "rest_client_rate_limiter_duration_seconds_count");
+    assert_eq!(
+        series("leader_election_master_status", "name=\"stowage-controller\""),
+        1.0
+    );
+    nonzero(&cm, "stowage_leader_transitions_total");
+    nonzero(&cm, "pv_collector_bound_pvc_count");
+    nonzero(&cm, "pv_collector_bound_pv_count");
     for a in &agents {
         let am = a.metrics().unwrap();
         check_against_docs("stowage-agent", &am);
         nonzero(&am, "stowage_agent_operations_total");
+        nonzero(&am, "rest_client_requests_total");
     }
+    // The controller logged to its stream without colour codes (the log file is its stderr).
+    assert!(
+        !ctl.log_text().contains('\u{1b}'),
+        "escape codes in the controller's log"
+    );
 }

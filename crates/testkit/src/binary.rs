@@ -8,6 +8,20 @@ use std::time::Duration;
 use crate::process::{free_port, spawn_tied};
 use crate::scrape::{Metrics, http_get, parse};
 
+/// The binary `name` of package `package`, next to `bin` (cargo builds every package's binaries
+/// for a workspace test run; a lone `cargo test -p <one package>` builds it here).
+pub fn sibling(bin: &Path, package: &str, name: &str) -> std::path::PathBuf {
+    let path = bin.with_file_name(name);
+    if !path.exists() {
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let ok = Command::new(cargo)
+            .args(["build", "-p", package, "--bin", name])
+            .status();
+        assert!(ok.map(|s| s.success()).unwrap_or(false), "cannot build {name}");
+    }
+    path
+}
+
 pub struct Running {
     pub child: Child,
     pub metrics_addr: SocketAddr,
