@@ -38,10 +38,15 @@ const COMPONENT: &str = "stowage-attachdetach";
 const STATUS_RETRY: Duration = Duration::from_secs(1);
 /// Events handled in a row before a pending pass runs anyway, so a storm cannot starve it.
 const MAX_BACKLOG: usize = 1024;
-/// Least time between two passes. A pass scans the whole desired and actual state; during a
-/// burst every watch event would otherwise start one (3,000 full scans for 1,000 pods). The
-/// first change after a quiet spell still passes at once, so a lone attach is not delayed.
-const MIN_PASS_INTERVAL: Duration = Duration::from_millis(50);
+/// Time between two passes, as a multiple of what the last pass cost, within the bounds below. A
+/// pass scans the whole desired and actual state; during a burst every watch event would
+/// otherwise start one (3,000 full scans for 1,000 pods). Scaling the gap with the pass's cost
+/// keeps passes under ~1/(1+PASS_GAP_FACTOR) of the loop's time whatever the state's size, while
+/// a small state (a pass of microseconds) is not made to wait: a fixed 50 ms gap cost every
+/// attach of a burst up to 50 ms (measured in `make bench`, docs/benchmarks.md).
+const PASS_GAP_FACTOR: u32 = 4;
+const MIN_PASS_GAP: Duration = Duration::from_millis(1);
+const MAX_PASS_GAP: Duration = Duration::from_millis(50);
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -195,6 +200,8 @@ struct Ctrl {
     /// While loading the initial state: no events for what was already there.
     quiet: bool,
     last_pass: Option<Instant>,
+    /// The wait the last pass's cost earned (see `PASS_GAP_FACTOR`).
+    pass_gap: Duration,
 }
 
 /// Runs the controller until a watch ends or the future is dropped.
@@ -242,6 +249,7 @@ pub async fn run(cluster: Arc<Cluster>, metrics: Metrics, config: Config) -> any
         wake_at: None,
         quiet: false,
         last_pass: None,
+        pass_gap: MIN_PASS_GAP,
     };
     c.load();
     tracing::info!(
@@ -261,7 +269,7 @@ pub async fn run(cluster: Arc<Cluster>, metrics: Metrics, config: Config) -> any
         // A due pass that came too soon after the last one waits for the interval.
         let throttled = c
             .last_pass
-            .map(|t| t + MIN_PASS_INTERVAL)
+            .map(|t| t + c.pass_gap)
             .filter(|t| c.dirty && *t > Instant::now())
             .map(tokio::time::Instant::from_std);
         tokio::select! {
@@ -683,6 +691,7 @@ impl Ctrl {
 
     /// One reconciler pass.
     fn pass(&mut self) {
+        let started = Instant::now();
         self.refresh_pods();
         let now = Instant::now();
         self.last_pass = Some(now);
@@ -696,6 +705,7 @@ impl Ctrl {
         self.forget_gone_nodes();
         self.sync_pv_finalizers();
         self.update_wake(now);
+        self.pass_gap = (started.elapsed() * PASS_GAP_FACTOR).clamp(MIN_PASS_GAP, MAX_PASS_GAP);
     }
 
     fn update_wake(&mut self, now: Instant) {

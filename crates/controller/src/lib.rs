@@ -71,6 +71,10 @@ pub struct Args {
     /// Objects whose binder writes may be in flight at once; 0 derives it from --kube-api-qps.
     #[arg(long, default_value_t = 0)]
     pub binder_max_in_flight: usize,
+    /// VolumeAttachment creates (and, separately, detaches) attachdetach runs at once; 0 derives
+    /// it from --kube-api-qps.
+    #[arg(long, default_value_t = 0)]
+    pub attachdetach_max_in_flight: usize,
     /// How long a detach waits for a not-Ready node to unmount before it is forced.
     #[arg(long, default_value = "6m", value_parser = humantime::parse_duration)]
     pub max_wait_for_unmount: Duration,
@@ -108,6 +112,14 @@ impl Wiring {
             attachdetach: (
                 stowage_attachdetach::Metrics::new(registry),
                 stowage_attachdetach::Config {
+                    max_attaches_in_flight: match args.attachdetach_max_in_flight {
+                        0 => auto_attach_in_flight(args.api.kube_api_qps),
+                        n => n,
+                    },
+                    max_detaches_in_flight: match args.attachdetach_max_in_flight {
+                        0 => auto_attach_in_flight(args.api.kube_api_qps),
+                        n => n,
+                    },
                     max_wait_for_unmount: args.max_wait_for_unmount,
                     disable_force_detach_on_timeout: args.disable_force_detach_on_timeout,
                     ..Default::default()
@@ -201,6 +213,18 @@ pub fn auto_in_flight(qps: f32) -> usize {
     }
     // Truncation is fine: the value is clamped to a small range right after.
     ((qps / 8.0).ceil() as usize).clamp(2, 64)
+}
+
+/// Attaches in flight: one write each, so the width that keeps a token bucket busy is its rate
+/// times a write's latency (tens of ms, hundreds under load); 32 covers the default 50 QPS with
+/// room. Without a limit the apiserver alone sets the pace, as for upstream's unbounded
+/// operation executor, so the width only bounds memory and a burst's fan-out.
+pub fn auto_attach_in_flight(qps: f32) -> usize {
+    if qps <= 0.0 {
+        return 256;
+    }
+    // Truncation is fine: the value is clamped to a small range right after.
+    ((qps / 4.0).ceil() as usize).clamp(32, 256)
 }
 
 fn default_identity() -> String {
@@ -407,6 +431,14 @@ mod tests {
             resolve_controllers(&s(&["expand", "binder"])).unwrap(),
             vec!["binder", "expand"]
         );
+    }
+
+    #[test]
+    fn attach_width_follows_the_rate_limit() {
+        assert_eq!(auto_attach_in_flight(50.0), 32);
+        assert_eq!(auto_attach_in_flight(400.0), 100);
+        assert_eq!(auto_attach_in_flight(0.0), 256);
+        assert_eq!(auto_attach_in_flight(100000.0), 256);
     }
 
     #[test]
