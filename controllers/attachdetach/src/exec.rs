@@ -124,6 +124,98 @@ enum Done {
     },
 }
 
+impl Done {
+    /// Whether `self` and `other` report the same piece of work.
+    fn same_work(&self, other: &Done) -> bool {
+        match (self, other) {
+            (
+                Done::Attach {
+                    volume: a, node: b, ..
+                },
+                Done::Attach {
+                    volume: c, node: d, ..
+                },
+            )
+            | (
+                Done::Detach {
+                    volume: a, node: b, ..
+                },
+                Done::Detach {
+                    volume: c, node: d, ..
+                },
+            )
+            | (
+                Done::Release {
+                    volume: a, node: b, ..
+                },
+                Done::Release {
+                    volume: c, node: d, ..
+                },
+            ) => a == c && b == d,
+            (Done::Status { node: a, .. }, Done::Status { node: b, .. }) => a == b,
+            (Done::PvFinalizer { pv: a, .. }, Done::PvFinalizer { pv: b, .. }) => a == b,
+            _ => false,
+        }
+    }
+}
+
+/// The error a panicked write task's outstanding work is reported with.
+fn panicked() -> kube::Error {
+    kube::Error::Service("the write task panicked".into())
+}
+
+/// What a write task still owes the decision loop: a failure report for each piece of work it
+/// has not reported yet. Reports go through `send`, which settles the debt; if the task panics,
+/// its guard (dropped during the unwind) sends the failures still owed, so those entries leave
+/// their in-flight state and are retried with backoff. Without it a panicked task left its
+/// entries' `op` set for good and those volumes were never reconciled again. An abort
+/// (leadership lost) is not a panic and reports nothing: the loop is gone too.
+#[derive(Clone)]
+struct Owed {
+    done: mpsc::UnboundedSender<Done>,
+    left: Arc<std::sync::Mutex<Vec<Done>>>,
+}
+
+impl Owed {
+    fn new(done: &mpsc::UnboundedSender<Done>, failures: Vec<Done>) -> Self {
+        Self {
+            done: done.clone(),
+            left: Arc::new(std::sync::Mutex::new(failures)),
+        }
+    }
+
+    fn send(&self, d: Done) {
+        self.left
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|x| !x.same_work(&d));
+        let _ = self.done.send(d);
+    }
+
+    /// Held by the task for its whole life.
+    fn guard(&self) -> OwedGuard {
+        OwedGuard(self.clone())
+    }
+}
+
+struct OwedGuard(Owed);
+
+impl Drop for OwedGuard {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            return;
+        }
+        let left = std::mem::take(&mut *self.0.left.lock().unwrap_or_else(|p| p.into_inner()));
+        for d in left {
+            let _ = self.0.done.send(d);
+        }
+    }
+}
+
+/// A test hook: the attach task of this PV panics once.
+#[cfg(test)]
+static PANIC_ON_ATTACH: std::sync::Mutex<Option<String>> = std::sync::Mutex::new(None);
+
 /// Resolves pod volumes through the shared stores.
 struct Stores<'a>(&'a Cluster);
 
@@ -831,8 +923,27 @@ impl Ctrl {
             },
             status: None,
         };
+        let owed = Owed::new(
+            &w.done,
+            vec![Done::Attach {
+                volume: volume.clone(),
+                node: node.clone(),
+                va_name: va_name.clone(),
+                result: Err(panicked()),
+            }],
+        );
         self.tasks.spawn(async move {
+            let _guard = owed.guard();
             let _slot = w.attach_slots.clone().acquire_owned().await;
+            #[cfg(test)]
+            {
+                let mut hook = PANIC_ON_ATTACH.lock().unwrap_or_else(|p| p.into_inner());
+                if hook.as_deref() == va.spec.source.persistent_volume_name.as_deref() {
+                    *hook = None;
+                    drop(hook);
+                    panic!("test hook: attach task panics");
+                }
+            }
             let timer = w
                 .metrics
                 .operation_seconds
@@ -840,7 +951,7 @@ impl Ctrl {
                 .start_timer();
             let result = w.vas.create(&PostParams::default(), &va).await;
             timer.observe_duration();
-            let _ = w.done.send(Done::Attach {
+            owed.send(Done::Attach {
                 volume,
                 node,
                 va_name,
@@ -880,13 +991,21 @@ impl Ctrl {
             });
             self.pv_patching.insert(name.clone());
             let w = self.writer.clone();
+            let owed = Owed::new(
+                &w.done,
+                vec![Done::PvFinalizer {
+                    pv: name.clone(),
+                    result: Err(panicked()),
+                }],
+            );
             self.tasks.spawn(async move {
+                let _guard = owed.guard();
                 let result = w
                     .pvs
                     .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
                     .await
                     .map(|_| ());
-                let _ = w.done.send(Done::PvFinalizer { pv: name, result });
+                owed.send(Done::PvFinalizer { pv: name, result });
             });
         }
     }
@@ -912,7 +1031,16 @@ impl Ctrl {
             })
             .unwrap_or_default();
         let w = self.writer.clone();
+        let owed = Owed::new(
+            &w.done,
+            vec![Done::Release {
+                volume: volume.clone(),
+                node: node.clone(),
+                result: Err(panicked()),
+            }],
+        );
         self.tasks.spawn(async move {
+            let _guard = owed.guard();
             let patch = serde_json::json!({
                 "metadata": { "finalizers": fins, "resourceVersion": rv }
             });
@@ -920,7 +1048,7 @@ impl Ctrl {
                 .vas
                 .patch(&va_name, &PatchParams::default(), &Patch::Merge(&patch))
                 .await;
-            let _ = w.done.send(Done::Release { volume, node, result });
+            owed.send(Done::Release { volume, node, result });
         });
     }
 
@@ -948,7 +1076,24 @@ impl Ctrl {
             .queue_depth
             .with_label_values(&["detach"])
             .add(jobs.len() as i64);
+        let mut failures: Vec<Done> = jobs
+            .iter()
+            .map(|j| Done::Detach {
+                volume: j.volume.clone(),
+                node: node.clone(),
+                forced: j.forced,
+                result: Err(Error::Api(panicked())),
+            })
+            .collect();
+        if patch.is_some() {
+            failures.push(Done::Status {
+                node: node.clone(),
+                result: Err(panicked()),
+            });
+        }
+        let owed = Owed::new(&w.done, failures);
         self.tasks.spawn(async move {
+            let _guard = owed.guard();
             let _slot = match jobs.is_empty() {
                 true => None,
                 false => w.detach_slots.clone().acquire_owned().await.ok(),
@@ -976,13 +1121,13 @@ impl Ctrl {
                         None
                     }
                 };
-                let _ = w.done.send(Done::Status {
+                owed.send(Done::Status {
                     node: node.clone(),
                     result,
                 });
                 if let Some(msg) = blocked {
                     for j in jobs {
-                        let _ = w.done.send(Done::Detach {
+                        owed.send(Done::Detach {
                             volume: j.volume,
                             node: node.clone(),
                             forced: j.forced,
@@ -1005,7 +1150,7 @@ impl Ctrl {
                 split_unsafe_detaches(jobs, &node, &fresh)
             };
             for (j, err) in refused {
-                let _ = w.done.send(Done::Detach {
+                owed.send(Done::Detach {
                     volume: j.volume,
                     node: node.clone(),
                     forced: j.forced,
@@ -1014,6 +1159,7 @@ impl Ctrl {
             }
             let deletes = jobs.into_iter().map(|j| {
                 let w = w.clone();
+                let owed = owed.clone();
                 let node = node.clone();
                 async move {
                     if j.forced.is_some() || !j.waited.is_zero() {
@@ -1034,7 +1180,7 @@ impl Ctrl {
                         Err(e) => Err(Error::Api(e)),
                     };
                     timer.observe_duration();
-                    let _ = w.done.send(Done::Detach {
+                    owed.send(Done::Detach {
                         volume: j.volume,
                         node,
                         forced: j.forced,
@@ -1391,5 +1537,81 @@ mod live_check_tests {
         assert_eq!(names(&safe), vec!["w"]);
         assert_eq!(refused.len(), 1);
         assert_eq!(refused[0].1.category(), "NodeUnreadable");
+    }
+}
+
+#[cfg(test)]
+mod live_tests {
+    use super::*;
+    use kube::api::Patch;
+    use stowage_testkit::builders::{csi_driver, node as node_builder, pod, pv, pvc};
+    use stowage_testkit::{InProcess, eventually, inproc::WAIT};
+
+    /// A write task that panics reports its attach as failed on the way down, so the volume is
+    /// retried (with backoff) and attached, instead of staying "in flight" for good.
+    #[tokio::test]
+    async fn a_panicked_attach_task_is_retried_and_the_volume_attached() {
+        const DRIVER: &str = "panic.test.stowage.dev";
+        let mut h = InProcess::new().await;
+        h.namespace("app").await;
+        h.create(csi_driver(DRIVER, true)).await;
+        h.create(node_builder("n1").controller_attach().build()).await;
+        let ready = serde_json::json!({"status": {"conditions": [{"type": "Ready", "status": "True"}]}});
+        Api::<Node>::all(h.client.clone())
+            .patch_status("n1", &PatchParams::default(), &Patch::Merge(&ready))
+            .await
+            .unwrap();
+        let claim = h.create_pvc(pvc("app", "c").volume_name("boom").build()).await;
+        h.create_pv(
+            pv("boom")
+                .driver(DRIVER, "h-boom")
+                .claim_ref("app", "c", &claim.uid().unwrap())
+                .build(),
+        )
+        .await;
+        let bound = Patch::Merge(serde_json::json!({"status": {"phase": "Bound"}}));
+        h.pvs()
+            .patch_status("boom", &PatchParams::default(), &bound)
+            .await
+            .unwrap();
+        h.pvcs("app")
+            .patch_status("c", &PatchParams::default(), &bound)
+            .await
+            .unwrap();
+        *PANIC_ON_ATTACH.lock().unwrap() = Some("boom".into());
+
+        let cluster = h.cluster().await;
+        let metrics = Metrics::new(&h.registry);
+        h.run(run(cluster, metrics, Config::default()));
+        Api::<Pod>::namespaced(h.client.clone(), "app")
+            .create(
+                &PostParams::default(),
+                &pod("app", "p").claim("data", "c").node("n1").build(),
+            )
+            .await
+            .unwrap();
+        let vas: Api<VolumeAttachment> = Api::all(h.client.clone());
+        eventually(WAIT, || async {
+            let list = vas.list(&Default::default()).await.map_err(|e| e.to_string())?;
+            list.items
+                .iter()
+                .any(|va| va.spec.source.persistent_volume_name.as_deref() == Some("boom"))
+                .then_some(())
+                .ok_or_else(|| "no VolumeAttachment for boom yet".to_string())
+        })
+        .await;
+        assert!(
+            PANIC_ON_ATTACH.lock().unwrap().is_none(),
+            "the hook fired: the first attach task did panic"
+        );
+        let text = h.metrics_text();
+        assert!(
+            text.lines()
+                .any(|l| l.starts_with("stowage_attachdetach_operations_total")
+                    && l.contains("operation=\"attach\"")
+                    && l.contains("result=\"error\"")),
+            "the panic was counted as a failed attach:\n{text}"
+        );
+        assert!(!h.controller_finished(), "the controller kept running");
     }
 }
