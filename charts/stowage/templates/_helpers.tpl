@@ -125,3 +125,29 @@ dnsPolicy: ClusterFirstWithHostNet
   value: {{ $s.port | toString | quote }}
 {{- end }}
 {{- end }}
+
+{{/*
+The kube-controller-manager --controllers value that turns off what this release's controller
+runs (controller.controllers in stowage's names or KCM's), so the two never both run one.
+*/}}
+{{- define "stowage.kcmFlag" -}}
+{{- $kcm := dict "binder" "persistentvolume-binder-controller" "pv-protection" "persistentvolume-protection-controller" "pvc-protection" "persistentvolumeclaim-protection-controller" "attachdetach" "persistentvolume-attach-detach-controller" "expand" "persistentvolume-expander-controller" -}}
+{{- $alias := dict "persistentvolume-binder-controller" "binder" "persistentvolume-binder" "binder" "persistentvolume-protection-controller" "pv-protection" "persistentvolumeclaim-protection-controller" "pvc-protection" "persistentvolume-attach-detach-controller" "attachdetach" "persistentvolume-expander-controller" "expand" "persistentvolume-expander" "expand" -}}
+{{- $on := list -}}
+{{- $off := list -}}
+{{- range .Values.controller.controllers -}}
+{{- $item := trim . -}}
+{{- if eq $item "*" -}}
+{{- $on = concat $on (list "binder" "pv-protection" "pvc-protection" "attachdetach" "expand") -}}
+{{- else if hasPrefix "-" $item -}}
+{{- $n := trimPrefix "-" $item -}}
+{{- $off = append $off (get $alias $n | default $n) -}}
+{{- else -}}
+{{- $on = append $on (get $alias $item | default $item) -}}
+{{- end -}}
+{{- end -}}
+--controllers=*
+{{- range list "binder" "pv-protection" "pvc-protection" "attachdetach" "expand" -}}
+{{- if and (has . $on) (not (has . $off)) -}},-{{ get $kcm . }}{{- end -}}
+{{- end -}}
+{{- end }}

@@ -117,6 +117,8 @@ async fn defaults_render_the_core_objects_only() {
         "Deployment/st-stowage-controller",
         "DaemonSet/st-stowage-agent",
         "CSIDriver/loop.stowage.dev",
+        // Two replicas by default: a drain takes one at a time.
+        "PodDisruptionBudget/st-stowage-controller",
     ];
     want.sort();
     assert_eq!(got, want);
@@ -132,6 +134,11 @@ async fn defaults_render_the_core_objects_only() {
             "- --image-dir=/var/lib/stowage/images",
             "- --kube-api-qps=50",
             "- --kube-api-burst=100",
+            "- --log-format=text",
+            "- --v=2",
+            "priorityClassName: system-cluster-critical",
+            "revisionHistoryLimit: 10",
+            "topologyKey: topology.kubernetes.io/zone",
             "path: /healthz",
             "path: /readyz",
             "runAsNonRoot: true",
@@ -538,6 +545,41 @@ async fn bad_values_are_refused_with_a_reason() {
         ),
     ];
     for (args, why) in cases {
+        let e = render(&helm, &args).await.unwrap_err();
+        assert!(e.contains(why), "{args:?}: {e}");
+    }
+    // One replica: no PodDisruptionBudget (it could only block drains).
+    let one = render(
+        &helm,
+        &[
+            "--set",
+            "controller.replicas=1,controller.leaderElection.enabled=false",
+        ],
+    )
+    .await
+    .unwrap();
+    assert!(
+        !kinds_and_names(&one)
+            .iter()
+            .any(|k| k.starts_with("PodDisruptionBudget/")),
+        "no PDB for one replica"
+    );
+    // values.schema.json: a misspelled key, at the top or nested, is refused, not ignored.
+    for (args, why) in [
+        (
+            vec!["--set", "controller.replica=3"],
+            "additional properties 'replica' not allowed",
+        ),
+        (
+            vec!["--set", "kubeAPI.qps=5"],
+            "additional properties 'kubeAPI' not allowed",
+        ),
+        (
+            vec!["--set", "logFormat=xml"],
+            "value must be one of 'text', 'json'",
+        ),
+        (vec!["--set", "controller.replicas=0"], "minimum"),
+    ] {
         let e = render(&helm, &args).await.unwrap_err();
         assert!(e.contains(why), "{args:?}: {e}");
     }
