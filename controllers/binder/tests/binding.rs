@@ -584,8 +584,10 @@ async fn fifty_claims_race_for_ten_volumes() {
         }
     })
     .await;
-    // Settle a little longer: nothing more may bind, and every binding is one-to-one.
-    tokio::time::sleep(std::time::Duration::from_secs(3)).await;
+    // Nothing more may bind, and every binding is one-to-one, even after the binder has looked
+    // at every claim again (a full resync syncs all 50 claims and 10 volumes once more).
+    h.until_counter_grows_by("stowage_binder_reconcile_total", 60.0)
+        .await;
     let claims = h.pvcs("race").list(&Default::default()).await.unwrap().items;
     let pending = claims
         .iter()

@@ -2,8 +2,6 @@
 
 mod common;
 
-use std::time::Duration;
-
 use common::*;
 use kube::api::{Patch, PatchParams, PostParams};
 use stowage_testkit::builders::storage_class;
@@ -76,11 +74,10 @@ async fn a_bound_loop_volume_grows_and_is_then_left_alone() {
 
     // The node's half, as the kubelet (or stowage-agent) does it.
     h.node_finishes("app", "data").await;
-    let c = h
-        .claim_until("app", "data", "capacity 128Mi, no resize state", |c| {
-            capacity(c).as_deref() == Some("128Mi") && status_entry(c).is_none() && conditions(c).is_empty()
-        })
-        .await;
+    h.claim_until("app", "data", "capacity 128Mi, no resize state", |c| {
+        capacity(c).as_deref() == Some("128Mi") && status_entry(c).is_none() && conditions(c).is_empty()
+    })
+    .await;
     let v = eventually(WAIT, || async {
         let v = h.pvs().get(&pv).await.map_err(|e| e.to_string())?;
         if anns(&v).contains_key("volume.alpha.kubernetes.io/pre-resize-capacity") {
@@ -90,12 +87,15 @@ async fn a_bound_loop_volume_grows_and_is_then_left_alone() {
         }
     })
     .await;
-    // Converged: a while later neither object has been written again.
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    // Converged: once a sync has run after the last change, the claim read then is not written
+    // again by the next one (the resync), and the PV neither.
+    h.until_counter_grows("stowage_expand_reconcile_total").await;
+    let c = h.pvcs("app").get("data").await.unwrap();
+    h.until_counter_grows("stowage_expand_reconcile_total").await;
     let c2 = h.pvcs("app").get("data").await.unwrap();
     let v2 = h.pvs().get(&pv).await.unwrap();
-    assert!(
-        c2.metadata.resource_version == c.metadata.resource_version || c2.status == c.status,
+    assert_eq!(
+        c2.metadata.resource_version, c.metadata.resource_version,
         "claim rewritten after convergence"
     );
     assert_eq!(
@@ -276,8 +276,8 @@ async fn other_drivers_are_handed_to_their_external_resizer() {
     let note = h.event("app", "data", "ExternalExpanding").await;
     assert!(note.contains(driver) && note.contains("2Gi"), "{note}");
     // As upstream: nothing on the claim changes (external-resizer finds it by the PV's driver),
-    // and the event is not repeated by the next resyncs (10 s here).
-    tokio::time::sleep(Duration::from_secs(12)).await;
+    // and the event is not repeated by the next resync (10 s here).
+    h.until_counter_grows("stowage_expand_reconcile_total").await;
     assert_eq!(h.events("app", "data", "ExternalExpanding").await.len(), 1);
     let c = h.pvcs("app").get("data").await.unwrap();
     assert!(!anns(&c).contains_key("volume.kubernetes.io/storage-resizer"));

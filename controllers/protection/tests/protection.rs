@@ -497,7 +497,14 @@ async fn pod_created_with_the_claim_deletion_never_loses_its_claim() {
             .claim("v", &claim)
             .node("n1")
             .build();
-        let (created, deleted) = tokio::join!(pods.create(&pp, &pod), claims.delete(&claim, &dp));
+        // Every other round orders the pod first for sure, so the rule below is always tested
+        // on at least N/2 claims; the others race the two requests.
+        let (created, deleted) = if i % 2 == 0 {
+            let created = pods.create(&pp, &pod).await;
+            (created, claims.delete(&claim, &dp).await)
+        } else {
+            tokio::join!(pods.create(&pp, &pod), claims.delete(&claim, &dp))
+        };
         let pod_rv = rv(&created.expect("pod create").metadata);
         let deleting = deleted
             .expect("claim delete")
@@ -527,6 +534,8 @@ async fn pod_created_with_the_claim_deletion_never_loses_its_claim() {
     })
     .await;
 
+    let earlier = rounds.iter().filter(|r| r.1 < r.2).count();
+    assert!(earlier >= N / 2, "only {earlier} rounds created the pod first");
     let mut late_lost = 0;
     for (claim, pod_rv, del_rv) in &rounds {
         let kept = present.contains(claim);

@@ -79,8 +79,31 @@ async fn exactly_one_leader_and_sigkill_fails_over_after_expiry() {
     let mut a = replica(&lease, "a", t);
     let mut b = replica(&lease, "b", t);
     let first = one_leader(&lease, &[("a", &a), ("b", &b)]).await;
-    // Both stay up and keep agreeing for a few renewals.
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    // Both stay up and keep agreeing across renewals (the Lease's renewTime moves twice).
+    let leases: Api<Lease> = Api::namespaced(shared().client().await, "default");
+    let renewed = || async {
+        leases
+            .get(&lease)
+            .await
+            .ok()
+            .and_then(|l| l.spec)
+            .and_then(|s| s.renew_time)
+            .map(|t| t.0)
+    };
+    let seen = std::sync::Mutex::new(vec![renewed().await]);
+    eventually(Duration::from_secs(30), || async {
+        let now = renewed().await;
+        let mut seen = seen.lock().unwrap();
+        if seen.last() != Some(&now) {
+            seen.push(now);
+        }
+        if seen.len() >= 3 {
+            Ok(())
+        } else {
+            Err(format!("renewals seen: {seen:?}"))
+        }
+    })
+    .await;
     assert_eq!(one_leader(&lease, &[("a", &a), ("b", &b)]).await, first);
 
     let (killed, survivor, survivor_id) = if first == "a" {

@@ -197,6 +197,33 @@ impl InProcess {
         .await
     }
 
+    /// The sum over every series of the family `name` in this harness's registry.
+    pub fn metric_sum(&self, name: &str) -> f64 {
+        crate::scrape::parse(&self.metrics_text())
+            .map(|m| m.sum(name))
+            .unwrap_or(0.0)
+    }
+
+    /// Waits until the counter family `name` has grown past its value now: "the controller has
+    /// looked again" (a resync, a retry), after which a "nothing happened" check means something.
+    pub async fn until_counter_grows(&self, name: &str) {
+        self.until_counter_grows_by(name, 1.0).await
+    }
+
+    /// Waits until the counter family `name` has grown by at least `n` from its value now.
+    pub async fn until_counter_grows_by(&self, name: &str, n: f64) {
+        let before = self.metric_sum(name);
+        eventually(WAIT, || async {
+            let now = self.metric_sum(name);
+            if now >= before + n {
+                Ok(())
+            } else {
+                Err(format!("{name} grew {} of {n}", now - before))
+            }
+        })
+        .await
+    }
+
     pub fn metrics_text(&self) -> String {
         stowage_common::metrics::encode(&self.registry)
     }
