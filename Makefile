@@ -20,12 +20,16 @@ controlplane: ## Build etcd, kube-apiserver, kube-controller-manager, kubectl (c
 csi-sanity: ## Build csi-sanity from the csi-test module pinned in e2e/csi (cached by go.mod/go.sum)
 	@./e2e/scripts/build-csi-sanity.sh
 
+.PHONY: promtool
+promtool: ## Build promtool from the Prometheus module pinned in e2e/promtool (cached by go.mod/go.sum)
+	@./e2e/scripts/build-promtool.sh
+
 .PHONY: build
 build: ## Build both binaries
 	$(CARGO) build --workspace --bins
 
 .PHONY: test
-test: deps controlplane csi-sanity ## Run unit, property and integration tests (real control plane, csi-sanity)
+test: deps controlplane csi-sanity promtool ## Run unit, property and integration tests (real control plane, csi-sanity, promtool)
 	$(CARGO) build --workspace --bins
 	@# The image tests unpack an archive of the binaries under test; debug ones cost no second build.
 	STOWAGE_IMAGE_BIN_DIR=$(TARGET_DIR)/debug ./e2e/scripts/image.sh
