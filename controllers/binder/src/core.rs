@@ -202,6 +202,7 @@ pub enum Action {
         set: BTreeMap<String, String>,
         remove: Vec<String>,
         drop_finalizers: Vec<String>,
+        add_finalizers: Vec<String>,
         op: &'static str,
     },
     /// Sync a claim soon (a PV changed in a way the claim must react to).
@@ -638,7 +639,7 @@ pub const CONDITION_PENDING: &str = "stowage.dev/Pending";
 /// syncClaim: the actions that move one claim toward Bound (or report why it cannot), plus the
 /// Pending condition that keeps the reason visible on the claim itself.
 pub fn sync_claim(claim: &PersistentVolumeClaim, cache: &Cache, env: &Env) -> Vec<Action> {
-    let mut out: Vec<Action> = migration_edit(Target::Claim(claim_key(claim)), claim, true)
+    let mut out: Vec<Action> = migration_edit(Target::Claim(claim_key(claim)), claim, true, "")
         .into_iter()
         .collect();
     out.extend(sync_claim_phase(claim, cache, env));
@@ -920,6 +921,7 @@ fn sync_claim_phase(claim: &PersistentVolumeClaim, cache: &Cache, env: &Env) -> 
                         set: BTreeMap::new(),
                         remove: vec![ANN_SELECTED_NODE.into()],
                         drop_finalizers: vec![],
+                        add_finalizers: vec![],
                         op: "reschedule",
                     });
                 } else {
@@ -1066,12 +1068,17 @@ pub fn wanted_migrated_to(anns: &BTreeMap<String, String>, claim: bool) -> Optio
 }
 
 /// The edit that brings an object's migration marks in line: `migrated-to` as
-/// [`wanted_migrated_to`] says, and on a volume a CSI driver took over, no in-tree deletion
-/// finalizer (its external-provisioner deletes it; upstream's modifyDeletionFinalizers).
-fn migration_edit<K: ResourceExt>(target: Target, obj: &K, claim: bool) -> Option<Action> {
+/// [`wanted_migrated_to`] says, and on a dynamically provisioned volume the deletion finalizers
+/// upstream's modifyDeletionFinalizers keeps: none of the in-tree kind once a CSI driver took the
+/// plugin over (its external-provisioner deletes the volume); for a plugin that was not migrated,
+/// `kubernetes.io/pv-controller` while the policy is Delete (the PV object cannot vanish while its
+/// storage may still exist: stowage has no in-tree deleter, so the storage is the admin's to
+/// delete, then the finalizer) and no external-provisioner finalizer.
+fn migration_edit<K: ResourceExt>(target: Target, obj: &K, claim: bool, policy: &str) -> Option<Action> {
     let mut set = BTreeMap::new();
     let mut remove = Vec::new();
     let mut drop_finalizers = Vec::new();
+    let mut add_finalizers = Vec::new();
     let have = ann(obj, ANN_MIGRATED_TO);
     match wanted_migrated_to(obj.annotations(), claim) {
         Some(Some(driver)) if have != Some(driver) => {
@@ -1080,22 +1087,42 @@ fn migration_edit<K: ResourceExt>(target: Target, obj: &K, claim: bool) -> Optio
         Some(None) if have.is_some() => remove.push(ANN_MIGRATED_TO.to_string()),
         _ => {}
     }
-    let migrated = !claim && matches!(wanted_migrated_to(obj.annotations(), claim), Some(Some(_)));
-    if migrated && obj.finalizers().iter().any(|f| f == FINALIZER_IN_TREE_PROTECTION) {
-        drop_finalizers.push(FINALIZER_IN_TREE_PROTECTION.to_string());
+    let has = |f: &str| obj.finalizers().iter().any(|x| x == f);
+    if let Some(provisioner) = ann(obj, ANN_PROVISIONED_BY).filter(|_| !claim) {
+        if migrated_driver(provisioner).is_some() {
+            if has(FINALIZER_IN_TREE_PROTECTION) {
+                drop_finalizers.push(FINALIZER_IN_TREE_PROTECTION.to_string());
+            }
+        } else if provisioner.starts_with("kubernetes.io/") {
+            match policy {
+                "Delete" if !has(FINALIZER_IN_TREE_PROTECTION) => {
+                    add_finalizers.push(FINALIZER_IN_TREE_PROTECTION.to_string())
+                }
+                "Retain" | "Recycle" if has(FINALIZER_IN_TREE_PROTECTION) => {
+                    drop_finalizers.push(FINALIZER_IN_TREE_PROTECTION.to_string())
+                }
+                _ => {}
+            }
+            if has(FINALIZER_EXTERNAL_PROTECTION) {
+                drop_finalizers.push(FINALIZER_EXTERNAL_PROTECTION.to_string());
+            }
+        }
     }
-    (!set.is_empty() || !remove.is_empty() || !drop_finalizers.is_empty()).then_some(Action::Annotate {
+    let changed =
+        !set.is_empty() || !remove.is_empty() || !drop_finalizers.is_empty() || !add_finalizers.is_empty();
+    changed.then_some(Action::Annotate {
         target,
         set,
         remove,
         drop_finalizers,
+        add_finalizers,
         op: "migration",
     })
 }
 
 /// syncVolume: the actions that keep one PV's phase and reclaim in line with its claim.
 pub fn sync_volume(pv: &PersistentVolume, cache: &Cache, env: &Env) -> Vec<Action> {
-    let mut out: Vec<Action> = migration_edit(Target::Volume(pv.name_any()), pv, false)
+    let mut out: Vec<Action> = migration_edit(Target::Volume(pv.name_any()), pv, false, reclaim_policy(pv))
         .into_iter()
         .collect();
     out.extend(sync_volume_phase(pv, cache, env));

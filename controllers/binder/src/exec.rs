@@ -667,13 +667,20 @@ fn edit_metadata<K: ResourceExt>(
     set: &BTreeMap<String, String>,
     remove: &[String],
     drop: &[String],
+    add: &[String],
 ) {
     let anns = o.annotations_mut();
     for k in remove {
         anns.remove(k);
     }
     anns.extend(set.iter().map(|(k, v)| (k.clone(), v.clone())));
-    o.finalizers_mut().retain(|f| !drop.contains(f));
+    let fins = o.finalizers_mut();
+    fins.retain(|f| !drop.contains(f));
+    for f in add {
+        if !fins.contains(f) {
+            fins.push(f.clone());
+        }
+    }
 }
 
 /// An event about the claim `reference` names.
@@ -1067,20 +1074,21 @@ impl Writer {
                 set,
                 remove,
                 drop_finalizers,
+                add_finalizers,
                 op,
             } => match target {
                 Target::Claim(claim) => {
                     let Some(mut c) = Self::claim(snap, done, claim) else {
                         return Ok(());
                     };
-                    edit_metadata(&mut c, set, remove, drop_finalizers);
+                    edit_metadata(&mut c, set, remove, drop_finalizers, add_finalizers);
                     done.claims.push(self.writes().replace_claim(&c, op).await?);
                 }
                 Target::Volume(pv) => {
                     let Some(mut v) = Self::pv(snap, done, pv) else {
                         return Ok(());
                     };
-                    edit_metadata(&mut v, set, remove, drop_finalizers);
+                    edit_metadata(&mut v, set, remove, drop_finalizers, add_finalizers);
                     done.pvs.push(self.writes().replace_pv(&v, op).await?);
                 }
             },

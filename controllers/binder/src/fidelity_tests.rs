@@ -286,6 +286,38 @@ mod sync {
             annotate(&out).map(|a| a.2.clone()),
             Some(vec![ANN_MIGRATED_TO.to_string()])
         );
+        // A plugin that was not migrated: the PV may not vanish before its storage (Delete),
+        // the guard goes with Retain, and external-provisioner's guard is not its business.
+        let in_tree = pv("h")
+            .reclaim("Delete")
+            .annotation(ANN_PROVISIONED_BY, "kubernetes.io/host-path")
+            .build();
+        let out = sync_volume(
+            &in_tree,
+            &cache(std::slice::from_ref(&in_tree), &[]),
+            &with(&no_pods),
+        );
+        let added = out.iter().find_map(|a| match a {
+            Action::Annotate { add_finalizers, .. } => Some(add_finalizers.clone()),
+            _ => None,
+        });
+        assert_eq!(added, Some(vec![FINALIZER_IN_TREE_PROTECTION.to_string()]));
+        let mut kept = pv("k")
+            .reclaim("Retain")
+            .annotation(ANN_PROVISIONED_BY, "kubernetes.io/host-path")
+            .build();
+        kept.metadata.finalizers = Some(vec![
+            FINALIZER_IN_TREE_PROTECTION.into(),
+            FINALIZER_EXTERNAL_PROTECTION.into(),
+        ]);
+        let out = sync_volume(&kept, &cache(std::slice::from_ref(&kept), &[]), &with(&no_pods));
+        assert_eq!(
+            annotate(&out).map(|a| a.3.clone()),
+            Some(vec![
+                FINALIZER_IN_TREE_PROTECTION.to_string(),
+                FINALIZER_EXTERNAL_PROTECTION.to_string()
+            ])
+        );
         // A static volume records no provisioner: left alone.
         let fixed = pv("s").build();
         let out = sync_volume(&fixed, &cache(std::slice::from_ref(&fixed), &[]), &with(&no_pods));

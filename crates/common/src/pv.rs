@@ -28,6 +28,8 @@ pub const FINALIZER_LOOP_DELETER: &str = "loop.stowage.dev/deleter";
 pub const ANN_MIGRATED_TO: &str = "pv.kubernetes.io/migrated-to";
 /// Upstream's in-tree deletion guard; never needed on a volume a CSI driver has taken over.
 pub const FINALIZER_IN_TREE_PROTECTION: &str = "kubernetes.io/pv-controller";
+/// external-provisioner's deletion guard; not for volumes of an in-tree plugin.
+pub const FINALIZER_EXTERNAL_PROTECTION: &str = "external-provisioner.volume.kubernetes.io/finalizer";
 
 /// The CSI driver that serves an in-tree plugin's volumes since CSI migration went GA (the
 /// table of csi-translation-lib; every entry is migrated unconditionally in v1.36).
