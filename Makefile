@@ -50,7 +50,7 @@ image: deps ## Build the OCI image archive target/image/stowage-<version>.oci.ta
 lint: ## cargo fmt --check, clippy -D warnings, helm lint
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
-	@if [ -d charts/stowage ]; then ./e2e/scripts/helm.sh lint charts/stowage; fi
+	@if [ -d charts/stowage ]; then ./e2e/scripts/helm.sh lint --strict charts/stowage; fi
 
 .PHONY: demo
 demo: deps controlplane ## Start a control plane, the controller and two agents; walk sample claims to Bound
