@@ -197,7 +197,7 @@ apiServer: {{host: 127.0.0.1, port: "{port}"}}
 imageStore: {{path: {images}}}
 controller: {{replicas: 1, hostNetwork: true}}
 agent: {{mode: csi, kubeletDir: {kubelet}, hostNetwork: true}}
-storageClass: {{create: true, name: loop, volumeBindingMode: WaitForFirstConsumer, reclaimPolicy: Delete, allowVolumeExpansion: true}}
+storageClass: {{create: true, name: loop, volumeBindingMode: WaitForFirstConsumer, reclaimPolicy: Delete}}
 "#,
             version = env!("CARGO_PKG_VERSION"),
             port = cp.port(),
