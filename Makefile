@@ -62,6 +62,7 @@ node-images: deps ## Build the stowage image (debug binaries) and the pod/sandbo
 	$(CARGO) build --workspace --bins
 	STOWAGE_IMAGE_BIN_DIR=$(TARGET_DIR)/debug ./e2e/scripts/image.sh
 	./e2e/scripts/pod-images.sh
+	./e2e/scripts/curl-image.sh
 
 .PHONY: realnode-up
 realnode-up: deps controlplane node-images ## Start a real node (kubelet, containerd) and helm-install stowage into it

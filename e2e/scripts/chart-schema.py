@@ -10,6 +10,7 @@ FREE = {"podAnnotations","podLabels","nodeSelector","annotations","labels","para
         "affinity","securityContext","podSecurityContext","livenessProbe","readinessProbe","updateStrategy"}
 ENUMS = {
   ("image","pullPolicy"): ["Always","IfNotPresent","Never"],
+  ("tests","image","pullPolicy"): ["Always","IfNotPresent","Never"],
   ("logFormat",): ["text","json"],
   ("storageClass","volumeBindingMode"): ["Immediate","WaitForFirstConsumer"],
   ("storageClass","reclaimPolicy"): ["Delete","Retain"],
@@ -40,6 +41,8 @@ s["properties"]["apiServer"]["properties"]["port"] = {"type":["string","integer"
 s["properties"]["kubeApi"]["properties"]["qps"] = {"type":"number","minimum":0}
 s["properties"]["logVerbosity"] = {"type":"integer","minimum":0,"maximum":10}
 s["properties"]["controller"]["properties"]["replicas"] = {"type":"integer","minimum":1}
+# The checker polls every 2 s; less than 10 s cannot see a claim provisioned.
+s["properties"]["tests"]["properties"]["timeoutSeconds"] = {"type":"integer","minimum":10}
 # agent.mode and imageStore.type are checked by the templates, whose messages say more.
 s["$schema"] = "http://json-schema.org/draft-07/schema#"
 s["title"] = "stowage chart values"

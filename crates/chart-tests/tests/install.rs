@@ -38,6 +38,29 @@ apiServer: {host: 192.0.2.10, port: 6443}
 metrics: {podAnnotations: true, serviceMonitor: {enabled: true}}
 "#;
 
+// kube-controller-manager's names of the controllers stowage replaces (cmd/kube-controller-manager/names).
+const BINDER: &str = "persistentvolume-binder-controller";
+const PV_PROTECTION: &str = "persistentvolume-protection-controller";
+const PVC_PROTECTION: &str = "persistentvolumeclaim-protection-controller";
+const ATTACH_DETACH: &str = "persistentvolume-attach-detach-controller";
+const EXPANDER: &str = "persistentvolume-expander-controller";
+
+/// The controllers the `--controllers=*,-a,-b` line of helm's NOTES output turns off.
+fn kcm_flag(out: &str) -> Vec<&str> {
+    let value = out
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("--controllers=*"))
+        .unwrap_or_else(|| panic!("no --controllers=* line in the NOTES:\n{out}"));
+    value
+        .split(',')
+        .filter(|c| !c.is_empty())
+        .map(|c| {
+            c.strip_prefix('-')
+                .unwrap_or_else(|| panic!("{c} in {value} is not turned off"))
+        })
+        .collect()
+}
+
 fn service_monitor() -> ApiResource {
     ApiResource::from_gvk(&GroupVersionKind::gvk(
         "monitoring.coreos.com",
@@ -184,6 +207,41 @@ async fn helm_install_upgrade_uninstall_on_a_real_apiserver() {
     let helm = Helm::new(Some(&kc));
     let chart = chart_dir();
     let chart = chart.to_str().unwrap();
+
+    // NOTES print the kube-controller-manager --controllers value that turns off exactly what
+    // this release runs, from controller.controllers in stowage's names or KCM's, negations
+    // honoured. A server-side dry run renders them against this apiserver and stores nothing.
+    for (controllers, off) in [
+        (
+            "{*}",
+            &[BINDER, PV_PROTECTION, PVC_PROTECTION, ATTACH_DETACH, EXPANDER][..],
+        ),
+        (
+            "{*,-expand,-persistentvolume-attach-detach-controller}",
+            &[BINDER, PV_PROTECTION, PVC_PROTECTION],
+        ),
+        (
+            "{binder,persistentvolumeclaim-protection-controller}",
+            &[BINDER, PVC_PROTECTION],
+        ),
+    ] {
+        let set = format!("controller.controllers={controllers}");
+        let out = helm
+            .run(&[
+                "install",
+                RELEASE,
+                chart,
+                "--namespace",
+                &ns,
+                "--dry-run=server",
+                "--set",
+                &set,
+            ])
+            .await
+            .unwrap();
+        assert_eq!(kcm_flag(&out), off, "{set}:\n{out}");
+    }
+
     let install = helm.values("install.yaml", INSTALL_VALUES);
     let out = helm
         .run(&[
@@ -198,6 +256,13 @@ async fn helm_install_upgrade_uninstall_on_a_real_apiserver() {
         .await
         .unwrap();
     assert!(out.contains("STATUS: deployed"), "{out}");
+    assert_eq!(
+        kcm_flag(&out),
+        [BINDER, PV_PROTECTION, PVC_PROTECTION, ATTACH_DETACH, EXPANDER],
+        "{out}"
+    );
+    // The chart's default class is not created here: helm test would check /readyz only.
+    assert!(out.contains(&format!("helm test {RELEASE} -n {ns}")), "{out}");
 
     // --- the objects, as the apiserver stored them
     let deploy = Api::<Deployment>::namespaced(client.clone(), &ns)

@@ -103,6 +103,7 @@ fn generate(yaml: &str) -> String {
          alerts and troubleshooting: [docs/operator-guide.md](../../docs/operator-guide.md).\n\n\
          ```sh\n\
          helm install stowage charts/stowage --namespace stowage-system --create-namespace\n\
+         helm test stowage --namespace stowage-system   # controller /readyz; a claim of the chart's class, if any, binds\n\
          ```\n\n\
          `values.schema.json` refuses unknown keys. The table below is generated from `values.yaml`\n\
          by `crates/chart-tests/tests/readme.rs` (`STOWAGE_BLESS=1` rewrites it).\n\n\
@@ -157,6 +158,8 @@ fn every_value_is_in_the_table() {
         "agent.tolerations",
         "metrics.prometheusRule.pendingFor",
         "storageClass.volumeBindingMode",
+        "tests.image.repository",
+        "tests.storageClassName",
     ] {
         assert!(paths.iter().any(|x| x == p), "{p} missing from {paths:?}");
     }

@@ -1,7 +1,8 @@
 //! stowage on a real node, installed the way a user installs it: the test control plane plus a
 //! kubelet, containerd and runc (`stowage_testkit::realnode`), `helm install` of charts/stowage
 //! with the image `make image` builds, then claims and pods of a WaitForFirstConsumer class:
-//! the kubelet stages and publishes through the agent's CSI node service. Each step prints
+//! the kubelet stages and publishes through the agent's CSI node service; `helm test` passing on
+//! a fresh install and failing with its reasons on a broken class. Each step prints
 //! `kubectl get pv,pvc,volumeattachment,pod` so CI logs show what was observed.
 //!
 //! Needs root (loop devices, mounts, containers) and the archives `make test` builds
@@ -114,10 +115,16 @@ impl Kubectl {
 fn archives() -> Vec<PathBuf> {
     let dir = repo_root().join("target/image");
     let version = env!("CARGO_PKG_VERSION");
+    // The `helm test` checker's image (curl): built on first use, then cached, as helm is.
+    let status = Command::new(repo_root().join("e2e/scripts/curl-image.sh"))
+        .status()
+        .expect("run e2e/scripts/curl-image.sh");
+    assert!(status.success(), "e2e/scripts/curl-image.sh failed");
     let list = [
         dir.join(format!("stowage-{version}.oci.tar")),
         dir.join("busybox.oci.tar"),
         dir.join("pause.oci.tar"),
+        dir.join("curl.oci.tar"),
     ];
     for a in &list {
         assert!(
@@ -198,6 +205,7 @@ imageStore: {{path: {images}}}
 controller: {{replicas: 1, hostNetwork: true}}
 agent: {{mode: csi, kubeletDir: {kubelet}, hostNetwork: true}}
 storageClass: {{create: true, name: loop, volumeBindingMode: WaitForFirstConsumer, reclaimPolicy: Delete}}
+tests: {{image: {{repository: localhost/curl, tag: stowage, pullPolicy: Never}}, hostNetwork: true}}
 "#,
             version = env!("CARGO_PKG_VERSION"),
             port = cp.port(),
@@ -234,6 +242,48 @@ storageClass: {{create: true, name: loop, volumeBindingMode: WaitForFirstConsume
         "loop.stowage.dev",
     );
     k.show("installed");
+
+    // 0. `helm test`, as an operator runs it after installing: the checker pod reads the
+    //    controller's /readyz through the metrics Service and sees a claim of the chart's
+    //    WaitForFirstConsumer class bound and mounted by its consumer pod. `--logs` fetches a
+    //    pod log per test hook name, which works because every hook has the checker's name.
+    let out = helm
+        .run(&["test", "st", "-n", "stowage", "--timeout", "5m", "--logs"])
+        .await
+        .unwrap_or_else(|e| {
+            k.show("helm test failed");
+            panic!("{e}")
+        });
+    println!("{out}");
+    for want in [
+        "Phase:          Succeeded",
+        "ok: controller /readyz through Service st-stowage-controller-metrics answers ok",
+        "ok: claim data-st-stowage-test-0 of class loop is Bound to ",
+        "ok: pod st-stowage-test-0 wrote a file on ",
+    ] {
+        assert!(out.contains(want), "helm test output lacks {want:?}");
+    }
+    // It cleans up after itself: Helm deletes its RBAC and StatefulSet, the claim goes with the
+    // StatefulSet and the volume with the claim (Delete class): detached, PV and image gone.
+    let test_pv = out
+        .lines()
+        .find_map(|l| l.split_once(" is Bound to "))
+        .map(|(_, pv)| pv.trim().to_string())
+        .unwrap();
+    k.wait_gone(&[
+        "statefulset,serviceaccount,role,rolebinding",
+        "-n",
+        "stowage",
+        "st-stowage-test",
+    ]);
+    k.wait_gone(&["pvc", "-n", "stowage", "data-st-stowage-test-0"]);
+    k.wait_gone(&["pv", &test_pv]);
+    k.wait_gone(&["volumeattachment", "--all-namespaces"]);
+    assert!(
+        !images.join(format!("{test_pv}.img")).exists(),
+        "image of {test_pv} left"
+    );
+    k.show("0: helm test passed and left no claim, volume or attachment behind");
 
     // 1. WaitForFirstConsumer: claim + pod → provisioned on the pod's node, attached, staged and
     //    published by the kubelet through the agent; the pod writes a file.
@@ -510,6 +560,45 @@ volumeBindingMode: WaitForFirstConsumer
         "a Retain volume keeps its image"
     );
     k.show("6: Delete: PV, attachment, image and loop device gone; Retain: Released, image kept");
+
+    // 9. A failing `helm test` says why: a class that does not exist leaves the claim Pending,
+    //    and helm's own output carries the checker's log with the claim's conditions and Events
+    //    (hook-output-log-policy). The claim is deleted all the same.
+    helm.run(&[
+        "upgrade",
+        "st",
+        chart_dir().to_str().unwrap(),
+        "-n",
+        "stowage",
+        "--reuse-values",
+        "--set",
+        "tests.storageClassName=missing,tests.timeoutSeconds=10",
+    ])
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    let e = helm
+        .run(&["test", "st", "-n", "stowage", "--timeout", "2m"])
+        .await
+        .expect_err("helm test with a missing class must fail");
+    println!("{e}");
+    for want in [
+        "ok: controller /readyz through Service st-stowage-controller-metrics answers ok",
+        "FAIL: claim data-st-stowage-test-0 of class missing not Bound after 10s",
+        "PersistentVolumeClaim data-st-stowage-test-0:\n  phase: Pending\n  type: stowage.dev/Pending\n  reason: ProvisioningFailed",
+        "Pod st-stowage-test-0:\n  phase: Pending",
+        "  Events:\n    reason: ",
+        "pod st-stowage-test failed",
+    ] {
+        assert!(e.contains(want), "failed helm test output lacks {want:?}");
+    }
+    k.wait_gone(&[
+        "statefulset,pvc",
+        "-n",
+        "stowage",
+        "st-stowage-test",
+        "data-st-stowage-test-0",
+    ]);
+    k.show("9: a failing helm test names the Pending claim and cleans up");
 
     helm.run(&["uninstall", "st", "-n", "stowage", "--wait"])
         .await
