@@ -21,6 +21,7 @@ up() {
   rm -rf "$dir" && mkdir -p "$dir/images"
   setsid "$top/target/debug/stowage-devcluster" --dir "$dir" --real-node \
     --image target/image/busybox.oci.tar --image target/image/pause.oci.tar \
+    --image target/image/curl.oci.tar \
     --image "target/image/stowage-$version.oci.tar" >"$dir/devcluster.log" 2>&1 &
   echo $! >"$dir/pid"
   for _ in $(seq 240); do
@@ -37,6 +38,7 @@ imageStore: {path: $dir/images}
 controller: {replicas: 1, hostNetwork: true}
 agent: {mode: csi, kubeletDir: $dir/realnode/kubelet, hostNetwork: true}
 storageClass: {create: true, default: true, name: loop, volumeBindingMode: WaitForFirstConsumer}
+tests: {image: {repository: localhost/curl, tag: stowage, pullPolicy: Never}, hostNetwork: true}
 VALUES
   ./e2e/scripts/helm.sh install st charts/stowage -n stowage --create-namespace -f "$dir/values.yaml" --wait --timeout 3m >/dev/null
   "$kubectl" get pods -n stowage -o wide
