@@ -18,6 +18,19 @@ use stowage_testkit::host::Cleanup;
 use stowage_testkit::realnode::{BUSYBOX_IMAGE, NODE_NAME, RealNode};
 
 const BOUND: Duration = Duration::from_secs(180);
+
+/// Polls `check` every 500 ms until it passes. `BOUND` only ends a broken test (with the last
+/// reason); it is not a speed check: speed is measured by `make bench`.
+fn poll(mut check: impl FnMut() -> Result<(), String>) {
+    let deadline = Instant::now() + BOUND;
+    loop {
+        match check() {
+            Ok(()) => return,
+            Err(why) if Instant::now() >= deadline => panic!("{why}"),
+            Err(_) => std::thread::sleep(Duration::from_millis(500)),
+        }
+    }
+}
 const NS: &str = "app";
 
 struct Kubectl {
@@ -100,15 +113,13 @@ impl Kubectl {
 
     /// Waits until the pod's log holds `want` (what its command printed about its volume).
     fn wait_logs(&self, pod: &str, want: &str) {
-        let start = Instant::now();
-        while !self.logs(pod).contains(want) {
-            assert!(
-                start.elapsed() < BOUND,
-                "{pod} logs: {:?}, want {want:?}",
-                self.logs(pod)
-            );
-            std::thread::sleep(Duration::from_millis(500));
-        }
+        poll(|| {
+            let logs = self.logs(pod);
+            match logs.contains(want) {
+                true => Ok(()),
+                false => Err(format!("{pod} logs: {logs:?}, want {want:?}")),
+            }
+        });
     }
 }
 
@@ -446,8 +457,7 @@ spec:
     // 7. A claim for several writers of the loop class is refused with an Event that says why.
     k.apply(&claim("shared", "loop", "ReadWriteMany"));
     k.apply(&pod("shared-user", "shared"));
-    let start = Instant::now();
-    loop {
+    poll(|| {
         let events = k
             .run(&[
                 "get",
@@ -460,15 +470,11 @@ spec:
                 "jsonpath={.items[*].reason}",
             ])
             .unwrap_or_default();
-        if events.contains("ProvisioningFailed") {
-            break;
+        match events.contains("ProvisioningFailed") {
+            true => Ok(()),
+            false => Err(format!("no ProvisioningFailed for shared: {events}")),
         }
-        assert!(
-            start.elapsed() < BOUND,
-            "no ProvisioningFailed for shared: {events}"
-        );
-        std::thread::sleep(Duration::from_millis(500));
-    }
+    });
     println!("{}", k.must(&["describe", "pvc", "-n", NS, "shared"]));
     k.must(&["delete", "pod", "-n", NS, "shared-user", "--wait=true"]);
     k.must(&["delete", "pvc", "-n", NS, "shared", "--wait=true"]);
@@ -536,25 +542,22 @@ volumeBindingMode: WaitForFirstConsumer
     k.must(&["delete", "pvc", "-n", NS, "data", "--wait=false"]);
     k.wait_gone(&["pv", &pv]);
     k.wait_gone(&["volumeattachment", "--all-namespaces"]);
-    let start = Instant::now();
-    while images.join(format!("{pv}.img")).exists() {
-        assert!(start.elapsed() < BOUND, "image of {pv} still there");
-        std::thread::sleep(Duration::from_millis(500));
-    }
+    poll(|| match images.join(format!("{pv}.img")).exists() {
+        true => Err(format!("image of {pv} still there")),
+        false => Ok(()),
+    });
     assert!(
         mounts_of(&node.kubelet_dir, &pv).is_empty(),
         "mounts of {pv} left"
     );
     // The device an earlier agent pod attached is released by its successor.
-    let start = Instant::now();
-    loop {
+    poll(|| {
         let loops = String::from_utf8(Command::new("losetup").arg("-a").output().unwrap().stdout).unwrap();
-        if !loops.contains(&pv) {
-            break;
+        match loops.contains(&pv) {
+            true => Err(format!("loop device of {pv} left:\n{loops}")),
+            false => Ok(()),
         }
-        assert!(start.elapsed() < BOUND, "loop device of {pv} left:\n{loops}");
-        std::thread::sleep(Duration::from_millis(500));
-    }
+    });
     assert!(
         images.join(format!("{kept}.img")).exists(),
         "a Retain volume keeps its image"
