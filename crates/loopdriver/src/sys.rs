@@ -120,16 +120,42 @@ pub async fn loop_attach(image: &Path, read_only: bool) -> Result<String> {
     Ok(dev)
 }
 
-/// Releases a loop device; a device that is already free is fine.
+/// Releases a loop device and returns once the kernel has freed it; a device that is already
+/// free is fine.
+///
+/// On a device someone else still holds open (udev's probe after an unmount, a stray reader),
+/// `losetup -d` succeeds but the kernel only marks it auto-clear and frees it at the last close.
+/// "Detached" must mean free — the controller may attach the image elsewhere next — so this waits
+/// up to `DETACH_SETTLE` and otherwise fails, for the caller to retry.
 pub async fn loop_detach(dev: &str) -> Result<()> {
-    if backing_file(dev).await.is_none() {
+    loop_detach_within(dev, DETACH_SETTLE).await
+}
+
+/// How long a detach waits for the last holder of a device to close it.
+const DETACH_SETTLE: Duration = Duration::from_secs(10);
+
+pub async fn loop_detach_within(dev: &str, settle: Duration) -> Result<()> {
+    let Some(before) = backing_file(dev).await else {
         return Ok(());
+    };
+    if let Err(e) = run("losetup", &["-d", dev]).await
+        && backing_file(dev).await.is_some_and(|f| f == before)
+    {
+        return Err(e);
     }
-    match run("losetup", &["-d", dev]).await {
-        Ok(_) => Ok(()),
-        Err(_) if backing_file(dev).await.is_none() => Ok(()),
-        Err(e) => Err(e),
+    let deadline = tokio::time::Instant::now() + settle;
+    // Free, or already reused for another file: either way no longer this image's device.
+    while backing_file(dev).await.is_some_and(|f| f == before) {
+        if tokio::time::Instant::now() >= deadline {
+            return Err(SysError::Io(format!(
+                "loop device {dev} is still open elsewhere after {}s; the kernel frees it at the \
+                 last close",
+                settle.as_secs()
+            )));
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    Ok(())
 }
 
 /// Makes the loop device pick up a grown image.

@@ -495,3 +495,32 @@ async fn a_device_is_matched_to_its_image_by_inode_and_after_deletion_by_name() 
     assert!(sys(&dev, &img).await, "deleted image: matched by name");
     assert!(!sys(&dev, &s.base.join("images/x.img")).await);
 }
+
+#[tokio::test]
+async fn a_detach_returns_only_once_the_kernel_has_freed_a_device_held_open() {
+    use stowage_loopdriver::sys::{backing_file, loop_attach, loop_detach_within};
+    let s = Scratch::new("held");
+    let img = s.base.join("images/v.img");
+    std::fs::write(&img, vec![0u8; 1 << 20]).unwrap();
+    let dev = loop_attach(&img, false).await.unwrap();
+
+    // Another opener (as udev's probe after an unmount is): the kernel only defers the clear.
+    let holder = std::fs::File::open(&dev).unwrap();
+    let e = loop_detach_within(&dev, std::time::Duration::from_millis(300))
+        .await
+        .expect_err("a device still open elsewhere is not detached");
+    assert!(e.to_string().contains("still open"), "{e}");
+    assert!(backing_file(&dev).await.is_some(), "still this image's device");
+
+    // The retry succeeds once the holder closes, and the device is free when it returns.
+    let detach = tokio::spawn({
+        let dev = dev.clone();
+        async move { loop_detach_within(&dev, std::time::Duration::from_secs(60)).await }
+    });
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    assert!(!detach.is_finished(), "waits while the device is held");
+    drop(holder);
+    detach.await.unwrap().unwrap();
+    assert_eq!(backing_file(&dev).await, None);
+    assert!(s.loops().is_empty(), "{:?}", s.loops());
+}
