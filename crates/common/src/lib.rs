@@ -3,6 +3,7 @@
 pub mod client;
 pub mod clientmetrics;
 pub mod cluster;
+pub mod errors;
 pub mod events;
 pub mod inflight;
 pub mod informer;

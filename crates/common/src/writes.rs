@@ -24,14 +24,7 @@ enum Part {
     Status,
 }
 
-/// Whether an error is a resourceVersion conflict (someone wrote first).
-pub fn is_conflict(e: &kube::Error) -> bool {
-    matches!(e, kube::Error::Api(s) if s.code == 409)
-}
-
-pub fn is_not_found(e: &kube::Error) -> bool {
-    matches!(e, kube::Error::Api(s) if s.code == 404)
-}
+pub use crate::errors::{is_conflict, is_not_found};
 
 impl Writes {
     pub fn new(client: Client, counter: IntCounterVec) -> Self {
