@@ -142,7 +142,8 @@ pub fn stowage_client_defaults(bin: &str) -> (f32, u32) {
         api: stowage_common::client::ApiArgs,
     }
     let d = Defaults::parse_from([bin]);
-    (d.api.kube_api_qps, d.api.kube_api_burst)
+    // Unset --kube-api-qps means the adaptive limiter; its ceiling stands for it here.
+    (d.api.kube_api_qps.unwrap_or(2000.0), d.api.kube_api_burst)
 }
 
 pub fn default_bin(rel: &str) -> PathBuf {
