@@ -17,6 +17,7 @@ pub(crate) struct Families {
     pub(crate) latency: HistogramVec,
     pub(crate) limiter_wait: HistogramVec,
     pub(crate) limit: GaugeVec,
+    pub(crate) window: GaugeVec,
     pub(crate) cuts: IntCounterVec,
 }
 
@@ -54,7 +55,15 @@ pub(crate) static FAMILIES: LazyLock<Families> = LazyLock::new(|| {
     limit: GaugeVec::new(
         Opts::new(
             "stowage_api_client_qps_limit",
-            "Requests per second the client-side limiter allows now (0 = no limit); the adaptive limiter moves it.",
+            "Requests per second the client-side token bucket allows (0 = no limit).",
+        ),
+        &["host"],
+    )
+    .expect("static metric definition"),
+    window: GaugeVec::new(
+        Opts::new(
+            "stowage_api_client_concurrency_limit",
+            "Requests (watches not counted) the adaptive limiter lets be in flight now (0 = no window).",
         ),
         &["host"],
     )
@@ -62,7 +71,7 @@ pub(crate) static FAMILIES: LazyLock<Families> = LazyLock::new(|| {
     cuts: IntCounterVec::new(
         Opts::new(
             "stowage_api_client_limit_cuts_total",
-            "Times the adaptive limiter halved its rate because the apiserver answered 429.",
+            "Times the adaptive limiter halved its window because the apiserver answered 429.",
         ),
         &["host"],
     )
@@ -77,6 +86,7 @@ impl Families {
         register(registry, self.latency.clone());
         register(registry, self.limiter_wait.clone());
         register(registry, self.limit.clone());
+        register(registry, self.window.clone());
         register(registry, self.cuts.clone());
     }
 }
@@ -170,12 +180,17 @@ pub(crate) fn limiter_waited(method: &str, host: &str, secs: f64) {
         .observe(secs);
 }
 
-/// The limiter's current rate (set at start and whenever the adaptive limiter moves it).
+/// The bucket's rate (set at start).
 pub(crate) fn limit_set(host: &str, qps: f64) {
     FAMILIES.limit.with_label_values(&[host]).set(qps);
 }
 
-/// The adaptive limiter cut its rate after a 429.
+/// The adaptive window's current size.
+pub(crate) fn concurrency_limit_set(host: &str, n: f64) {
+    FAMILIES.window.with_label_values(&[host]).set(n);
+}
+
+/// The adaptive limiter cut its window after a 429.
 pub(crate) fn limit_cut(host: &str) {
     FAMILIES.cuts.with_label_values(&[host]).inc();
 }
