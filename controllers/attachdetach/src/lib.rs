@@ -4,15 +4,19 @@
 //! carries the decisions out as VolumeAttachment creates/deletes and node status patches.
 
 pub mod actual;
+pub mod controller;
 pub mod desired;
+pub mod error;
 pub mod exec;
+pub mod ingest;
 pub mod metrics;
 pub mod objects;
 pub mod reconcile;
+pub mod results;
 
 use std::time::Duration;
 
-pub use exec::run;
+pub use controller::run;
 pub use metrics::Metrics;
 
 /// Controller settings; `Default` has upstream's values.

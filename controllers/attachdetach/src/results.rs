@@ -1,0 +1,275 @@
+//! What write tasks report back (`Done`) and the step that folds it into the state, metrics
+//! and events.
+
+use std::time::Instant;
+
+use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::storage::v1::VolumeAttachment;
+use kube::runtime::reflector::ObjectRef;
+use kube::{Resource, ResourceExt};
+
+use crate::controller::{Ctrl, STATUS_RETRY};
+use crate::error::{Error, api_category, code_is};
+use crate::objects::VaState;
+use crate::reconcile::ForceReason;
+
+/// Results of the write tasks.
+pub(crate) enum Done {
+    Attach {
+        volume: String,
+        node: String,
+        va_name: String,
+        result: Result<VolumeAttachment, kube::Error>,
+    },
+    Detach {
+        volume: String,
+        node: String,
+        forced: Option<ForceReason>,
+        /// `Some` while the VolumeAttachment still exists (finalizers), `None` once gone.
+        result: Result<Option<VolumeAttachment>, Error>,
+    },
+    Status {
+        node: String,
+        result: Result<Node, kube::Error>,
+    },
+    Release {
+        volume: String,
+        node: String,
+        result: Result<VolumeAttachment, kube::Error>,
+    },
+    PvFinalizer {
+        pv: String,
+        result: Result<(), kube::Error>,
+    },
+}
+
+impl Done {
+    /// Whether `self` and `other` report the same piece of work.
+    pub(crate) fn same_work(&self, other: &Done) -> bool {
+        match (self, other) {
+            (
+                Done::Attach {
+                    volume: a, node: b, ..
+                },
+                Done::Attach {
+                    volume: c, node: d, ..
+                },
+            )
+            | (
+                Done::Detach {
+                    volume: a, node: b, ..
+                },
+                Done::Detach {
+                    volume: c, node: d, ..
+                },
+            )
+            | (
+                Done::Release {
+                    volume: a, node: b, ..
+                },
+                Done::Release {
+                    volume: c, node: d, ..
+                },
+            ) => a == c && b == d,
+            (Done::Status { node: a, .. }, Done::Status { node: b, .. }) => a == b,
+            (Done::PvFinalizer { pv: a, .. }, Done::PvFinalizer { pv: b, .. }) => a == b,
+            _ => false,
+        }
+    }
+}
+
+impl Ctrl {
+    /// Takes a write task's result back into the state.
+    pub(crate) fn finish(&mut self, done: Done) {
+        let now = Instant::now();
+        let m = self.writer.metrics.clone();
+        match done {
+            Done::Attach {
+                volume,
+                node,
+                va_name,
+                result,
+            } => {
+                m.queue_depth.with_label_values(&["attach"]).dec();
+                if let Some(e) = self.actual.get_mut(&volume, &node) {
+                    e.op = None;
+                }
+                match result {
+                    Ok(va) => {
+                        m.operations.with_label_values(&["attach", "success"]).inc();
+                        self.succeeded(&volume, &node);
+                        self.va_applied(&va);
+                    }
+                    Err(err) if code_is(&err, 409) => {
+                        // Someone (a previous leader) created it: follow the stored copy.
+                        m.operations.with_label_values(&["attach", "success"]).inc();
+                        self.succeeded(&volume, &node);
+                        match self.cluster.attachments.store().get(&ObjectRef::new(&va_name)) {
+                            Some(va) => self.va_applied(&va),
+                            None => {
+                                if let Some(e) = self.actual.get_mut(&volume, &node)
+                                    && e.va.is_none()
+                                {
+                                    // Its watch event is on the way; a resync corrects a miss.
+                                    e.va = Some(VaState {
+                                        name: va_name,
+                                        ..Default::default()
+                                    });
+                                }
+                            }
+                        }
+                    }
+                    Err(err) => {
+                        let err = Error::Api(err);
+                        m.operations.with_label_values(&["attach", "error"]).inc();
+                        m.reconcile_errors
+                            .with_label_values(&["attach", err.category()])
+                            .inc();
+                        tracing::warn!(%volume, %node, error = %err, "attach failed");
+                        if let Some(e) = self.actual.get_mut(&volume, &node) {
+                            e.failed(now);
+                            e.attach_started = None;
+                        }
+                        let msg = err.to_string();
+                        self.pod_events(&volume, &node, true, "FailedAttachVolume", |pv| {
+                            format!("Cannot request attaching volume \"{pv}\": {msg}")
+                        });
+                    }
+                }
+                self.actual.tidy(&volume, &node, now);
+            }
+            Done::Detach {
+                volume,
+                node,
+                forced,
+                result,
+            } => {
+                m.queue_depth.with_label_values(&["detach"]).dec();
+                if let Some(e) = self.actual.get_mut(&volume, &node) {
+                    e.op = None;
+                }
+                match result {
+                    Ok(left) => {
+                        m.operations.with_label_values(&["detach", "success"]).inc();
+                        if let Some(r) = forced {
+                            m.forced_detaches.with_label_values(&[r.label()]).inc();
+                        }
+                        self.succeeded(&volume, &node);
+                        match left {
+                            // Finalizers hold it: the attacher detaches, the watch reports the end.
+                            Some(va) => self.va_applied(&va),
+                            None => {
+                                if let Some(e) = self.actual.get_mut(&volume, &node) {
+                                    e.va = None;
+                                    e.reported = None;
+                                    e.detach_requested = None;
+                                    if let Some(t) = e.detach_started.take() {
+                                        m.detach_seconds.observe(t.elapsed().as_secs_f64());
+                                    }
+                                }
+                            }
+                        }
+                    }
+                    Err(err) => {
+                        m.operations.with_label_values(&["detach", "error"]).inc();
+                        m.reconcile_errors
+                            .with_label_values(&["detach", err.category()])
+                            .inc();
+                        tracing::warn!(%volume, %node, error = %err, "detach failed");
+                        if let Some(e) = self.actual.get_mut(&volume, &node) {
+                            e.failed(now);
+                            e.detach_started = None;
+                        }
+                    }
+                }
+                self.actual.tidy(&volume, &node, now);
+            }
+            Done::Release { volume, node, result } => {
+                if let Some(e) = self.actual.get_mut(&volume, &node) {
+                    e.op = None;
+                }
+                match result {
+                    Ok(va) => {
+                        m.operations.with_label_values(&["release", "success"]).inc();
+                        tracing::warn!(%volume, %node, va = %va.name_any(), "released the attachment of a node that is gone or out of service");
+                        self.writer.events.warning(
+                            &va.object_ref(&()),
+                            "AttachmentReleased",
+                            "Detach",
+                            format!(
+                                "node {node} is gone or out of service and no attacher is left there: the controller dropped the attacher's finalizer so volume {volume} can be attached elsewhere"
+                            ),
+                        );
+                        self.succeeded(&volume, &node);
+                        self.va_applied(&va);
+                    }
+                    Err(err) if code_is(&err, 404) => {
+                        m.operations.with_label_values(&["release", "success"]).inc();
+                    }
+                    Err(err) => {
+                        let err = Error::Api(err);
+                        m.operations.with_label_values(&["release", "error"]).inc();
+                        m.reconcile_errors
+                            .with_label_values(&["release", err.category()])
+                            .inc();
+                        tracing::warn!(%volume, %node, error = %err, "release of a dead node's attachment failed");
+                        if let Some(e) = self.actual.get_mut(&volume, &node) {
+                            e.failed(now);
+                        }
+                    }
+                }
+                self.actual.tidy(&volume, &node, now);
+            }
+            Done::PvFinalizer { pv, result } => {
+                self.pv_patching.remove(&pv);
+                match result {
+                    Ok(()) => {
+                        m.operations.with_label_values(&["pv_finalizer", "success"]).inc();
+                    }
+                    Err(e) if code_is(&e, 404) => {}
+                    Err(e) => {
+                        m.operations.with_label_values(&["pv_finalizer", "error"]).inc();
+                        m.reconcile_errors
+                            .with_label_values(&["pv_finalizer", api_category(&e)])
+                            .inc();
+                        tracing::warn!(%pv, error = %e, "cannot update the attacher finalizer of the volume");
+                        // A conflict is decided again on the newer copy; other errors wait for
+                        // the next change or the periodic resync.
+                        if code_is(&e, 409) {
+                            self.pv_dirty.insert(pv);
+                        }
+                    }
+                }
+            }
+            Done::Status { node, result } => {
+                self.status_in_flight.remove(&node);
+                match result {
+                    Ok(n) => {
+                        m.operations.with_label_values(&["node_status", "success"]).inc();
+                        self.status_retry.remove(&node);
+                        self.node_applied(&n);
+                    }
+                    Err(e) if code_is(&e, 404) => {
+                        m.operations.with_label_values(&["node_status", "success"]).inc();
+                    }
+                    Err(e) => {
+                        m.operations.with_label_values(&["node_status", "error"]).inc();
+                        m.reconcile_errors
+                            .with_label_values(&["node_status", api_category(&e)])
+                            .inc();
+                        tracing::warn!(%node, error = %e, "node status update failed");
+                        self.status_retry.insert(node, now + STATUS_RETRY);
+                    }
+                }
+            }
+        }
+        self.dirty = true;
+        self.update_wake(now);
+    }
+
+    pub(crate) fn succeeded(&mut self, volume: &str, node: &str) {
+        if let Some(e) = self.actual.get_mut(volume, node) {
+            e.succeeded();
+        }
+    }
+}
