@@ -1,6 +1,6 @@
-//! The thin async layer. One task owns desired and actual state, feeds them from the shared
-//! informers, runs the pure reconciler whenever something changed (or a deadline passed), and
-//! hands API writes to tasks of their own: attaches and detaches draw from separate budgets so a
+//! `Controller`: one task owns desired and actual state, feeds them from the shared informers
+//! (`ingest`), runs the pure pass (`core`) whenever something changed (or a deadline passed), and
+//! hands API writes to tasks of their own (`exec`): attaches and detaches draw from separate budgets so a
 //! burst of one never starves the other. Results come back to the owning task, which records
 //! what it wrote so the next pass never acts on an older object. Periodic work reads the stores
 //! only: no GET per attachment.
@@ -19,11 +19,11 @@ use tokio::task::JoinSet;
 
 use crate::Config;
 use crate::actual::Actual;
+use crate::core::{Nodes, next_deadline, reconcile};
 use crate::desired::{Desired, PodRef};
-use crate::exec::Writer;
+use crate::exec::Executor;
 use crate::ingest::{PodKey, PodSeen};
 use crate::metrics::Metrics;
-use crate::reconcile::{Nodes, next_deadline, reconcile};
 
 /// Event reporter name.
 const COMPONENT: &str = "stowage-attachdetach";
@@ -42,13 +42,13 @@ const MIN_PASS_GAP: Duration = Duration::from_millis(1);
 const MAX_PASS_GAP: Duration = Duration::from_millis(50);
 
 /// The owning task's state.
-pub(crate) struct Ctrl {
+pub(crate) struct Controller {
     /// Write tasks: aborted with the controller when leadership ends, so a former leader
     /// stops writing at once.
     pub(crate) tasks: JoinSet<()>,
     pub(crate) cluster: Arc<Cluster>,
     pub(crate) config: Config,
-    pub(crate) writer: Writer,
+    pub(crate) executor: Executor,
     pub(crate) desired: Desired,
     pub(crate) actual: Actual,
     pub(crate) nodes: Nodes,
@@ -96,9 +96,9 @@ pub async fn run(cluster: Arc<Cluster>, metrics: Metrics, config: Config) -> any
 
     let (done_tx, mut done_rx) = mpsc::unbounded_channel();
     let client = cluster.client.clone();
-    let mut c = Ctrl {
+    let mut c = Controller {
         tasks: JoinSet::new(),
-        writer: Writer {
+        executor: Executor {
             vas: Api::all(client.clone()),
             pvs: Api::all(client.clone()),
             nodes: Api::all(client.clone()),
@@ -201,7 +201,7 @@ pub async fn run(cluster: Arc<Cluster>, metrics: Metrics, config: Config) -> any
     }
 }
 
-impl Ctrl {
+impl Controller {
     pub(crate) fn touch(&mut self) {
         self.dirty = true;
         self.backlog += 1;
@@ -213,10 +213,10 @@ impl Ctrl {
         self.refresh_pods();
         let now = Instant::now();
         self.last_pass = Some(now);
-        let timer = self.writer.metrics.reconcile_seconds.start_timer();
+        let timer = self.executor.metrics.reconcile_seconds.start_timer();
         let actions = reconcile(&self.desired, &self.actual, &self.nodes, now, &self.config);
         timer.observe_duration();
-        self.writer.metrics.reconciles.inc();
+        self.executor.metrics.reconciles.inc();
         self.dirty = false;
         self.backlog = 0;
         self.apply(actions, now);
@@ -262,9 +262,9 @@ impl Ctrl {
         };
         // Queued: events never hold up the reconciler.
         if warning {
-            self.writer.events.warning(&on, reason, "Attach", note);
+            self.executor.events.warning(&on, reason, "Attach", note);
         } else {
-            self.writer.events.normal(&on, reason, "Attach", note);
+            self.executor.events.normal(&on, reason, "Attach", note);
         }
     }
 }

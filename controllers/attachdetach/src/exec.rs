@@ -15,12 +15,12 @@ use stowage_common::events::Events;
 use tokio::sync::{Semaphore, mpsc};
 
 use crate::actual::Op;
-use crate::controller::Ctrl;
+use crate::controller::Controller;
+use crate::core::{Action, ForceReason};
 use crate::error::{Error, code_is};
 use crate::metrics::{Metrics, Snapshot};
 use crate::objects::pv_finalizer_change;
-use crate::reconcile::{Action, ForceReason};
-use crate::results::Done;
+use crate::results::Outcome;
 
 /// The error a panicked write task's outstanding work is reported with.
 pub(crate) fn panicked() -> kube::Error {
@@ -35,19 +35,19 @@ pub(crate) fn panicked() -> kube::Error {
 /// (leadership lost) is not a panic and reports nothing: the loop is gone too.
 #[derive(Clone)]
 pub(crate) struct Owed {
-    done: mpsc::UnboundedSender<Done>,
-    left: Arc<std::sync::Mutex<Vec<Done>>>,
+    done: mpsc::UnboundedSender<Outcome>,
+    left: Arc<std::sync::Mutex<Vec<Outcome>>>,
 }
 
 impl Owed {
-    fn new(done: &mpsc::UnboundedSender<Done>, failures: Vec<Done>) -> Self {
+    fn new(done: &mpsc::UnboundedSender<Outcome>, failures: Vec<Outcome>) -> Self {
         Self {
             done: done.clone(),
             left: Arc::new(std::sync::Mutex::new(failures)),
         }
     }
 
-    fn send(&self, d: Done) {
+    fn send(&self, d: Outcome) {
         self.left
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -81,18 +81,18 @@ pub(crate) static PANIC_ON_ATTACH: std::sync::Mutex<Option<String>> = std::sync:
 
 /// Everything a write task needs; cheap to clone.
 #[derive(Clone)]
-pub(crate) struct Writer {
+pub(crate) struct Executor {
     pub(crate) vas: Api<VolumeAttachment>,
     pub(crate) pvs: Api<PersistentVolume>,
     pub(crate) nodes: Api<Node>,
     pub(crate) events: Events,
     pub(crate) metrics: Metrics,
-    pub(crate) done: mpsc::UnboundedSender<Done>,
+    pub(crate) done: mpsc::UnboundedSender<Outcome>,
     pub(crate) attach_slots: Arc<Semaphore>,
     pub(crate) detach_slots: Arc<Semaphore>,
 }
 
-impl Ctrl {
+impl Controller {
     pub(crate) fn apply(&mut self, actions: Vec<Action>, now: Instant) {
         let mut waiting_since = Vec::new();
         let mut detaches: BTreeMap<String, Vec<DetachJob>> = BTreeMap::new();
@@ -140,7 +140,7 @@ impl Ctrl {
                 } => self.start_release(volume, node, va_name, resource_version),
                 Action::MultiAttachError { volume, node, notes } => {
                     self.desired.mark_multi_attach_reported(&volume, &node);
-                    self.writer.metrics.multi_attach_errors.inc();
+                    self.executor.metrics.multi_attach_errors.inc();
                     for (pod, note) in notes {
                         self.pod_event(&pod, true, "FailedAttachVolume", note);
                     }
@@ -170,7 +170,7 @@ impl Ctrl {
                 .entry(("actual_state_of_world", a.driver.clone()))
                 .or_default() += 1;
         }
-        self.writer.metrics.set_snapshot(Snapshot {
+        self.executor.metrics.set_snapshot(Snapshot {
             volumes,
             waiting_since,
         });
@@ -191,7 +191,7 @@ impl Ctrl {
         let e = self.actual.entry(&volume, &node, &driver, &handle);
         e.op = Some(Op::Attach);
         e.attach_started.get_or_insert(now);
-        let w = self.writer.clone();
+        let w = self.executor.clone();
         w.metrics.queue_depth.with_label_values(&["attach"]).inc();
         let va = VolumeAttachment {
             metadata: ObjectMeta {
@@ -210,7 +210,7 @@ impl Ctrl {
         };
         let owed = Owed::new(
             &w.done,
-            vec![Done::Attach {
+            vec![Outcome::Attach {
                 volume: volume.clone(),
                 node: node.clone(),
                 va_name: va_name.clone(),
@@ -236,7 +236,7 @@ impl Ctrl {
                 .start_timer();
             let result = w.vas.create(&PostParams::default(), &va).await;
             timer.observe_duration();
-            owed.send(Done::Attach {
+            owed.send(Outcome::Attach {
                 volume,
                 node,
                 va_name,
@@ -275,10 +275,10 @@ impl Ctrl {
                 "metadata": { "finalizers": fins, "resourceVersion": pv.resource_version() }
             });
             self.pv_patching.insert(name.clone());
-            let w = self.writer.clone();
+            let w = self.executor.clone();
             let owed = Owed::new(
                 &w.done,
-                vec![Done::PvFinalizer {
+                vec![Outcome::PvFinalizer {
                     pv: name.clone(),
                     result: Err(panicked()),
                 }],
@@ -290,7 +290,7 @@ impl Ctrl {
                     .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
                     .await
                     .map(|_| ());
-                owed.send(Done::PvFinalizer { pv: name, result });
+                owed.send(Outcome::PvFinalizer { pv: name, result });
             });
         }
     }
@@ -321,10 +321,10 @@ impl Ctrl {
                     .collect()
             })
             .unwrap_or_default();
-        let w = self.writer.clone();
+        let w = self.executor.clone();
         let owed = Owed::new(
             &w.done,
-            vec![Done::Release {
+            vec![Outcome::Release {
                 volume: volume.clone(),
                 node: node.clone(),
                 result: Err(panicked()),
@@ -339,7 +339,7 @@ impl Ctrl {
                 .vas
                 .patch(&va_name, &PatchParams::default(), &Patch::Merge(&patch))
                 .await;
-            owed.send(Done::Release { volume, node, result });
+            owed.send(Outcome::Release { volume, node, result });
         });
     }
 
@@ -362,14 +362,14 @@ impl Ctrl {
         if patch.is_some() {
             self.status_in_flight.insert(node.clone());
         }
-        let w = self.writer.clone();
+        let w = self.executor.clone();
         w.metrics
             .queue_depth
             .with_label_values(&["detach"])
             .add(jobs.len() as i64);
-        let mut failures: Vec<Done> = jobs
+        let mut failures: Vec<Outcome> = jobs
             .iter()
-            .map(|j| Done::Detach {
+            .map(|j| Outcome::Detach {
                 volume: j.volume.clone(),
                 node: node.clone(),
                 forced: j.forced,
@@ -377,7 +377,7 @@ impl Ctrl {
             })
             .collect();
         if patch.is_some() {
-            failures.push(Done::Status {
+            failures.push(Outcome::Status {
                 node: node.clone(),
                 result: Err(panicked()),
             });
@@ -412,13 +412,13 @@ impl Ctrl {
                         None
                     }
                 };
-                owed.send(Done::Status {
+                owed.send(Outcome::Status {
                     node: node.clone(),
                     result,
                 });
                 if let Some(msg) = blocked {
                     for j in jobs {
-                        owed.send(Done::Detach {
+                        owed.send(Outcome::Detach {
                             volume: j.volume,
                             node: node.clone(),
                             forced: j.forced,
@@ -441,7 +441,7 @@ impl Ctrl {
                 split_unsafe_detaches(jobs, &node, &fresh)
             };
             for (j, err) in refused {
-                owed.send(Done::Detach {
+                owed.send(Outcome::Detach {
                     volume: j.volume,
                     node: node.clone(),
                     forced: j.forced,
@@ -471,7 +471,7 @@ impl Ctrl {
                         Err(e) => Err(Error::Api(e)),
                     };
                     timer.observe_duration();
-                    owed.send(Done::Detach {
+                    owed.send(Outcome::Detach {
                         volume: j.volume,
                         node,
                         forced: j.forced,

@@ -12,7 +12,7 @@ use kube::runtime::reflector::ObjectRef;
 use stowage_common::cluster::Cluster;
 use stowage_common::informer::is_newer;
 
-use crate::controller::Ctrl;
+use crate::controller::Controller;
 use crate::desired::{Lookup, PodRef, pod_volumes};
 use crate::objects::{
     NodeInfo, VaState, pod_claims, pod_is_active, pod_node, pv_finalizer_change, split_unique_volume_name,
@@ -44,7 +44,7 @@ pub(crate) struct PodSeen {
     claims: Vec<String>,
 }
 
-impl Ctrl {
+impl Controller {
     /// Initial state: nodes (and what their status says is attached, so a restart keeps it),
     /// then attachments, then pods.
     pub(crate) fn load(&mut self) {
@@ -342,7 +342,7 @@ impl Ctrl {
         e.reported = None;
         self.va_keys.insert(name, (volume.clone(), node.clone()));
         if let Some(t) = started {
-            self.writer
+            self.executor
                 .metrics
                 .attach_seconds
                 .observe(t.elapsed().as_secs_f64());
@@ -397,7 +397,7 @@ impl Ctrl {
         e.reported = None;
         e.detach_requested = None;
         if let Some(t) = e.detach_started.take() {
-            self.writer
+            self.executor
                 .metrics
                 .detach_seconds
                 .observe(t.elapsed().as_secs_f64());

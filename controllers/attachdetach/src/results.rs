@@ -1,4 +1,4 @@
-//! What write tasks report back (`Done`) and the step that folds it into the state, metrics
+//! What write tasks report back (`Outcome`) and the step that folds it into the state, metrics
 //! and events.
 
 use std::time::Instant;
@@ -8,13 +8,13 @@ use k8s_openapi::api::storage::v1::VolumeAttachment;
 use kube::runtime::reflector::ObjectRef;
 use kube::{Resource, ResourceExt};
 
-use crate::controller::{Ctrl, STATUS_RETRY};
+use crate::controller::{Controller, STATUS_RETRY};
+use crate::core::ForceReason;
 use crate::error::{Error, api_category, code_is};
 use crate::objects::VaState;
-use crate::reconcile::ForceReason;
 
 /// Results of the write tasks.
-pub(crate) enum Done {
+pub(crate) enum Outcome {
     Attach {
         volume: String,
         node: String,
@@ -43,48 +43,48 @@ pub(crate) enum Done {
     },
 }
 
-impl Done {
+impl Outcome {
     /// Whether `self` and `other` report the same piece of work.
-    pub(crate) fn same_work(&self, other: &Done) -> bool {
+    pub(crate) fn same_work(&self, other: &Outcome) -> bool {
         match (self, other) {
             (
-                Done::Attach {
+                Outcome::Attach {
                     volume: a, node: b, ..
                 },
-                Done::Attach {
+                Outcome::Attach {
                     volume: c, node: d, ..
                 },
             )
             | (
-                Done::Detach {
+                Outcome::Detach {
                     volume: a, node: b, ..
                 },
-                Done::Detach {
+                Outcome::Detach {
                     volume: c, node: d, ..
                 },
             )
             | (
-                Done::Release {
+                Outcome::Release {
                     volume: a, node: b, ..
                 },
-                Done::Release {
+                Outcome::Release {
                     volume: c, node: d, ..
                 },
             ) => a == c && b == d,
-            (Done::Status { node: a, .. }, Done::Status { node: b, .. }) => a == b,
-            (Done::PvFinalizer { pv: a, .. }, Done::PvFinalizer { pv: b, .. }) => a == b,
+            (Outcome::Status { node: a, .. }, Outcome::Status { node: b, .. }) => a == b,
+            (Outcome::PvFinalizer { pv: a, .. }, Outcome::PvFinalizer { pv: b, .. }) => a == b,
             _ => false,
         }
     }
 }
 
-impl Ctrl {
+impl Controller {
     /// Takes a write task's result back into the state.
-    pub(crate) fn finish(&mut self, done: Done) {
+    pub(crate) fn finish(&mut self, done: Outcome) {
         let now = Instant::now();
-        let m = self.writer.metrics.clone();
+        let m = self.executor.metrics.clone();
         match done {
-            Done::Attach {
+            Outcome::Attach {
                 volume,
                 node,
                 va_name,
@@ -138,7 +138,7 @@ impl Ctrl {
                 }
                 self.actual.tidy(&volume, &node, now);
             }
-            Done::Detach {
+            Outcome::Detach {
                 volume,
                 node,
                 forced,
@@ -184,7 +184,7 @@ impl Ctrl {
                 }
                 self.actual.tidy(&volume, &node, now);
             }
-            Done::Release { volume, node, result } => {
+            Outcome::Release { volume, node, result } => {
                 if let Some(e) = self.actual.get_mut(&volume, &node) {
                     e.op = None;
                 }
@@ -192,7 +192,7 @@ impl Ctrl {
                     Ok(va) => {
                         m.operations.with_label_values(&["release", "success"]).inc();
                         tracing::warn!(%volume, %node, va = %va.name_any(), "released the attachment of a node that is gone or out of service");
-                        self.writer.events.warning(
+                        self.executor.events.warning(
                             &va.object_ref(&()),
                             "AttachmentReleased",
                             "Detach",
@@ -220,7 +220,7 @@ impl Ctrl {
                 }
                 self.actual.tidy(&volume, &node, now);
             }
-            Done::PvFinalizer { pv, result } => {
+            Outcome::PvFinalizer { pv, result } => {
                 self.pv_patching.remove(&pv);
                 match result {
                     Ok(()) => {
@@ -241,7 +241,7 @@ impl Ctrl {
                     }
                 }
             }
-            Done::Status { node, result } => {
+            Outcome::Status { node, result } => {
                 self.status_in_flight.remove(&node);
                 match result {
                     Ok(n) => {

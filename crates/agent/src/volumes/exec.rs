@@ -9,16 +9,16 @@ use k8s_openapi::api::core::v1::ObjectReference;
 use k8s_openapi::jiff::Timestamp;
 
 use super::*;
+use crate::core::Op;
 use crate::ctx::Ctx;
 use crate::fsgroup;
 use crate::mountinfo::{self, DevNo};
 use crate::probe::Health;
-use crate::reconcile::Op;
 use crate::state::{Attachment, DesiredVolume, Mounted, PodInfo};
 use crate::sys;
 
 /// One operation with everything it needs from the pass that started it.
-pub(crate) struct Job {
+pub(crate) struct Executor {
     pub(crate) ctx: Arc<Ctx>,
     pub(crate) dv: Option<DesiredVolume>,
     pub(crate) actual: crate::state::ActualVolume,
@@ -38,8 +38,8 @@ pub(crate) fn step<E: std::fmt::Display>(step: &'static str) -> impl FnOnce(E) -
     }
 }
 
-impl Job {
-    pub(crate) async fn run(self, op: Op) -> Done {
+impl Executor {
+    pub(crate) async fn run(self, op: Op) -> Outcome {
         let mut expanded = None;
         let result = match &op {
             Op::Mount {
@@ -65,7 +65,7 @@ impl Job {
         if let Err(e) = &result {
             tracing::warn!(op = op.kind(), pv = op.pv(), step = e.step, error = %e.message, "operation failed");
         }
-        Done { op, ok, expanded }
+        Outcome { op, ok, expanded }
     }
 
     fn pod_event(&self, warning: bool, reason: &str, note: String) {

@@ -1,7 +1,7 @@
-//! The volume manager's async layer: one task observes (caches + mount table), decides with
-//! `reconcile`, and starts operations; each operation runs as its own task and reports back. The
-//! mount table is read on every pass, so the actual state is reconstructed at start and can never
-//! drift from the node's truth.
+//! The volume manager's loop: one task observes (`ingest`: caches and mount table), decides
+//! with `crate::core`, and starts operations (`exec`); each runs as a task of its own and reports
+//! an `Outcome` (`results`). The mount table is read on every pass, so the actual state is
+//! reconstructed at start and can never drift from the node's truth.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
@@ -11,10 +11,10 @@ use tokio::sync::{mpsc, watch};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
+use crate::core::{Op, reconcile, schedule};
 use crate::ctx::Ctx;
 use crate::paths::unique_name;
 use crate::probe::{Health, Prober};
-use crate::reconcile::{Op, reconcile, schedule};
 use crate::state::{Actual, Desired, DesiredVolume, PodInfo};
 use crate::tracker::Tracker;
 
@@ -24,10 +24,10 @@ mod ingest;
 mod results;
 
 pub use claim::{finish_claim_resize, resize_finished_patch};
-use exec::Job;
+use exec::Executor;
 use ingest::observe_and_decide;
 pub use ingest::{ObserveError, observe};
-use results::{Done, Noted, finish, note_due, note_errors, note_unsure};
+use results::{Noted, Outcome, finish, note_due, note_errors, note_unsure};
 
 /// Longest sleep between passes: mounts are re-checked for health at least this often.
 const PERIOD: Duration = Duration::from_secs(1);
@@ -51,7 +51,7 @@ pub async fn run(ctx: Arc<Ctx>, mut link: NodeLink, mut stop: watch::Receiver<bo
     let mut pvcs_rx = ctx.pvcs.subscribe();
     let mut pvs_rx = ctx.pvs.subscribe();
     let mut vas_rx = ctx.vas.subscribe();
-    let (done_tx, mut done_rx) = mpsc::unbounded_channel::<Done>();
+    let (done_tx, mut done_rx) = mpsc::unbounded_channel::<Outcome>();
     let mut tasks = JoinSet::new();
     let mut tracker = Tracker::default();
     let mut expanded: BTreeMap<String, String> = BTreeMap::new();
@@ -152,7 +152,7 @@ struct Pass<'a> {
     handles: &'a mut HashMap<String, String>,
     noted: &'a mut HashMap<(String, String, &'static str), Noted>,
     tasks: &'a mut JoinSet<()>,
-    done_tx: &'a mpsc::UnboundedSender<Done>,
+    done_tx: &'a mpsc::UnboundedSender<Outcome>,
 }
 
 /// One pass on a node that could be observed: publish the in-use set, report, decide, start.
@@ -244,7 +244,7 @@ async fn pass(ctx: &Arc<Ctx>, link: &NodeLink, p: Pass<'_>) {
     tracker.retain(|k| wanted.contains(k));
     for op in schedule(ops, tracker, now) {
         tracker.start(op.key());
-        let job = Job {
+        let job = Executor {
             ctx: ctx.clone(),
             dv: d.volumes.get(op.pv()).cloned(),
             actual: a.volumes.get(op.pv()).cloned().unwrap_or_default(),

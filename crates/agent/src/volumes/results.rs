@@ -1,4 +1,4 @@
-//! What an operation reports back (`Done`) and how it is folded into the loop's memory; the
+//! What an operation reports back (`Outcome`) and how it is folded into the loop's memory; the
 //! rate-limited Events that tell users why a volume is not mounted yet.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -6,14 +6,14 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+use crate::core::Op;
 use crate::ctx::Ctx;
 use crate::probe::{self, Health};
-use crate::reconcile::Op;
 use crate::state::{Actual, Desired, PodInfo};
 use crate::tracker::Tracker;
 
 /// What an operation reports back to the loop.
-pub(crate) struct Done {
+pub(crate) struct Outcome {
     pub(crate) op: Op,
     pub(crate) ok: bool,
     /// A claim whose expansion was finished: (uid, resourceVersion written).
@@ -61,7 +61,7 @@ pub(crate) fn note_due<K: std::hash::Hash + Eq>(
     true
 }
 
-pub(crate) fn finish(tracker: &mut Tracker, expanded: &mut BTreeMap<String, String>, done: Done) {
+pub(crate) fn finish(tracker: &mut Tracker, expanded: &mut BTreeMap<String, String>, done: Outcome) {
     tracker.finish(&done.op.key(), done.op.kind(), done.ok, Instant::now());
     if let Some((uid, rv)) = done.expanded {
         expanded.insert(uid, rv);
