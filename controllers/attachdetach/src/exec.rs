@@ -17,15 +17,10 @@ use tokio::sync::{Semaphore, mpsc};
 use crate::actual::Op;
 use crate::controller::Controller;
 use crate::core::{Action, ForceReason};
-use crate::error::{Error, code_is};
+use crate::error::Error;
 use crate::metrics::{Metrics, Snapshot};
 use crate::objects::pv_finalizer_change;
 use crate::results::Outcome;
-
-/// The error a panicked write task's outstanding work is reported with.
-pub(crate) fn panicked() -> kube::Error {
-    kube::Error::Service("the write task panicked".into())
-}
 
 /// What a write task still owes the decision loop: a failure report for each piece of work it
 /// has not reported yet. Reports go through `send`, which settles the debt; if the task panics,
@@ -214,7 +209,7 @@ impl Controller {
                 volume: volume.clone(),
                 node: node.clone(),
                 va_name: va_name.clone(),
-                result: Err(panicked()),
+                result: Err(Error::Panicked),
             }],
         );
         self.tasks.spawn(async move {
@@ -234,7 +229,11 @@ impl Controller {
                 .operation_seconds
                 .with_label_values(&["attach"])
                 .start_timer();
-            let result = w.vas.create(&PostParams::default(), &va).await;
+            let result = w
+                .vas
+                .create(&PostParams::default(), &va)
+                .await
+                .map_err(Error::Api);
             timer.observe_duration();
             owed.send(Outcome::Attach {
                 volume,
@@ -280,7 +279,7 @@ impl Controller {
                 &w.done,
                 vec![Outcome::PvFinalizer {
                     pv: name.clone(),
-                    result: Err(panicked()),
+                    result: Err(Error::Panicked),
                 }],
             );
             self.tasks.spawn(async move {
@@ -289,7 +288,8 @@ impl Controller {
                     .pvs
                     .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
                     .await
-                    .map(|_| ());
+                    .map(|_| ())
+                    .map_err(Error::Api);
                 owed.send(Outcome::PvFinalizer { pv: name, result });
             });
         }
@@ -327,7 +327,7 @@ impl Controller {
             vec![Outcome::Release {
                 volume: volume.clone(),
                 node: node.clone(),
-                result: Err(panicked()),
+                result: Err(Error::Panicked),
             }],
         );
         self.tasks.spawn(async move {
@@ -338,7 +338,8 @@ impl Controller {
             let result = w
                 .vas
                 .patch(&va_name, &PatchParams::default(), &Patch::Merge(&patch))
-                .await;
+                .await
+                .map_err(Error::Api);
             owed.send(Outcome::Release { volume, node, result });
         });
     }
@@ -373,13 +374,13 @@ impl Controller {
                 volume: j.volume.clone(),
                 node: node.clone(),
                 forced: j.forced,
-                result: Err(Error::Api(panicked())),
+                result: Err(Error::Panicked),
             })
             .collect();
         if patch.is_some() {
             failures.push(Outcome::Status {
                 node: node.clone(),
-                result: Err(panicked()),
+                result: Err(Error::Panicked),
             });
         }
         let owed = Owed::new(&w.done, failures);
@@ -398,11 +399,13 @@ impl Controller {
                     .operation_seconds
                     .with_label_values(&["node_status"])
                     .start_timer();
-                let result = patch_node_status(&w.nodes, &node, &volumes).await;
+                let result = patch_node_status(&w.nodes, &node, &volumes)
+                    .await
+                    .map_err(Error::Api);
                 timer.observe_duration();
                 // A node that is gone advertises nothing any more.
                 let blocked = match &result {
-                    Err(e) if !code_is(e, 404) => Some(e.to_string()),
+                    Err(e) if !e.is_not_found() => Some(e.to_string()),
                     Err(_) => {
                         fresh = Some(None);
                         None
@@ -467,7 +470,7 @@ impl Controller {
                         Ok(either) => Ok(either.left().filter(|va| {
                             va.metadata.deletion_timestamp.is_some() && !va.finalizers().is_empty()
                         })),
-                        Err(e) if code_is(&e, 404) => Ok(None),
+                        Err(e) if stowage_common::errors::is_not_found(&e) => Ok(None),
                         Err(e) => Err(Error::Api(e)),
                     };
                     timer.observe_duration();
@@ -548,6 +551,7 @@ pub(crate) async fn patch_node_status(
 mod live_check_tests {
     use super::*;
     use k8s_openapi::api::core::v1::NodeStatus;
+    use stowage_common::errors::MetricLabel;
 
     fn job(volume: &str, forced: Option<ForceReason>) -> DetachJob {
         DetachJob {
@@ -583,7 +587,7 @@ mod live_check_tests {
         assert!(safe[1].forced.is_some());
         assert_eq!(refused.len(), 1);
         assert!(matches!(&refused[0].1, Error::StillInUse(n) if n == "n1"));
-        assert_eq!(refused[0].1.category(), "VolumeInUse");
+        assert_eq!(refused[0].1.metric_label(), "volume_in_use");
     }
 
     #[test]
@@ -598,6 +602,6 @@ mod live_check_tests {
         );
         assert_eq!(names(&safe), vec!["w"]);
         assert_eq!(refused.len(), 1);
-        assert_eq!(refused[0].1.category(), "NodeUnreadable");
+        assert_eq!(refused[0].1.metric_label(), "node_unreadable");
     }
 }

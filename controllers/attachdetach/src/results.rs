@@ -10,8 +10,9 @@ use kube::{Resource, ResourceExt};
 
 use crate::controller::{Controller, STATUS_RETRY};
 use crate::core::ForceReason;
-use crate::error::{Error, api_category, code_is};
+use crate::error::Error;
 use crate::objects::VaState;
+use stowage_common::errors::MetricLabel;
 
 /// Results of the write tasks.
 pub(crate) enum Outcome {
@@ -19,7 +20,7 @@ pub(crate) enum Outcome {
         volume: String,
         node: String,
         va_name: String,
-        result: Result<VolumeAttachment, kube::Error>,
+        result: Result<VolumeAttachment, Error>,
     },
     Detach {
         volume: String,
@@ -30,16 +31,16 @@ pub(crate) enum Outcome {
     },
     Status {
         node: String,
-        result: Result<Node, kube::Error>,
+        result: Result<Node, Error>,
     },
     Release {
         volume: String,
         node: String,
-        result: Result<VolumeAttachment, kube::Error>,
+        result: Result<VolumeAttachment, Error>,
     },
     PvFinalizer {
         pv: String,
-        result: Result<(), kube::Error>,
+        result: Result<(), Error>,
     },
 }
 
@@ -100,7 +101,7 @@ impl Controller {
                         self.succeeded(&volume, &node);
                         self.va_applied(&va);
                     }
-                    Err(err) if code_is(&err, 409) => {
+                    Err(err) if err.is_conflict() => {
                         // Someone (a previous leader) created it: follow the stored copy.
                         m.operations.with_label_values(&["attach", "success"]).inc();
                         self.succeeded(&volume, &node);
@@ -120,10 +121,9 @@ impl Controller {
                         }
                     }
                     Err(err) => {
-                        let err = Error::Api(err);
                         m.operations.with_label_values(&["attach", "error"]).inc();
                         m.reconcile_errors
-                            .with_label_values(&["attach", err.category()])
+                            .with_label_values(&["attach", err.metric_label()])
                             .inc();
                         tracing::warn!(%volume, %node, error = %err, "attach failed");
                         if let Some(e) = self.actual.get_mut(&volume, &node) {
@@ -173,7 +173,7 @@ impl Controller {
                     Err(err) => {
                         m.operations.with_label_values(&["detach", "error"]).inc();
                         m.reconcile_errors
-                            .with_label_values(&["detach", err.category()])
+                            .with_label_values(&["detach", err.metric_label()])
                             .inc();
                         tracing::warn!(%volume, %node, error = %err, "detach failed");
                         if let Some(e) = self.actual.get_mut(&volume, &node) {
@@ -203,14 +203,13 @@ impl Controller {
                         self.succeeded(&volume, &node);
                         self.va_applied(&va);
                     }
-                    Err(err) if code_is(&err, 404) => {
+                    Err(err) if err.is_not_found() => {
                         m.operations.with_label_values(&["release", "success"]).inc();
                     }
                     Err(err) => {
-                        let err = Error::Api(err);
                         m.operations.with_label_values(&["release", "error"]).inc();
                         m.reconcile_errors
-                            .with_label_values(&["release", err.category()])
+                            .with_label_values(&["release", err.metric_label()])
                             .inc();
                         tracing::warn!(%volume, %node, error = %err, "release of a dead node's attachment failed");
                         if let Some(e) = self.actual.get_mut(&volume, &node) {
@@ -226,16 +225,16 @@ impl Controller {
                     Ok(()) => {
                         m.operations.with_label_values(&["pv_finalizer", "success"]).inc();
                     }
-                    Err(e) if code_is(&e, 404) => {}
+                    Err(e) if e.is_not_found() => {}
                     Err(e) => {
                         m.operations.with_label_values(&["pv_finalizer", "error"]).inc();
                         m.reconcile_errors
-                            .with_label_values(&["pv_finalizer", api_category(&e)])
+                            .with_label_values(&["pv_finalizer", e.metric_label()])
                             .inc();
                         tracing::warn!(%pv, error = %e, "cannot update the attacher finalizer of the volume");
                         // A conflict is decided again on the newer copy; other errors wait for
                         // the next change or the periodic resync.
-                        if code_is(&e, 409) {
+                        if e.is_conflict() {
                             self.pv_dirty.insert(pv);
                         }
                     }
@@ -249,13 +248,13 @@ impl Controller {
                         self.status_retry.remove(&node);
                         self.node_applied(&n);
                     }
-                    Err(e) if code_is(&e, 404) => {
+                    Err(e) if e.is_not_found() => {
                         m.operations.with_label_values(&["node_status", "success"]).inc();
                     }
                     Err(e) => {
                         m.operations.with_label_values(&["node_status", "error"]).inc();
                         m.reconcile_errors
-                            .with_label_values(&["node_status", api_category(&e)])
+                            .with_label_values(&["node_status", e.metric_label()])
                             .inc();
                         tracing::warn!(%node, error = %e, "node status update failed");
                         self.status_retry.insert(node, now + STATUS_RETRY);

@@ -5,6 +5,7 @@
 pub mod attacher;
 pub mod core;
 pub mod ctx;
+pub mod error;
 pub mod fsgroup;
 pub mod metrics;
 pub mod node;

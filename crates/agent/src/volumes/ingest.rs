@@ -10,47 +10,19 @@ use k8s_openapi::jiff::Timestamp;
 
 use super::*;
 use crate::ctx::Ctx;
+use crate::error::Error;
 use crate::mountinfo::{self, MountEntry};
 use crate::paths::Place;
 use crate::probe::{self, Answer, Health, Prober};
 use crate::state::{Actual, Desired, Mounted, PodMount, View, desired};
 use crate::sys;
 
-/// Why a pass could not see the node. Nothing is decided or published on such a pass: an empty
-/// table read as "nothing mounted" would drop every volume from `volumesInUse` and let the
-/// controller detach what pods are using.
-#[derive(Debug, thiserror::Error)]
-pub enum ObserveError {
-    #[error("cannot read the mount table {path}: {error}")]
-    MountTable { path: String, error: std::io::Error },
-    #[error("cannot list {path}: {error}")]
-    VolumeDirs { path: String, error: std::io::Error },
-}
-
-impl ObserveError {
-    /// The `source` label of `stowage_agent_observe_errors_total`.
-    pub fn source_label(&self) -> &'static str {
-        match self {
-            ObserveError::MountTable { .. } => "mount_table",
-            ObserveError::VolumeDirs { .. } => "volume_dirs",
-        }
-    }
-
-    /// The Event reason on the Node.
-    pub fn reason(&self) -> &'static str {
-        match self {
-            ObserveError::MountTable { .. } => "MountTableUnreadable",
-            ObserveError::VolumeDirs { .. } => "VolumeDirUnreadable",
-        }
-    }
-}
-
 pub(crate) async fn observe_and_decide(
     ctx: &Ctx,
     link: &NodeLink,
     expanded: &BTreeMap<String, String>,
     prober: &Prober,
-) -> Result<(Desired, Actual), ObserveError> {
+) -> Result<(Desired, Actual), Error> {
     // The node first: without it nothing can be decided safely.
     let a = observe(ctx, prober).await?;
     let reported = link.reported.borrow().clone();
@@ -72,10 +44,10 @@ pub(crate) async fn observe_and_decide(
 /// The actual state: mounts under the root dir from the mount table, plus leftover directories
 /// and block device files found on disk, each judged for health. Any read error of the table or
 /// of the directories is an error, never an empty (or partial) state.
-pub async fn observe(ctx: &Ctx, prober: &Prober) -> Result<Actual, ObserveError> {
+pub async fn observe(ctx: &Ctx, prober: &Prober) -> Result<Actual, Error> {
     let table = mountinfo::read_from(&ctx.mount_table)
         .await
-        .map_err(|error| ObserveError::MountTable {
+        .map_err(|error| Error::MountTable {
             path: ctx.mount_table.display().to_string(),
             error,
         })?;
@@ -172,8 +144,8 @@ pub(crate) async fn device_file_state(path: &Path) -> Mounted {
 
 /// Names in `dir`; a directory that does not exist is empty, any other error is an error (a
 /// directory that cannot be read must not look like one without volumes).
-pub(crate) async fn list(dir: &Path) -> Result<Vec<String>, ObserveError> {
-    let err = |error| ObserveError::VolumeDirs {
+pub(crate) async fn list(dir: &Path) -> Result<Vec<String>, Error> {
+    let err = |error| Error::VolumeDirs {
         path: dir.display().to_string(),
         error,
     };
@@ -193,7 +165,7 @@ pub(crate) async fn list(dir: &Path) -> Result<Vec<String>, ObserveError> {
 
 /// Directories and files the agent made that may outlive their mounts (a crash between mount
 /// and bookkeeping, a failed teardown): found here, they are cleaned up or reused.
-pub(crate) async fn scan_dirs(layout: &crate::paths::Layout) -> Result<Vec<Place>, ObserveError> {
+pub(crate) async fn scan_dirs(layout: &crate::paths::Layout) -> Result<Vec<Place>, Error> {
     let mut out = vec![];
     for pv in list(&layout.global_dir()).await? {
         out.push(Place::Global { pv });
@@ -213,6 +185,7 @@ pub(crate) async fn scan_dirs(layout: &crate::paths::Layout) -> Result<Vec<Place
 #[cfg(test)]
 mod tests {
     use super::*;
+    use stowage_common::errors::MetricLabel;
 
     #[tokio::test]
     async fn an_unreadable_directory_is_an_error_not_an_empty_one() {
@@ -227,7 +200,7 @@ mod tests {
         std::fs::write(dir.join("file"), b"").unwrap();
         let e = list(&dir.join("file")).await.unwrap_err();
         assert_eq!(e.reason(), "VolumeDirUnreadable");
-        assert_eq!(e.source_label(), "volume_dirs");
+        assert_eq!(e.metric_label(), "volume_dirs");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -12,6 +12,8 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 
 use crate::core::{Op, reconcile, schedule};
+use stowage_common::errors::MetricLabel;
+
 use crate::ctx::Ctx;
 use crate::paths::unique_name;
 use crate::probe::{Health, Prober};
@@ -25,8 +27,8 @@ mod results;
 
 pub use claim::{finish_claim_resize, resize_finished_patch};
 use exec::Executor;
+pub use ingest::observe;
 use ingest::observe_and_decide;
-pub use ingest::{ObserveError, observe};
 use results::{Noted, Outcome, finish, note_due, note_errors, note_unsure};
 
 /// Longest sleep between passes: mounts are re-checked for health at least this often.
@@ -90,7 +92,7 @@ pub async fn run(ctx: Arc<Ctx>, mut link: NodeLink, mut stop: watch::Receiver<bo
                 // Keep the last known state: publish nothing, start nothing, look again soon.
                 ctx.metrics
                     .observe_errors
-                    .with_label_values(&[e.source_label()])
+                    .with_label_values(&[e.metric_label()])
                     .inc();
                 tracing::error!(error = %e, "cannot observe the node's volumes; keeping the last known state");
                 let note = format!(

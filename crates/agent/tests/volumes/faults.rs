@@ -43,7 +43,7 @@ async fn broken_and_vanished_mounts_are_repaired_and_torn_down() {
         counter(
             &agent,
             "stowage_agent_operations_total",
-            &[("operation", "teardown"), ("status", "success")]
+            &[("operation", "teardown"), ("result", "success")]
         ) >= 1.0
     );
 

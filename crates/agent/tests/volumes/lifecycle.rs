@@ -93,7 +93,7 @@ async fn restart_while_mounted_neither_remounts_nor_forgets() {
     let done: f64 = ops
         .iter()
         .filter(|(l, _)| {
-            ["mount_device", "setup"].contains(&l["operation"].as_str()) && l["status"] == "success"
+            ["mount_device", "setup"].contains(&l["operation"].as_str()) && l["result"] == "success"
         })
         .map(|(_, v)| v)
         .sum();

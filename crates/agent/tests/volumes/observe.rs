@@ -25,7 +25,7 @@ async fn unreadable_mount_table_keeps_volumes_in_use_and_mounts() {
         counter(
             a,
             "stowage_agent_observe_errors_total",
-            &[("source", "mount_table")],
+            &[("error", "mount_table")],
         )
     };
     assert_eq!(errors(&agent), 0.0);
