@@ -4,4 +4,5 @@
 
 mod attach;
 mod detach;
+mod safety;
 mod world;

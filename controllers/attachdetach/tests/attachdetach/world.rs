@@ -34,6 +34,16 @@ impl Controller {
         let registry = Registry::new();
         let mut tasks = JoinSet::new();
         let cluster = Cluster::start(client.clone(), registry.clone(), &mut tasks);
+        Self::run_on(cluster, registry, tasks, config)
+    }
+
+    /// The controller on informers the caller started on `tasks`.
+    pub(crate) fn run_on(
+        cluster: std::sync::Arc<Cluster>,
+        registry: Registry,
+        mut tasks: JoinSet<()>,
+        config: Config,
+    ) -> Self {
         let metrics = Metrics::new(&registry);
         tasks.spawn(async move {
             if let Err(e) = run(cluster, metrics, config).await {
@@ -44,6 +54,24 @@ impl Controller {
             registry,
             _tasks: tasks,
         }
+    }
+
+    /// Sum of the samples of `name` whose labels include all of `labels`.
+    pub(crate) fn metric_with(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
+        let text = stowage_common::metrics::encode(&self.registry);
+        let parsed = stowage_testkit::scrape::parse(&text).expect("valid exposition");
+        parsed
+            .samples
+            .get(name)
+            .into_iter()
+            .flatten()
+            .filter(|(l, _)| {
+                labels
+                    .iter()
+                    .all(|(k, v)| l.get(*k).map(String::as_str) == Some(*v))
+            })
+            .map(|(_, v)| v)
+            .sum()
     }
 
     /// Sum of the samples of `name` whose labels include `label` (all samples when `None`).
