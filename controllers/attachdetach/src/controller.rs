@@ -3,7 +3,8 @@
 //! hands API writes to tasks of their own (`exec`): attaches and detaches draw from separate budgets so a
 //! burst of one never starves the other. Results come back to the owning task, which records
 //! what it wrote so the next pass never acts on an older object. Periodic work reads the stores
-//! only: no GET per attachment.
+//! only: no GET per attachment. The write tasks live in this task's JoinSet and draw from the
+//! executor's semaphores rather than the shared window: why, see `exec`.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;

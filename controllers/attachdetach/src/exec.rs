@@ -1,6 +1,19 @@
-//! The writes: each decision of a pass becomes an API write run by a task of its own;
-//! attaches and detaches draw from separate budgets so a burst of one never starves the other.
-//! Every task reports back through `Owed`, also when it panics.
+//! `Executor`: each decision of a pass becomes an API write run by a task of its own; attaches
+//! and detaches draw from separate budgets so a burst of one never starves the other. Every task
+//! reports an `Outcome` through `Owed`, also when it panics. (A little over 600 lines: the writes
+//! and the live-Node check before a detach, with its unit tests, belong together.)
+//!
+//! Why two semaphores and a JoinSet, not `stowage_common::queue` + `inflight::Window` (decided in
+//! issue 17): the window runs one task per key, with keys waiting undecided in the queue; this
+//! controller decides all (volume, node) pairs in one pass, and one task carries a node's status
+//! patch and then that node's detaches (several keys), in that order, which the rule "never
+//! detach while the node advertises the volume" needs. What the window gives is kept here: one
+//! operation per (volume, node) is `Attachment::op`, set before the task starts and cleared only
+//! by its `Outcome`; a panicking task still reports (`Owed`, test
+//! `a_panicked_attach_task_is_retried_and_the_volume_attached`); dropping the controller aborts
+//! the tasks. A window of N keys would also make a burst beyond N wait for a later pass (passes
+//! are spaced by 4× their cost) rather than for a slot, which the attach throughput in
+//! docs/benchmarks.md was not measured with.
 
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;

@@ -1,5 +1,6 @@
 //! Safety paths of the executor: a detach never goes ahead while the node still advertises the
-//! volume, and an attachment someone else already created is adopted, not fought over.
+//! volume, and an attachment someone else already created is adopted, not fought over. (The
+//! JoinSet below holds informer tasks, not writes.)
 
 use std::sync::Arc;
 

@@ -1,5 +1,6 @@
 //! The test world: one control plane per test, a controller on its own informers, helpers that
-//! play the kubelet and the external attacher.
+//! play the kubelet and the external attacher. (The JoinSet holds the informers' and the
+//! controller's tasks, as `Cluster::start` takes it; it is not a write window.)
 
 pub(crate) use std::time::Duration;
 
