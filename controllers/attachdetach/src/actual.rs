@@ -3,7 +3,9 @@
 //! No I/O.
 
 use std::collections::BTreeMap;
-use std::time::{Duration, Instant};
+use std::time::Instant;
+
+use stowage_common::backoff::Backoff;
 
 use crate::objects::VaState;
 
@@ -32,7 +34,7 @@ pub struct Attachment {
     /// When the detach now under way started.
     pub detach_started: Option<Instant>,
     /// Failed operations in a row, and when the next may start.
-    pub failures: u32,
+    pub backoff: Backoff,
     pub retry_at: Option<Instant>,
 }
 
@@ -75,16 +77,14 @@ impl Attachment {
         !self.exists() && self.op.is_none() && !self.backing_off(now)
     }
 
-    /// Records a failure: exponential backoff 500 ms → about 2 min, as upstream's executor.
+    /// Records a failure: the shared backoff (500 ms doubling to about 2 min, as upstream's
+    /// executor).
     pub fn failed(&mut self, now: Instant) {
-        self.failures = self.failures.saturating_add(1);
-        let exp = self.failures.saturating_sub(1).min(8);
-        let delay = (Duration::from_millis(500) * 2u32.pow(exp)).min(Duration::from_secs(122));
-        self.retry_at = Some(now + delay);
+        self.retry_at = Some(now + self.backoff.failed());
     }
 
     pub fn succeeded(&mut self) {
-        self.failures = 0;
+        self.backoff.reset();
         self.retry_at = None;
     }
 }

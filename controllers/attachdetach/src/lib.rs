@@ -1,18 +1,25 @@
 //! The attach/detach controller: upstream's attachdetach-controller behaviour for CSI volumes.
-//! Desired state (`desired`) and actual state (`actual`) are plain types fed by the shared
-//! informers; `reconcile` is a pure pass that decides detaches, node status and attaches; `exec`
-//! carries the decisions out as VolumeAttachment creates/deletes and node status patches.
+//!
+//! Files, in the order a newcomer reads them: `core` (the pure pass: desired, actual and nodes
+//! in, actions out), `desired` and `actual` (the two states, pure), `controller` (`Controller`,
+//! the one task that owns the state and runs passes), `ingest` (informer events into the
+//! state), `exec` (`Executor`: actions into API writes), `results` (`Outcome`: what the writes
+//! report, folded back into the state, metrics and events), `error`, `metrics`, `objects`.
 
 pub mod actual;
+pub mod controller;
+pub mod core;
 pub mod desired;
+pub mod error;
 pub mod exec;
+pub mod ingest;
 pub mod metrics;
 pub mod objects;
-pub mod reconcile;
+pub mod results;
 
 use std::time::Duration;
 
-pub use exec::run;
+pub use controller::run;
 pub use metrics::Metrics;
 
 /// Controller settings; `Default` has upstream's values.

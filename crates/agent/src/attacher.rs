@@ -73,7 +73,7 @@ pub fn decide(va: &VolumeAttachment, node: &str, device_ok: Option<bool>) -> Opt
     None
 }
 
-struct Done {
+struct Outcome {
     key: OpKey,
     kind: &'static str,
     /// The resourceVersion a successful op wrote; None when it failed.
@@ -90,7 +90,7 @@ pub async fn run(ctx: Arc<Ctx>, mut stop: watch::Receiver<bool>) {
     tokio::join!(ctx.vas.ready(), ctx.pvs.ready());
     let mut vas_rx = ctx.vas.subscribe();
     let mut pvs_rx = ctx.pvs.subscribe();
-    let (tx, mut rx) = mpsc::unbounded_channel::<Done>();
+    let (tx, mut rx) = mpsc::unbounded_channel::<Outcome>();
     let mut tracker = Tracker::default();
     let mut tasks = JoinSet::new();
     // VA name → resourceVersion our last op on it wrote, until the cache has caught up.
@@ -132,7 +132,7 @@ pub async fn run(ctx: Arc<Ctx>, mut stop: watch::Receiver<bool>) {
             let (ctx, tx) = (ctx.clone(), tx.clone());
             tasks.spawn(async move {
                 let wrote = execute(&ctx, &va, action).await;
-                let _ = tx.send(Done {
+                let _ = tx.send(Outcome {
                     key,
                     kind: action.kind(),
                     wrote,
@@ -166,7 +166,7 @@ pub async fn run(ctx: Arc<Ctx>, mut stop: watch::Receiver<bool>) {
     .await;
 }
 
-fn finish(tracker: &mut Tracker, written: &mut std::collections::HashMap<String, String>, d: Done) {
+fn finish(tracker: &mut Tracker, written: &mut std::collections::HashMap<String, String>, d: Outcome) {
     tracker.finish(&d.key, d.kind, d.wrote.is_some(), Instant::now());
     if let (Some(rv), Some(name)) = (d.wrote, Some(d.key.volume.as_str())) {
         written.insert(name.to_string(), rv);

@@ -3,13 +3,14 @@
 //! node status task (`volumesInUse`, heartbeat).
 
 pub mod attacher;
+pub mod core;
 pub mod ctx;
+pub mod error;
 pub mod fsgroup;
 pub mod metrics;
 pub mod node;
 pub mod paths;
 pub mod probe;
-pub mod reconcile;
 pub mod state;
 pub mod tracker;
 pub mod volumes;

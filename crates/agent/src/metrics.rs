@@ -5,6 +5,7 @@ use std::time::Instant;
 use prometheus::{
     Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
 };
+use stowage_common::errors::{ERROR, SUCCESS};
 use stowage_common::metrics::register;
 
 /// Operation names used as the `operation` label.
@@ -20,7 +21,7 @@ pub const OPERATIONS: [&str; 7] = [
 
 #[derive(Clone)]
 pub struct Metrics {
-    /// Finished operations by name and status (`success`, `error`).
+    /// Finished operations by name and result (`success`, `error`).
     pub operations: IntCounterVec,
     /// Failed operations by name.
     pub errors: IntCounterVec,
@@ -34,7 +35,7 @@ pub struct Metrics {
     pub pod_volume_ready: Histogram,
     /// Reconciler passes.
     pub passes: IntCounterVec,
-    /// Passes skipped because the node could not be observed, by `source` (`mount_table`,
+    /// Passes skipped because the node could not be observed, by `error` (`mount_table`,
     /// `volume_dirs`): nothing was decided or published on them.
     pub observe_errors: IntCounterVec,
     /// Mounts under the root dir by `health` (healthy, pending, unknown, broken) at the last pass.
@@ -57,8 +58,8 @@ impl Metrics {
             operations: register(
                 registry,
                 IntCounterVec::new(
-                    Opts::new("stowage_agent_operations_total", "Volume operations finished, by operation and status."),
-                    &["operation", "status"],
+                    Opts::new("stowage_agent_operations_total", "Volume operations finished, by operation and result."),
+                    &["operation", "result"],
                 )
                 .expect("static metric definition"),
             ),
@@ -75,10 +76,10 @@ impl Metrics {
                 HistogramVec::new(
                     HistogramOpts::new(
                         "stowage_agent_operation_duration_seconds",
-                        "Duration of volume operations, by operation and status.",
+                        "Duration of volume operations, by operation and result.",
                     )
                     .buckets(buckets.clone()),
-                    &["operation", "status"],
+                    &["operation", "result"],
                 )
                 .expect("static metric definition"),
             ),
@@ -127,7 +128,7 @@ impl Metrics {
                         "stowage_agent_observe_errors_total",
                         "Volume manager passes skipped because the mount table or the agent's directories could not be read.",
                     ),
-                    &["source"],
+                    &["error"],
                 )
                 .expect("static metric definition"),
             ),
@@ -160,7 +161,7 @@ impl Metrics {
         // Every series exists from the start, so rates work before the first operation.
         for op in OPERATIONS {
             m.errors.with_label_values(&[op]);
-            for st in ["success", "error"] {
+            for st in [SUCCESS, ERROR] {
                 m.operations.with_label_values(&[op, st]);
             }
         }
@@ -173,10 +174,10 @@ impl Metrics {
 
     /// Records one finished operation.
     pub fn record(&self, op: &str, started: Instant, ok: bool) {
-        let status = if ok { "success" } else { "error" };
-        self.operations.with_label_values(&[op, status]).inc();
+        let result = if ok { SUCCESS } else { ERROR };
+        self.operations.with_label_values(&[op, result]).inc();
         self.duration
-            .with_label_values(&[op, status])
+            .with_label_values(&[op, result])
             .observe(started.elapsed().as_secs_f64());
         if !ok {
             self.errors.with_label_values(&[op]).inc();

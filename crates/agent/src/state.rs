@@ -1,7 +1,8 @@
 //! Desired and actual state of the volume manager, as plain data. `desired()` turns the pods of
 //! this node (plus their claims, volumes and attachments) into the set of (volume, pod) mounts the
 //! node should have; the actual state is assembled from what the observer found in the mount table
-//! and the pod directories. No I/O in here; time is an argument.
+//! and the pod directories. No I/O in here; time is an argument. (Over 600 lines with its tests,
+//! which are the resolution rules' cases and read best next to them.)
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;

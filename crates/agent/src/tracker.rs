@@ -6,11 +6,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
+use stowage_common::backoff;
 use tokio::time::Instant;
-
-pub const INITIAL_BACKOFF: Duration = Duration::from_millis(500);
-/// Upstream's cap: 2 minutes 2 seconds.
-pub const MAX_BACKOFF: Duration = Duration::from_secs(122);
 
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct OpKey {
@@ -36,10 +33,11 @@ impl OpKey {
     }
 }
 
+/// The failures of one kind of operation on a key, and when it may run again.
 #[derive(Debug, Clone)]
 struct Backoff {
     kind: &'static str,
-    delay: Duration,
+    failures: backoff::Backoff,
     until: Instant,
 }
 
@@ -78,15 +76,17 @@ impl Tracker {
             self.backoff.remove(key);
             return;
         }
-        let delay = match self.backoff.get(key) {
-            Some(b) if b.kind == kind => (b.delay * 2).min(MAX_BACKOFF),
-            _ => INITIAL_BACKOFF,
+        // A failure of another kind starts over: the world changed.
+        let mut failures = match self.backoff.get(key) {
+            Some(b) if b.kind == kind => b.failures,
+            _ => backoff::Backoff::new(),
         };
+        let delay = failures.failed();
         self.backoff.insert(
             key.clone(),
             Backoff {
                 kind,
-                delay,
+                failures,
                 until: now + delay,
             },
         );
@@ -94,7 +94,7 @@ impl Tracker {
 
     /// The current wait of a key, if it is backing off.
     pub fn delay(&self, key: &OpKey) -> Option<Duration> {
-        self.backoff.get(key).map(|b| b.delay)
+        self.backoff.get(key).and_then(|b| b.failures.current())
     }
 
     /// When the earliest backoff ends (so the loop can wake for it).
@@ -133,12 +133,12 @@ mod tests {
         }
         assert_eq!(seen[0], Duration::from_millis(500));
         assert_eq!(seen[1], Duration::from_secs(1));
-        assert_eq!(*seen.last().unwrap(), MAX_BACKOFF);
+        assert_eq!(*seen.last().unwrap(), backoff::MAX);
         assert!(seen.windows(2).all(|w| w[1] >= w[0]));
         t.finish(&k, "mount", false, now);
         assert!(t.can_start(&k, "unmount", now), "another kind is not held back");
         t.finish(&k, "unmount", false, now);
-        assert_eq!(t.delay(&k), Some(INITIAL_BACKOFF));
+        assert_eq!(t.delay(&k), Some(backoff::INITIAL));
         t.finish(&k, "unmount", true, now);
         assert_eq!(t.delay(&k), None);
     }

@@ -1,3 +1,6 @@
+//! Tests of the pure pass, over 600 lines: one case per rule, each beside the rules it borders,
+//! plus the property tests over random states.
+
 use std::time::{Duration, Instant};
 
 use proptest::prelude::*;

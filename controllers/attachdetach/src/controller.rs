@@ -1,0 +1,351 @@
+//! `Controller`: one task owns desired and actual state, feeds them from the shared informers
+//! (`ingest`), runs the pure pass (`core`) whenever something changed (or a deadline passed), and
+//! hands API writes to tasks of their own (`exec`): attaches and detaches draw from separate budgets so a
+//! burst of one never starves the other. Results come back to the owning task, which records
+//! what it wrote so the next pass never acts on an older object. Periodic work reads the stores
+//! only: no GET per attachment. The write tasks live in this task's JoinSet and draw from the
+//! executor's semaphores rather than the shared window: why, see `exec`.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::ObjectReference;
+use kube::{Api, ResourceExt};
+use stowage_common::cluster::Cluster;
+use stowage_common::events::Events;
+use stowage_common::informer::Change;
+use tokio::sync::{Semaphore, broadcast, mpsc};
+use tokio::task::JoinSet;
+
+use crate::Config;
+use crate::actual::Actual;
+use crate::core::{Nodes, next_deadline, reconcile};
+use crate::desired::{Desired, PodRef};
+use crate::exec::Executor;
+use crate::ingest::{PodKey, PodSeen};
+use crate::metrics::Metrics;
+
+/// Event reporter name.
+const COMPONENT: &str = "stowage-attachdetach";
+/// How long a failed node status patch waits before the next try.
+pub(crate) const STATUS_RETRY: Duration = Duration::from_secs(1);
+/// Events handled in a row before a pending pass runs anyway, so a storm cannot starve it.
+const MAX_BACKLOG: usize = 1024;
+/// Time between two passes, as a multiple of what the last pass cost, within the bounds below. A
+/// pass scans the whole desired and actual state; during a burst every watch event would
+/// otherwise start one (3,000 full scans for 1,000 pods). Scaling the gap with the pass's cost
+/// keeps passes under ~1/(1+PASS_GAP_FACTOR) of the loop's time whatever the state's size, while
+/// a small state (a pass of microseconds) is not made to wait: a fixed 50 ms gap cost every
+/// attach of a burst up to 50 ms (measured in `make bench`, docs/benchmarks.md).
+const PASS_GAP_FACTOR: u32 = 4;
+const MIN_PASS_GAP: Duration = Duration::from_millis(1);
+const MAX_PASS_GAP: Duration = Duration::from_millis(50);
+
+/// The owning task's state.
+pub(crate) struct Controller {
+    /// Write tasks: aborted with the controller when leadership ends, so a former leader
+    /// stops writing at once.
+    pub(crate) tasks: JoinSet<()>,
+    pub(crate) cluster: Arc<Cluster>,
+    pub(crate) config: Config,
+    pub(crate) executor: Executor,
+    pub(crate) desired: Desired,
+    pub(crate) actual: Actual,
+    pub(crate) nodes: Nodes,
+    /// Active scheduled pods, managed node or not (a node may become managed later).
+    pub(crate) pods: HashMap<PodKey, PodSeen>,
+    /// (namespace, claim) → names of active pods that mount it.
+    pub(crate) claim_pods: HashMap<(String, String), HashSet<String>>,
+    /// Pods to resolve again before the next pass.
+    pub(crate) dirty_pods: HashSet<PodKey>,
+    /// VolumeAttachment name → (volume, node).
+    pub(crate) va_keys: HashMap<String, (String, String)>,
+    /// PV name → attachments naming it that arrived before the PV.
+    pub(crate) unresolved: HashMap<String, HashSet<String>>,
+    /// PV name → VolumeAttachments naming it (any driver), for the PV finalizer.
+    pub(crate) pv_attachments: HashMap<String, HashSet<String>>,
+    /// PVs whose attacher finalizer is to be checked at the next pass, and those being patched.
+    pub(crate) pv_dirty: HashSet<String>,
+    pub(crate) pv_patching: HashSet<String>,
+    /// Nodes with a status patch in flight, and nodes whose last patch failed (retry time).
+    pub(crate) status_in_flight: HashSet<String>,
+    pub(crate) status_retry: HashMap<String, Instant>,
+    /// A pass is due.
+    pub(crate) dirty: bool,
+    /// Events handled since the last pass.
+    pub(crate) backlog: usize,
+    /// When a pass is due without new events.
+    pub(crate) wake_at: Option<Instant>,
+    /// While loading the initial state: no events for what was already there.
+    pub(crate) quiet: bool,
+    pub(crate) last_pass: Option<Instant>,
+    /// The wait the last pass's cost earned (see `PASS_GAP_FACTOR`).
+    pub(crate) pass_gap: Duration,
+}
+
+/// Runs the controller until a watch ends or the future is dropped.
+pub async fn run(cluster: Arc<Cluster>, metrics: Metrics, config: Config) -> anyhow::Result<()> {
+    // Subscribe before reading the stores so nothing falls between the two.
+    let mut pod_feed = cluster.pods.subscribe();
+    let mut node_feed = cluster.nodes.subscribe();
+    let mut pvc_feed = cluster.pvcs.subscribe();
+    let mut pv_feed = cluster.pvs.subscribe();
+    let mut va_feed = cluster.attachments.subscribe();
+    let mut driver_feed = cluster.csi_drivers.subscribe();
+    cluster.ready().await;
+
+    let (done_tx, mut done_rx) = mpsc::unbounded_channel();
+    let client = cluster.client.clone();
+    let mut c = Controller {
+        tasks: JoinSet::new(),
+        executor: Executor {
+            vas: Api::all(client.clone()),
+            pvs: Api::all(client.clone()),
+            nodes: Api::all(client.clone()),
+            events: Events::new(client, COMPONENT),
+            metrics,
+            done: done_tx,
+            attach_slots: Arc::new(Semaphore::new(config.max_attaches_in_flight.max(1))),
+            detach_slots: Arc::new(Semaphore::new(config.max_detaches_in_flight.max(1))),
+        },
+        cluster,
+        config: config.clone(),
+        desired: Desired::default(),
+        actual: Actual::default(),
+        nodes: Nodes::new(),
+        pods: HashMap::new(),
+        claim_pods: HashMap::new(),
+        dirty_pods: HashSet::new(),
+        va_keys: HashMap::new(),
+        unresolved: HashMap::new(),
+        pv_attachments: HashMap::new(),
+        pv_dirty: HashSet::new(),
+        pv_patching: HashSet::new(),
+        status_in_flight: HashSet::new(),
+        status_retry: HashMap::new(),
+        dirty: true,
+        backlog: 0,
+        wake_at: None,
+        quiet: false,
+        last_pass: None,
+        pass_gap: MIN_PASS_GAP,
+    };
+    c.load();
+    tracing::info!(
+        desired = c.desired.len(),
+        actual = c.actual.len(),
+        nodes = c.nodes.len(),
+        "attach/detach state loaded"
+    );
+
+    use broadcast::error::RecvError;
+    let start = tokio::time::Instant::now() + config.resync;
+    let mut resync = tokio::time::interval_at(start, config.resync.max(Duration::from_millis(100)));
+    // A late resync is not made up for by a burst of them.
+    resync.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        let wake = c.wake_at.map(tokio::time::Instant::from_std);
+        // A due pass that came too soon after the last one waits for the interval.
+        let throttled = c
+            .last_pass
+            .map(|t| t + c.pass_gap)
+            .filter(|t| c.dirty && *t > Instant::now())
+            .map(tokio::time::Instant::from_std);
+        tokio::select! {
+            biased;
+            _ = std::future::ready(()), if c.dirty && c.backlog >= MAX_BACKLOG => c.pass(),
+            Some(done) = done_rx.recv() => c.finish(done),
+            Some(_) = c.tasks.join_next(), if !c.tasks.is_empty() => {}
+            r = pod_feed.recv() => match r {
+                Ok(Change::Applied(p) | Change::Deleted(p)) => c.pod_changed(&p),
+                Ok(Change::Resynced) | Err(RecvError::Lagged(_)) => c.resync(false),
+                Err(RecvError::Closed) => anyhow::bail!("pod watch ended"),
+            },
+            r = node_feed.recv() => match r {
+                Ok(Change::Applied(n)) => c.node_applied(&n),
+                Ok(Change::Deleted(n)) => c.node_deleted(&n.name_any()),
+                Ok(Change::Resynced) | Err(RecvError::Lagged(_)) => c.resync(false),
+                Err(RecvError::Closed) => anyhow::bail!("node watch ended"),
+            },
+            r = pvc_feed.recv() => match r {
+                Ok(Change::Applied(pvc) | Change::Deleted(pvc)) => {
+                    c.claim_changed(&pvc.namespace().unwrap_or_default(), &pvc.name_any())
+                }
+                Ok(Change::Resynced) | Err(RecvError::Lagged(_)) => c.resync(false),
+                Err(RecvError::Closed) => anyhow::bail!("claim watch ended"),
+            },
+            r = pv_feed.recv() => match r {
+                Ok(Change::Applied(pv) | Change::Deleted(pv)) => c.volume_changed(&pv),
+                Ok(Change::Resynced) | Err(RecvError::Lagged(_)) => c.resync(false),
+                Err(RecvError::Closed) => anyhow::bail!("volume watch ended"),
+            },
+            r = va_feed.recv() => match r {
+                Ok(Change::Applied(va)) => c.va_applied(&va),
+                Ok(Change::Deleted(va)) => c.va_deleted(&va),
+                Ok(Change::Resynced) | Err(RecvError::Lagged(_)) => c.resync(false),
+                Err(RecvError::Closed) => anyhow::bail!("volume attachment watch ended"),
+            },
+            r = driver_feed.recv() => match r {
+                // attachRequired may have changed: every pod's volumes are re-resolved.
+                Ok(_) | Err(RecvError::Lagged(_)) => c.all_pods_dirty(),
+                Err(RecvError::Closed) => anyhow::bail!("CSI driver watch ended"),
+            },
+            _ = resync.tick() => c.resync(true),
+            _ = tokio::time::sleep_until(wake.unwrap_or_else(tokio::time::Instant::now)), if wake.is_some() => {
+                c.wake_at = None;
+                c.dirty = true;
+            }
+            _ = std::future::ready(()), if c.dirty && throttled.is_none() => c.pass(),
+            _ = tokio::time::sleep_until(throttled.unwrap_or_else(tokio::time::Instant::now)), if throttled.is_some() => c.pass(),
+        }
+    }
+}
+
+impl Controller {
+    pub(crate) fn touch(&mut self) {
+        self.dirty = true;
+        self.backlog += 1;
+    }
+
+    /// One reconciler pass.
+    pub(crate) fn pass(&mut self) {
+        let started = Instant::now();
+        self.refresh_pods();
+        let now = Instant::now();
+        self.last_pass = Some(now);
+        let timer = self.executor.metrics.reconcile_seconds.start_timer();
+        let actions = reconcile(&self.desired, &self.actual, &self.nodes, now, &self.config);
+        timer.observe_duration();
+        self.executor.metrics.reconciles.inc();
+        self.dirty = false;
+        self.backlog = 0;
+        self.apply(actions, now);
+        self.forget_gone_nodes();
+        self.sync_pv_finalizers();
+        self.update_wake(now);
+        self.pass_gap = (started.elapsed() * PASS_GAP_FACTOR).clamp(MIN_PASS_GAP, MAX_PASS_GAP);
+    }
+
+    pub(crate) fn update_wake(&mut self, now: Instant) {
+        let retry = self.status_retry.values().copied().filter(|t| *t > now).min();
+        self.wake_at = [next_deadline(&self.actual, &self.config, now), retry]
+            .into_iter()
+            .flatten()
+            .min();
+    }
+
+    pub(crate) fn pod_events(
+        &self,
+        volume: &str,
+        node: &str,
+        warning: bool,
+        reason: &'static str,
+        note: impl Fn(&str) -> String,
+    ) {
+        let Some(d) = self.desired.get(volume, node) else {
+            return;
+        };
+        let text = note(&d.spec.pv_name);
+        for pod in d.pods.values() {
+            self.pod_event(pod, warning, reason, text.clone());
+        }
+    }
+
+    pub(crate) fn pod_event(&self, pod: &PodRef, warning: bool, reason: &'static str, note: String) {
+        let on = ObjectReference {
+            api_version: Some("v1".into()),
+            kind: Some("Pod".into()),
+            namespace: Some(pod.namespace.clone()),
+            name: Some(pod.name.clone()),
+            uid: Some(pod.uid.clone()),
+            ..Default::default()
+        };
+        // Queued: events never hold up the reconciler.
+        if warning {
+            self.executor.events.warning(&on, reason, "Attach", note);
+        } else {
+            self.executor.events.normal(&on, reason, "Attach", note);
+        }
+    }
+}
+
+#[cfg(test)]
+mod live_tests {
+    use super::*;
+    use crate::exec::PANIC_ON_ATTACH;
+    use k8s_openapi::api::core::v1::{Node, Pod};
+    use k8s_openapi::api::storage::v1::VolumeAttachment;
+    use kube::api::Patch;
+    use kube::api::{PatchParams, PostParams};
+    use stowage_testkit::builders::{csi_driver, node as node_builder, pod, pv, pvc};
+    use stowage_testkit::{InProcess, eventually, inproc::WAIT};
+
+    /// A write task that panics reports its attach as failed on the way down, so the volume is
+    /// retried (with backoff) and attached, instead of staying "in flight" for good.
+    #[tokio::test]
+    async fn a_panicked_attach_task_is_retried_and_the_volume_attached() {
+        const DRIVER: &str = "panic.test.stowage.dev";
+        let mut h = InProcess::new().await;
+        h.namespace("app").await;
+        h.create(csi_driver(DRIVER, true)).await;
+        h.create(node_builder("n1").controller_attach().build()).await;
+        let ready = serde_json::json!({"status": {"conditions": [{"type": "Ready", "status": "True"}]}});
+        Api::<Node>::all(h.client.clone())
+            .patch_status("n1", &PatchParams::default(), &Patch::Merge(&ready))
+            .await
+            .unwrap();
+        let claim = h.create_pvc(pvc("app", "c").volume_name("boom").build()).await;
+        h.create_pv(
+            pv("boom")
+                .driver(DRIVER, "h-boom")
+                .claim_ref("app", "c", &claim.uid().unwrap())
+                .build(),
+        )
+        .await;
+        let bound = Patch::Merge(serde_json::json!({"status": {"phase": "Bound"}}));
+        h.pvs()
+            .patch_status("boom", &PatchParams::default(), &bound)
+            .await
+            .unwrap();
+        h.pvcs("app")
+            .patch_status("c", &PatchParams::default(), &bound)
+            .await
+            .unwrap();
+        *PANIC_ON_ATTACH.lock().unwrap() = Some("boom".into());
+
+        let cluster = h.cluster().await;
+        let metrics = Metrics::new(&h.registry);
+        h.run(run(cluster, metrics, Config::default()));
+        Api::<Pod>::namespaced(h.client.clone(), "app")
+            .create(
+                &PostParams::default(),
+                &pod("app", "p").claim("data", "c").node("n1").build(),
+            )
+            .await
+            .unwrap();
+        let vas: Api<VolumeAttachment> = Api::all(h.client.clone());
+        eventually(WAIT, || async {
+            let list = vas.list(&Default::default()).await.map_err(|e| e.to_string())?;
+            list.items
+                .iter()
+                .any(|va| va.spec.source.persistent_volume_name.as_deref() == Some("boom"))
+                .then_some(())
+                .ok_or_else(|| "no VolumeAttachment for boom yet".to_string())
+        })
+        .await;
+        assert!(
+            PANIC_ON_ATTACH.lock().unwrap().is_none(),
+            "the hook fired: the first attach task did panic"
+        );
+        let text = h.metrics_text();
+        assert!(
+            text.lines()
+                .any(|l| l.starts_with("stowage_attachdetach_operations_total")
+                    && l.contains("operation=\"attach\"")
+                    && l.contains("result=\"error\"")),
+            "the panic was counted as a failed attach:\n{text}"
+        );
+        assert!(!h.controller_finished(), "the controller kept running");
+    }
+}

@@ -1,0 +1,408 @@
+//! Store and watch events into the controller's own state: nodes, pods (resolved to the
+//! desired state), VolumeAttachments (the actual state) and the PV finalizer index.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Instant;
+
+use k8s_openapi::api::core::v1::{Node, PersistentVolume, PersistentVolumeClaim, Pod};
+use k8s_openapi::api::storage::v1::{CSIDriver, VolumeAttachment};
+use kube::ResourceExt;
+use kube::runtime::reflector::ObjectRef;
+use stowage_common::cluster::Cluster;
+use stowage_common::informer::is_newer;
+
+use crate::controller::Controller;
+use crate::desired::{Lookup, PodRef, pod_volumes};
+use crate::objects::{
+    NodeInfo, VaState, pod_claims, pod_is_active, pod_node, pv_finalizer_change, split_unique_volume_name,
+    unique_volume_name,
+};
+
+/// Resolves pod volumes through the shared stores.
+pub(crate) struct Stores<'a>(&'a Cluster);
+
+impl Lookup for Stores<'_> {
+    fn claim(&self, namespace: &str, name: &str) -> Option<Arc<PersistentVolumeClaim>> {
+        self.0.pvcs.store().get(&ObjectRef::new(name).within(namespace))
+    }
+    fn volume(&self, name: &str) -> Option<Arc<PersistentVolume>> {
+        self.0.pvs.store().get(&ObjectRef::new(name))
+    }
+    fn driver(&self, name: &str) -> Option<Arc<CSIDriver>> {
+        self.0.csi_drivers.store().get(&ObjectRef::new(name))
+    }
+}
+
+/// (namespace, name).
+pub(crate) type PodKey = (String, String);
+
+/// What the controller remembers of a scheduled, active pod.
+pub(crate) struct PodSeen {
+    uid: String,
+    node: String,
+    claims: Vec<String>,
+}
+
+impl Controller {
+    /// Initial state: nodes (and what their status says is attached, so a restart keeps it),
+    /// then attachments, then pods.
+    pub(crate) fn load(&mut self) {
+        self.quiet = true;
+        for node in self.cluster.nodes.store().state() {
+            let info = NodeInfo::of(&node);
+            let name = node.name_any();
+            for (volume, path) in &info.volumes_attached {
+                if let Some((driver, handle)) = split_unique_volume_name(volume) {
+                    self.actual.entry(volume, &name, driver, handle).reported = Some(path.clone());
+                }
+            }
+            self.nodes.insert(name, info);
+        }
+        for va in self.cluster.attachments.store().state() {
+            self.va_applied(&va);
+        }
+        // PV finalizers left from before a restart are checked once.
+        self.pv_dirty
+            .extend(self.cluster.pvs.store().state().iter().map(|p| p.name_any()));
+        self.all_pods_dirty();
+        self.refresh_pods();
+        self.quiet = false;
+        self.dirty = true;
+    }
+
+    /// Reloads everything from the stores. `verify` also drops attachments known only from node
+    /// status that have no VolumeAttachment (upstream's periodic verify, from the store: a CSI
+    /// volume without one is not attached).
+    pub(crate) fn resync(&mut self, verify: bool) {
+        self.quiet = true;
+        let live: HashSet<String> = self
+            .cluster
+            .nodes
+            .store()
+            .state()
+            .iter()
+            .map(|n| {
+                self.node_applied(n);
+                n.name_any()
+            })
+            .collect();
+        let gone: Vec<String> = self
+            .nodes
+            .iter()
+            .filter(|(n, i)| !i.deleted && !live.contains(*n))
+            .map(|(n, _)| n.clone())
+            .collect();
+        for n in gone {
+            self.node_deleted(&n);
+        }
+        let vas = self.cluster.attachments.store().state();
+        let names: HashSet<String> = vas.iter().map(|v| v.name_any()).collect();
+        // The PV finalizer index from scratch, and every PV checked (a missed event heals here).
+        self.pv_attachments.clear();
+        self.pv_dirty
+            .extend(self.cluster.pvs.store().state().iter().map(|p| p.name_any()));
+        for va in &vas {
+            self.va_applied(va);
+        }
+        let now = Instant::now();
+        for ((_, _), a) in self.actual.iter_mut() {
+            if a.va.as_ref().is_some_and(|v| !names.contains(&v.name)) {
+                a.va = None;
+            }
+            if verify && a.va.is_none() && a.op.is_none() {
+                a.reported = None;
+            }
+        }
+        self.va_keys.retain(|name, _| names.contains(name));
+        self.actual.tidy_all(now);
+        self.all_pods_dirty();
+        self.quiet = false;
+        self.dirty = true;
+    }
+
+    pub(crate) fn all_pods_dirty(&mut self) {
+        let keys = self
+            .cluster
+            .pods
+            .store()
+            .state()
+            .iter()
+            .map(|p| (p.namespace().unwrap_or_default(), p.name_any()))
+            .collect::<Vec<_>>();
+        self.dirty_pods.extend(keys);
+        // Pods that vanished without an event (missed while a watch was down).
+        self.dirty_pods.extend(self.pods.keys().cloned());
+        self.touch();
+    }
+
+    pub(crate) fn pod_changed(&mut self, pod: &Pod) {
+        self.dirty_pods
+            .insert((pod.namespace().unwrap_or_default(), pod.name_any()));
+        self.touch();
+    }
+
+    pub(crate) fn claim_changed(&mut self, ns: &str, name: &str) {
+        if let Some(pods) = self.claim_pods.get(&(ns.to_string(), name.to_string())) {
+            let keys: Vec<PodKey> = pods.iter().map(|p| (ns.to_string(), p.clone())).collect();
+            self.dirty_pods.extend(keys);
+            self.touch();
+        }
+    }
+
+    pub(crate) fn volume_changed(&mut self, pv: &PersistentVolume) {
+        if pv_finalizer_change(pv, self.pv_attachments.contains_key(&pv.name_any())).is_some() {
+            self.pv_dirty.insert(pv.name_any());
+            self.touch();
+        }
+        if let Some(cr) = pv.spec.as_ref().and_then(|s| s.claim_ref.as_ref())
+            && let (Some(ns), Some(name)) = (cr.namespace.as_deref(), cr.name.as_deref())
+        {
+            self.claim_changed(ns, name);
+        }
+        // Attachments that arrived before their volume can be placed now.
+        if let Some(waiting) = self.unresolved.remove(&pv.name_any()) {
+            for name in waiting {
+                if let Some(va) = self.cluster.attachments.store().get(&ObjectRef::new(&name)) {
+                    self.va_applied(&va);
+                }
+            }
+        }
+    }
+
+    pub(crate) fn node_applied(&mut self, node: &Node) {
+        let name = node.name_any();
+        let info = NodeInfo::of(node);
+        let old = self.nodes.get(&name);
+        // Older than the copy our own status patch returned.
+        if old.is_some_and(|o| is_newer(o.resource_version.as_deref(), info.resource_version.as_deref())) {
+            return;
+        }
+        let managed_changed = old.is_none_or(|o| o.managed != info.managed);
+        if old != Some(&info) {
+            self.nodes.insert(name.clone(), info);
+            self.touch();
+        }
+        if managed_changed {
+            self.pods_on_node_dirty(&name);
+        }
+    }
+
+    /// A deleted Node stays known, as it was last seen but not Ready (upstream keeps it in the
+    /// desired state while it has volumes, and its last `volumesInUse`): its volumes are
+    /// force-detached only after --max-wait-for-unmount or with the out-of-service taint. It is
+    /// forgotten once nothing is attached to it and no pod wants anything there.
+    pub(crate) fn node_deleted(&mut self, name: &str) {
+        self.status_retry.remove(name);
+        let Some(info) = self.nodes.remove(name) else {
+            return;
+        };
+        if !info.deleted {
+            self.pods_on_node_dirty(name);
+            self.touch();
+        }
+        self.nodes.insert(name.to_string(), info.gone());
+    }
+
+    /// Drops deleted nodes that nothing refers to any more.
+    pub(crate) fn forget_gone_nodes(&mut self) {
+        if !self.nodes.values().any(|n| n.deleted) {
+            return;
+        }
+        let mut used: HashSet<&str> = self.actual.iter().map(|((_, n), _)| n.as_str()).collect();
+        used.extend(self.desired.iter().map(|(n, _)| n.as_str()));
+        self.nodes
+            .retain(|name, n| !n.deleted || used.contains(name.as_str()));
+    }
+
+    pub(crate) fn pods_on_node_dirty(&mut self, node: &str) {
+        let keys: Vec<PodKey> = self
+            .pods
+            .iter()
+            .filter(|(_, p)| p.node == node)
+            .map(|(k, _)| k.clone())
+            .collect();
+        if !keys.is_empty() {
+            self.dirty_pods.extend(keys);
+            self.touch();
+        }
+    }
+
+    pub(crate) fn refresh_pods(&mut self) {
+        let keys: Vec<PodKey> = self.dirty_pods.drain().collect();
+        for key in keys {
+            self.refresh_pod(key);
+        }
+    }
+
+    /// Re-resolves one pod's contribution to the desired state.
+    pub(crate) fn refresh_pod(&mut self, key: PodKey) {
+        let pod = self
+            .cluster
+            .pods
+            .store()
+            .get(&ObjectRef::new(&key.1).within(&key.0))
+            .filter(|p| pod_is_active(p));
+        if let Some(old) = self.pods.remove(&key) {
+            for c in &old.claims {
+                let ck = (key.0.clone(), c.clone());
+                if let Some(set) = self.claim_pods.get_mut(&ck) {
+                    set.remove(&key.1);
+                    if set.is_empty() {
+                        self.claim_pods.remove(&ck);
+                    }
+                }
+            }
+            if pod.as_ref().and_then(|p| p.uid()).as_deref() != Some(old.uid.as_str()) {
+                self.desired.remove_pod(&old.uid);
+            }
+        }
+        let Some(pod) = pod else { return };
+        let uid = pod.uid().unwrap_or_default();
+        let node = pod_node(&pod).unwrap_or_default().to_string();
+        let claims = pod_claims(&pod);
+        for c in &claims {
+            self.claim_pods
+                .entry((key.0.clone(), c.clone()))
+                .or_default()
+                .insert(key.1.clone());
+        }
+        // A deleted node's pods stay desired until they go (pod GC): their volumes may still be
+        // mounted there.
+        if self.nodes.get(&node).is_some_and(|n| n.managed) {
+            let volumes = pod_volumes(&pod, &Stores(&self.cluster));
+            self.desired.set_pod(PodRef::of(&pod), &node, volumes);
+        } else {
+            self.desired.remove_pod(&uid);
+        }
+        self.pods.insert(key, PodSeen { uid, node, claims });
+    }
+
+    /// (volume, node, driver, handle) of an attachment, through its PV.
+    pub(crate) fn resolve_va(
+        &mut self,
+        va: &VolumeAttachment,
+        remember: bool,
+    ) -> Option<(String, String, String, String)> {
+        // Inline (migrated) volumes are not handled by this controller.
+        let pv_name = va.spec.source.persistent_volume_name.as_deref()?;
+        let pv = self.cluster.pvs.store().get(&ObjectRef::new(pv_name));
+        let Some(csi) = pv.as_ref().and_then(|p| p.spec.as_ref()?.csi.as_ref()) else {
+            // Left alone until its volume shows up, as upstream skips it.
+            if remember {
+                self.unresolved
+                    .entry(pv_name.to_string())
+                    .or_default()
+                    .insert(va.name_any());
+            }
+            return None;
+        };
+        Some((
+            unique_volume_name(&csi.driver, &csi.volume_handle),
+            va.spec.node_name.clone(),
+            csi.driver.clone(),
+            csi.volume_handle.clone(),
+        ))
+    }
+
+    pub(crate) fn va_applied(&mut self, va: &VolumeAttachment) {
+        if let Some(pv) = va.spec.source.persistent_volume_name.as_deref() {
+            self.pv_attachments
+                .entry(pv.to_string())
+                .or_default()
+                .insert(va.name_any());
+            self.pv_dirty.insert(pv.to_string());
+        }
+        let name = va.name_any();
+        let Some((volume, node, driver, handle)) = self.resolve_va(va, true) else {
+            return;
+        };
+        let state = VaState::of(va);
+        let e = self.actual.entry(&volume, &node, &driver, &handle);
+        if let Some(old) = &e.va
+            && old.name == state.name
+            && is_newer(old.resource_version.as_deref(), state.resource_version.as_deref())
+        {
+            return;
+        }
+        let was_attached = e.va.as_ref().is_some_and(|v| v.attached);
+        let old_error = e.va.as_ref().and_then(|v| v.attach_error.clone());
+        let newly_attached = state.attached && !was_attached && !state.deleting;
+        let new_error = state
+            .attach_error
+            .clone()
+            .filter(|m| Some(m) != old_error.as_ref());
+        let started = if newly_attached {
+            e.attach_started.take()
+        } else {
+            None
+        };
+        e.va = Some(state);
+        // The attachment object is the truth from now on.
+        e.reported = None;
+        self.va_keys.insert(name, (volume.clone(), node.clone()));
+        if let Some(t) = started {
+            self.executor
+                .metrics
+                .attach_seconds
+                .observe(t.elapsed().as_secs_f64());
+        }
+        if !self.quiet {
+            if newly_attached {
+                self.pod_events(&volume, &node, false, "SuccessfulAttachVolume", |pv| {
+                    format!("Volume \"{pv}\" is attached to node {node}")
+                });
+            }
+            if let Some(msg) = new_error {
+                self.pod_events(&volume, &node, true, "FailedAttachVolume", |pv| {
+                    format!("Attaching volume \"{pv}\" failed: {msg}")
+                });
+            }
+        }
+        self.touch();
+    }
+
+    pub(crate) fn va_deleted(&mut self, va: &VolumeAttachment) {
+        let name = va.name_any();
+        if let Some(pv) = va.spec.source.persistent_volume_name.as_deref() {
+            if let Some(set) = self.pv_attachments.get_mut(pv) {
+                set.remove(&name);
+                if set.is_empty() {
+                    self.pv_attachments.remove(pv);
+                }
+            }
+            self.pv_dirty.insert(pv.to_string());
+            self.touch();
+        }
+        if let Some(pv) = va.spec.source.persistent_volume_name.as_deref()
+            && let Some(set) = self.unresolved.get_mut(pv)
+        {
+            set.remove(&name);
+            if set.is_empty() {
+                self.unresolved.remove(pv);
+            }
+        }
+        let key = match self.va_keys.remove(&name) {
+            Some(k) => Some(k),
+            None => self.resolve_va(va, false).map(|(v, n, _, _)| (v, n)),
+        };
+        let Some((volume, node)) = key else { return };
+        let Some(e) = self.actual.get_mut(&volume, &node) else {
+            return;
+        };
+        if e.va.as_ref().is_some_and(|v| v.name != name) {
+            return;
+        }
+        e.va = None;
+        e.reported = None;
+        e.detach_requested = None;
+        if let Some(t) = e.detach_started.take() {
+            self.executor
+                .metrics
+                .detach_seconds
+                .observe(t.elapsed().as_secs_f64());
+        }
+        self.actual.tidy(&volume, &node, Instant::now());
+        self.touch();
+    }
+}

@@ -1,0 +1,274 @@
+//! What write tasks report back (`Outcome`) and the step that folds it into the state, metrics
+//! and events.
+
+use std::time::Instant;
+
+use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::storage::v1::VolumeAttachment;
+use kube::runtime::reflector::ObjectRef;
+use kube::{Resource, ResourceExt};
+
+use crate::controller::{Controller, STATUS_RETRY};
+use crate::core::ForceReason;
+use crate::error::Error;
+use crate::objects::VaState;
+use stowage_common::errors::MetricLabel;
+
+/// Results of the write tasks.
+pub(crate) enum Outcome {
+    Attach {
+        volume: String,
+        node: String,
+        va_name: String,
+        result: Result<VolumeAttachment, Error>,
+    },
+    Detach {
+        volume: String,
+        node: String,
+        forced: Option<ForceReason>,
+        /// `Some` while the VolumeAttachment still exists (finalizers), `None` once gone.
+        result: Result<Option<VolumeAttachment>, Error>,
+    },
+    Status {
+        node: String,
+        result: Result<Node, Error>,
+    },
+    Release {
+        volume: String,
+        node: String,
+        result: Result<VolumeAttachment, Error>,
+    },
+    PvFinalizer {
+        pv: String,
+        result: Result<(), Error>,
+    },
+}
+
+impl Outcome {
+    /// Whether `self` and `other` report the same piece of work.
+    pub(crate) fn same_work(&self, other: &Outcome) -> bool {
+        match (self, other) {
+            (
+                Outcome::Attach {
+                    volume: a, node: b, ..
+                },
+                Outcome::Attach {
+                    volume: c, node: d, ..
+                },
+            )
+            | (
+                Outcome::Detach {
+                    volume: a, node: b, ..
+                },
+                Outcome::Detach {
+                    volume: c, node: d, ..
+                },
+            )
+            | (
+                Outcome::Release {
+                    volume: a, node: b, ..
+                },
+                Outcome::Release {
+                    volume: c, node: d, ..
+                },
+            ) => a == c && b == d,
+            (Outcome::Status { node: a, .. }, Outcome::Status { node: b, .. }) => a == b,
+            (Outcome::PvFinalizer { pv: a, .. }, Outcome::PvFinalizer { pv: b, .. }) => a == b,
+            _ => false,
+        }
+    }
+}
+
+impl Controller {
+    /// Takes a write task's result back into the state.
+    pub(crate) fn finish(&mut self, done: Outcome) {
+        let now = Instant::now();
+        let m = self.executor.metrics.clone();
+        match done {
+            Outcome::Attach {
+                volume,
+                node,
+                va_name,
+                result,
+            } => {
+                m.queue_depth.with_label_values(&["attach"]).dec();
+                if let Some(e) = self.actual.get_mut(&volume, &node) {
+                    e.op = None;
+                }
+                match result {
+                    Ok(va) => {
+                        m.operations.with_label_values(&["attach", "success"]).inc();
+                        self.succeeded(&volume, &node);
+                        self.va_applied(&va);
+                    }
+                    Err(err) if err.is_conflict() => {
+                        // Someone (a previous leader) created it: follow the stored copy.
+                        m.operations.with_label_values(&["attach", "success"]).inc();
+                        self.succeeded(&volume, &node);
+                        match self.cluster.attachments.store().get(&ObjectRef::new(&va_name)) {
+                            Some(va) => self.va_applied(&va),
+                            None => {
+                                if let Some(e) = self.actual.get_mut(&volume, &node)
+                                    && e.va.is_none()
+                                {
+                                    // Its watch event is on the way; a resync corrects a miss.
+                                    e.va = Some(VaState {
+                                        name: va_name,
+                                        ..Default::default()
+                                    });
+                                }
+                            }
+                        }
+                    }
+                    Err(err) => {
+                        m.operations.with_label_values(&["attach", "error"]).inc();
+                        m.reconcile_errors
+                            .with_label_values(&["attach", err.metric_label()])
+                            .inc();
+                        tracing::warn!(%volume, %node, error = %err, "attach failed");
+                        if let Some(e) = self.actual.get_mut(&volume, &node) {
+                            e.failed(now);
+                            e.attach_started = None;
+                        }
+                        let msg = err.to_string();
+                        self.pod_events(&volume, &node, true, "FailedAttachVolume", |pv| {
+                            format!("Cannot request attaching volume \"{pv}\": {msg}")
+                        });
+                    }
+                }
+                self.actual.tidy(&volume, &node, now);
+            }
+            Outcome::Detach {
+                volume,
+                node,
+                forced,
+                result,
+            } => {
+                m.queue_depth.with_label_values(&["detach"]).dec();
+                if let Some(e) = self.actual.get_mut(&volume, &node) {
+                    e.op = None;
+                }
+                match result {
+                    Ok(left) => {
+                        m.operations.with_label_values(&["detach", "success"]).inc();
+                        if let Some(r) = forced {
+                            m.forced_detaches.with_label_values(&[r.label()]).inc();
+                        }
+                        self.succeeded(&volume, &node);
+                        match left {
+                            // Finalizers hold it: the attacher detaches, the watch reports the end.
+                            Some(va) => self.va_applied(&va),
+                            None => {
+                                if let Some(e) = self.actual.get_mut(&volume, &node) {
+                                    e.va = None;
+                                    e.reported = None;
+                                    e.detach_requested = None;
+                                    if let Some(t) = e.detach_started.take() {
+                                        m.detach_seconds.observe(t.elapsed().as_secs_f64());
+                                    }
+                                }
+                            }
+                        }
+                    }
+                    Err(err) => {
+                        m.operations.with_label_values(&["detach", "error"]).inc();
+                        m.reconcile_errors
+                            .with_label_values(&["detach", err.metric_label()])
+                            .inc();
+                        tracing::warn!(%volume, %node, error = %err, "detach failed");
+                        if let Some(e) = self.actual.get_mut(&volume, &node) {
+                            e.failed(now);
+                            e.detach_started = None;
+                        }
+                    }
+                }
+                self.actual.tidy(&volume, &node, now);
+            }
+            Outcome::Release { volume, node, result } => {
+                if let Some(e) = self.actual.get_mut(&volume, &node) {
+                    e.op = None;
+                }
+                match result {
+                    Ok(va) => {
+                        m.operations.with_label_values(&["release", "success"]).inc();
+                        tracing::warn!(%volume, %node, va = %va.name_any(), "released the attachment of a node that is gone or out of service");
+                        self.executor.events.warning(
+                            &va.object_ref(&()),
+                            "AttachmentReleased",
+                            "Detach",
+                            format!(
+                                "node {node} is gone or out of service and no attacher is left there: the controller dropped the attacher's finalizer so volume {volume} can be attached elsewhere"
+                            ),
+                        );
+                        self.succeeded(&volume, &node);
+                        self.va_applied(&va);
+                    }
+                    Err(err) if err.is_not_found() => {
+                        m.operations.with_label_values(&["release", "success"]).inc();
+                    }
+                    Err(err) => {
+                        m.operations.with_label_values(&["release", "error"]).inc();
+                        m.reconcile_errors
+                            .with_label_values(&["release", err.metric_label()])
+                            .inc();
+                        tracing::warn!(%volume, %node, error = %err, "release of a dead node's attachment failed");
+                        if let Some(e) = self.actual.get_mut(&volume, &node) {
+                            e.failed(now);
+                        }
+                    }
+                }
+                self.actual.tidy(&volume, &node, now);
+            }
+            Outcome::PvFinalizer { pv, result } => {
+                self.pv_patching.remove(&pv);
+                match result {
+                    Ok(()) => {
+                        m.operations.with_label_values(&["pv_finalizer", "success"]).inc();
+                    }
+                    Err(e) if e.is_not_found() => {}
+                    Err(e) => {
+                        m.operations.with_label_values(&["pv_finalizer", "error"]).inc();
+                        m.reconcile_errors
+                            .with_label_values(&["pv_finalizer", e.metric_label()])
+                            .inc();
+                        tracing::warn!(%pv, error = %e, "cannot update the attacher finalizer of the volume");
+                        // A conflict is decided again on the newer copy; other errors wait for
+                        // the next change or the periodic resync.
+                        if e.is_conflict() {
+                            self.pv_dirty.insert(pv);
+                        }
+                    }
+                }
+            }
+            Outcome::Status { node, result } => {
+                self.status_in_flight.remove(&node);
+                match result {
+                    Ok(n) => {
+                        m.operations.with_label_values(&["node_status", "success"]).inc();
+                        self.status_retry.remove(&node);
+                        self.node_applied(&n);
+                    }
+                    Err(e) if e.is_not_found() => {
+                        m.operations.with_label_values(&["node_status", "success"]).inc();
+                    }
+                    Err(e) => {
+                        m.operations.with_label_values(&["node_status", "error"]).inc();
+                        m.reconcile_errors
+                            .with_label_values(&["node_status", e.metric_label()])
+                            .inc();
+                        tracing::warn!(%node, error = %e, "node status update failed");
+                        self.status_retry.insert(node, now + STATUS_RETRY);
+                    }
+                }
+            }
+        }
+        self.dirty = true;
+        self.update_wake(now);
+    }
+
+    pub(crate) fn succeeded(&mut self, volume: &str, node: &str) {
+        if let Some(e) = self.actual.get_mut(volume, node) {
+            e.succeeded();
+        }
+    }
+}
