@@ -1,11 +1,10 @@
-//! pvc-protection: the async layer. One task owns the queue, the pods-by-claim index and the
+//! pvc-protection's `Controller`. One task owns the queue, the pods-by-claim index and the
 //! record of which pods each waiting claim was last reported with; syncs run one at a time (as
 //! upstream's single worker), each a store read, at most one live pod list, and one patch.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use anyhow::bail;
 use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
 use kube::api::ListParams;
 use kube::runtime::reflector::ObjectRef;
@@ -13,13 +12,13 @@ use kube::{Api, Resource};
 use stowage_common::cluster::Cluster;
 use stowage_common::events::Events;
 use stowage_common::informer::Change;
-use tokio::sync::broadcast::error::{RecvError, TryRecvError};
 use tokio::time::Instant;
 
 use crate::core::{Action, PVC_FINALIZER, PodRef, decide_pvc, pvc_needs_sync, users, waiting_note};
+use crate::exec::{self as write, WriteError};
 use crate::index::{Key, PodsByClaim, key_of};
+use crate::ingest::{Feed, feed, try_feed};
 use crate::metrics::{self, Metrics};
-use crate::write::{self, WriteError};
 use stowage_common::queue::WorkQueue;
 
 /// Reason of the event on a claim whose deletion waits for pods.
@@ -27,7 +26,7 @@ pub const REASON_CLAIM_IN_USE: &str = "ClaimInUse";
 /// Reporting controller of the events.
 const EVENT_SOURCE: &str = "stowage-protection";
 
-struct PvcProtection {
+struct Controller {
     cluster: Arc<Cluster>,
     metrics: Metrics,
     queue: WorkQueue<Key>,
@@ -37,28 +36,6 @@ struct PvcProtection {
     events: Events,
 }
 
-pub(crate) enum Feed<K> {
-    Change(Change<K>),
-    Lagged,
-}
-
-pub(crate) fn feed<K>(r: Result<Change<K>, RecvError>) -> anyhow::Result<Feed<K>> {
-    match r {
-        Ok(c) => Ok(Feed::Change(c)),
-        Err(RecvError::Lagged(_)) => Ok(Feed::Lagged),
-        Err(RecvError::Closed) => bail!("change feed closed"),
-    }
-}
-
-pub(crate) fn try_feed<K>(r: Result<Change<K>, TryRecvError>) -> anyhow::Result<Option<Feed<K>>> {
-    match r {
-        Ok(c) => Ok(Some(Feed::Change(c))),
-        Err(TryRecvError::Empty) => Ok(None),
-        Err(TryRecvError::Lagged(_)) => Ok(Some(Feed::Lagged)),
-        Err(TryRecvError::Closed) => bail!("change feed closed"),
-    }
-}
-
 /// Runs pvc-protection until the feeds close (the informers stopped) or the future is dropped.
 pub async fn run_pvc_protection(cluster: Arc<Cluster>, metrics: Metrics) -> anyhow::Result<()> {
     // Subscribe before the first scan, so nothing that changes during it is missed.
@@ -66,7 +43,7 @@ pub async fn run_pvc_protection(cluster: Arc<Cluster>, metrics: Metrics) -> anyh
     let mut pods = cluster.pods.subscribe();
     cluster.pvcs.ready().await;
     cluster.pods.ready().await;
-    let mut c = PvcProtection {
+    let mut c = Controller {
         events: Events::new(cluster.client.clone(), EVENT_SOURCE),
         cluster,
         metrics,
@@ -109,7 +86,7 @@ pub async fn run_pvc_protection(cluster: Arc<Cluster>, metrics: Metrics) -> anyh
     }
 }
 
-impl PvcProtection {
+impl Controller {
     fn claim(&self, key: &Key) -> Option<Arc<PersistentVolumeClaim>> {
         self.cluster
             .pvcs

@@ -19,7 +19,7 @@ use prometheus::Registry;
 use serde_json::json;
 use stowage_common::cluster::Cluster;
 use stowage_protection::core::{PV_FINALIZER, PVC_FINALIZER};
-use stowage_protection::write::{self, WriteError};
+use stowage_protection::exec::{self as write, WriteError};
 use stowage_protection::{Metrics, REASON_CLAIM_IN_USE, run_pv_protection, run_pvc_protection};
 use stowage_testkit::{ControlPlane, builders, eventually};
 use tokio::task::JoinSet;

@@ -1,6 +1,7 @@
-//! Finalizer writes as JSON patches that first `test` the resourceVersion the decision was made
-//! on: if the object changed since, the apiserver applies nothing and the key is retried with a
-//! fresh view. A finalizer is never removed on a stale view, and other finalizers are untouched.
+//! The executing layer of both protection controllers: finalizer writes as JSON patches that
+//! first `test` the resourceVersion the decision was made on: if the object changed since, the
+//! apiserver applies nothing and the key is retried with a fresh view. A finalizer is never
+//! removed on a stale view, and other finalizers are untouched.
 
 use std::fmt::Debug;
 
