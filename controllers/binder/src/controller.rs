@@ -20,6 +20,7 @@ use stowage_common::informer::Change;
 use tokio::time::Instant;
 
 use crate::core::{self, Action, Cache, Env, Event, Target};
+use crate::error::Error;
 use crate::exec::{Executor, Snapshot};
 use crate::ingest::PodIndex;
 use crate::metrics::Metrics;
@@ -249,7 +250,7 @@ impl Controller {
         }
         if writes.is_empty() {
             match retry {
-                Some(why) => self.backoff(key, "Invalid", &why, Instant::now()),
+                Some(why) => self.backoff(key, Error::InvalidState(why), Instant::now()),
                 None => {
                     self.queue.forget(&key);
                     self.failing.remove(&key);
@@ -283,7 +284,7 @@ impl Controller {
             let mut done = Outcome::empty(key, reserved);
             for w in writes {
                 if let Err(e) = executor.apply(&w, &snapshot, &mut done).await {
-                    done.error = Some((e.category(), e.to_string()));
+                    done.error = Some(e);
                     break;
                 }
             }

@@ -14,7 +14,7 @@ use tokio::time::Instant;
 
 use crate::controller::Key;
 use crate::core::{self, Action, Cache, Event, Target};
-use crate::error::WriteError;
+use crate::error::Error;
 use crate::loopdev;
 use crate::metrics::Metrics;
 use crate::objects::*;
@@ -216,7 +216,7 @@ impl Executor {
 
     /// Whether the claim a volume points at still exists with the UID it names (a live read:
     /// the cache may lag a claim just created by someone else, and what follows is destructive).
-    pub(crate) async fn claim_still_there(&self, pv: &PersistentVolume) -> Result<bool, WriteError> {
+    pub(crate) async fn claim_still_there(&self, pv: &PersistentVolume) -> Result<bool, Error> {
         let Some((ns, name, uid)) = claim_ref(pv) else {
             return Ok(false);
         };
@@ -234,7 +234,7 @@ impl Executor {
         action: &Action,
         snap: &Snapshot,
         done: &mut Outcome,
-    ) -> Result<(), WriteError> {
+    ) -> Result<(), Error> {
         match action {
             Action::Bind { pv, claim } => {
                 let (Some(mut v), Some(mut c)) = (Self::pv(snap, done, pv), Self::claim(snap, done, claim))
@@ -297,7 +297,7 @@ impl Executor {
                     if let Some((ns, n, _)) = claim_ref(&v) {
                         done.wake.push(Key::Claim(format!("{ns}/{n}")));
                     }
-                    return Err(WriteError::ClaimStillThere(format!("{:?}", claim_ref(&v))));
+                    return Err(Error::StaleCache(format!("{:?}", claim_ref(&v))));
                 }
                 let next = core::with_pv_phase(&v, "Released", "");
                 done.pvs

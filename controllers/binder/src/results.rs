@@ -11,6 +11,8 @@ use tokio::time::Instant;
 
 use crate::controller::{Controller, Key};
 use crate::core::Event;
+use crate::error::Error;
+use stowage_common::errors::MetricLabel;
 
 /// What a batch of writes reports back.
 pub(crate) struct Outcome {
@@ -24,7 +26,7 @@ pub(crate) struct Outcome {
     /// Events the writes produced, with the object they are about (it may be gone from the
     /// cache by the time they land); the decision task sends each once per change of its text.
     pub(crate) events: Vec<(Event, ObjectReference)>,
-    pub(crate) error: Option<(&'static str, String)>,
+    pub(crate) error: Option<Error>,
 }
 
 impl Outcome {
@@ -46,13 +48,13 @@ impl Outcome {
 impl Controller {
     /// Counts a failed sync and retries its key: conflicts at the queue's quick pace (they pass
     /// once the cache catches up), anything else with the failure backoff.
-    pub(crate) fn backoff(&mut self, key: Key, category: &'static str, msg: &str, now: Instant) {
+    pub(crate) fn backoff(&mut self, key: Key, error: Error, now: Instant) {
         self.executor
             .metrics
             .errors
-            .with_label_values(&[key.kind(), category])
+            .with_label_values(&[key.kind(), error.metric_label()])
             .inc();
-        let delay = if category == "Conflict" {
+        let delay = if error.is_conflict() {
             self.queue.retry(key.clone(), now)
         } else {
             let n = self.failing.entry(key.clone()).or_insert(0);
@@ -61,9 +63,9 @@ impl Controller {
             self.queue.retry_at(key.clone(), now, now + delay);
             delay
         };
-        tracing::debug!(?key, %msg, ?delay, "sync failed, retrying");
-        if category != "Conflict" {
-            tracing::warn!(?key, error = %msg, "binder sync failed");
+        tracing::debug!(?key, %error, ?delay, "sync failed, retrying");
+        if !error.is_conflict() {
+            tracing::warn!(?key, %error, "binder sync failed");
         }
     }
 
@@ -81,7 +83,7 @@ impl Controller {
                 }
             }
             Outcome {
-                error: Some(("Panic", "write task panicked".into())),
+                error: Some(Error::Panic),
                 ..Outcome::empty(landed.key.clone(), None)
             }
         });
@@ -112,7 +114,7 @@ impl Controller {
             self.send_event(e, reference);
         }
         match done.error {
-            Some((category, msg)) => self.backoff(done.key, category, &msg, now),
+            Some(error) => self.backoff(done.key, error, now),
             None => {
                 self.queue.forget(&done.key);
                 self.failing.remove(&done.key);

@@ -16,9 +16,10 @@ use stowage_loopdriver::{ImageError, ImageStore};
 use tokio::time::Instant;
 
 use crate::core::{self, Action, Size};
-use crate::error::{WorkError, api_err, infeasible};
+use crate::error::{Error, NOT_ALLOWED, infeasible};
 use crate::metrics::Metrics;
 use crate::results::Outcome;
+use stowage_common::errors::MetricLabel;
 
 /// The last event published per claim, so a state that persists is reported once.
 pub(crate) type LastEvents = Arc<Mutex<HashMap<String, (String, String)>>>;
@@ -49,16 +50,15 @@ impl Executor {
         &self,
         c: &PersistentVolumeClaim,
         op: &str,
-    ) -> Result<PersistentVolumeClaim, WorkError> {
-        self.writes().replace_claim_status(c, op).await.map_err(api_err)
+    ) -> Result<PersistentVolumeClaim, Error> {
+        self.writes()
+            .replace_claim_status(c, op)
+            .await
+            .map_err(Error::from)
     }
 
-    pub(crate) async fn replace_pv(
-        &self,
-        v: &PersistentVolume,
-        op: &str,
-    ) -> Result<PersistentVolume, WorkError> {
-        self.writes().replace_pv(v, op).await.map_err(api_err)
+    pub(crate) async fn replace_pv(&self, v: &PersistentVolume, op: &str) -> Result<PersistentVolume, Error> {
+        self.writes().replace_pv(v, op).await.map_err(Error::from)
     }
 
     /// An event the core decided on, with its metrics; sent once per (reason, note).
@@ -75,7 +75,7 @@ impl Executor {
         }
         let outcome = match reason {
             core::REASON_NOT_ALLOWED => {
-                self.metrics.failures.with_label_values(&["NotAllowed"]).inc();
+                self.metrics.failures.with_label_values(&[NOT_ALLOWED]).inc();
                 return;
             }
             core::REASON_RESIZE_CANCELED => "canceled",
@@ -120,7 +120,7 @@ impl Executor {
         claim: &Arc<PersistentVolumeClaim>,
         pv: Option<&PersistentVolume>,
         done: &mut Outcome,
-    ) -> Result<(), WorkError> {
+    ) -> Result<(), Error> {
         match action {
             Action::Event {
                 warning,
@@ -163,7 +163,7 @@ impl Executor {
         mut node_step: bool,
         filesystem: bool,
         done: &mut Outcome,
-    ) -> Result<(), WorkError> {
+    ) -> Result<(), Error> {
         let started = Instant::now();
         let mut c = claim.clone();
         let human = size.quantity.0.clone();
@@ -194,15 +194,18 @@ impl Executor {
         if let Err(error) = grown {
             let infeasible = infeasible(&error);
             let msg = format!("failed to expand volume {} to {human}: {error}", pv.name_any());
-            let reason = if infeasible { "Infeasible" } else { "ImageError" };
-            self.metrics.failures.with_label_values(&[reason]).inc();
+            let err = Error::Image { error, infeasible };
+            self.metrics
+                .failures
+                .with_label_values(&[err.metric_label()])
+                .inc();
             self.metrics.expansions.with_label_values(&["failed"]).inc();
             if let Some(next) = core::mark_failed(&c, &msg, infeasible, Timestamp::now()) {
                 c = self.replace_claim_status(&next, "mark_failed").await?;
                 done.claims.push(c.clone());
             }
             self.event(key, &c, true, core::REASON_RESIZE_FAILED, msg, true);
-            return Err(WorkError::Image { error, infeasible });
+            return Err(err);
         }
 
         // The volume may have been attached since the decision: then its device needs a refresh.

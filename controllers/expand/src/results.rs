@@ -11,8 +11,9 @@ use stowage_common::informer::is_newer;
 use tokio::time::Instant;
 
 use crate::controller::Controller;
-use crate::error::WorkError;
+use crate::error::{Error, PANIC};
 use crate::ingest::split;
+use stowage_common::errors::MetricLabel;
 
 /// What one claim's work reports back.
 pub(crate) struct Outcome {
@@ -20,7 +21,7 @@ pub(crate) struct Outcome {
     pub(crate) pvs: Vec<PersistentVolume>,
     /// When this process started an expansion of the claim (for the total duration).
     pub(crate) started: Option<Instant>,
-    pub(crate) error: Option<WorkError>,
+    pub(crate) error: Option<Error>,
 }
 
 impl Controller {
@@ -28,7 +29,7 @@ impl Controller {
         let key = landed.key;
         let Some(done) = landed.result else {
             // The task died without a report: retry the claim with backoff.
-            self.executor.metrics.errors.with_label_values(&["Panic"]).inc();
+            self.executor.metrics.errors.with_label_values(&[PANIC]).inc();
             self.queue.retry(key, Instant::now());
             return;
         };
@@ -50,7 +51,7 @@ impl Controller {
                 self.executor
                     .metrics
                     .errors
-                    .with_label_values(&[e.category()])
+                    .with_label_values(&[e.metric_label()])
                     .inc();
                 if e.retry() {
                     self.queue.retry(key.clone(), Instant::now());

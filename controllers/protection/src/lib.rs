@@ -8,6 +8,7 @@
 //! the two decision loops.
 
 pub mod core;
+pub mod error;
 pub mod exec;
 pub mod index;
 mod ingest;

@@ -13,9 +13,11 @@ use stowage_common::informer::Change;
 use tokio::time::Instant;
 
 use crate::core::{Action, PV_FINALIZER, decide_pv};
-use crate::exec::{self as write, WriteError};
+use crate::error::Error;
+use crate::exec as write;
 use crate::ingest::{Feed, feed, try_feed};
 use crate::metrics::{self, Metrics};
+use stowage_common::errors::MetricLabel;
 use stowage_common::queue::WorkQueue;
 
 struct Controller {
@@ -128,7 +130,7 @@ impl Controller {
             Err(e) => {
                 self.metrics
                     .errors
-                    .with_label_values(&[metrics::PV_CONTROLLER, e.reason()])
+                    .with_label_values(&[metrics::PV_CONTROLLER, e.metric_label()])
                     .inc();
                 let delay = self.queue.retry(name.clone(), Instant::now());
                 tracing::debug!(volume = %name, error = %e, ?delay, "sync failed, retrying");
@@ -136,7 +138,7 @@ impl Controller {
         }
     }
 
-    async fn sync_inner(&mut self, name: &str) -> Result<(), WriteError> {
+    async fn sync_inner(&mut self, name: &str) -> Result<(), Error> {
         let Some(pv) = self.cluster.pvs.store().get(&ObjectRef::new(name)) else {
             self.set_waiting(name, false);
             return Ok(());

@@ -15,10 +15,12 @@ use stowage_common::informer::Change;
 use tokio::time::Instant;
 
 use crate::core::{Action, PVC_FINALIZER, PodRef, decide_pvc, pvc_needs_sync, users, waiting_note};
-use crate::exec::{self as write, WriteError};
+use crate::error::Error;
+use crate::exec as write;
 use crate::index::{Key, PodsByClaim, key_of};
 use crate::ingest::{Feed, feed, try_feed};
 use crate::metrics::{self, Metrics};
+use stowage_common::errors::{ERROR, MetricLabel, SUCCESS};
 use stowage_common::queue::WorkQueue;
 
 /// Reason of the event on a claim whose deletion waits for pods.
@@ -181,7 +183,7 @@ impl Controller {
             Err(e) => {
                 self.metrics
                     .errors
-                    .with_label_values(&[metrics::PVC_CONTROLLER, e.reason()])
+                    .with_label_values(&[metrics::PVC_CONTROLLER, e.metric_label()])
                     .inc();
                 let delay = self.queue.retry(key.clone(), Instant::now());
                 tracing::debug!(claim = %format!("{}/{}", key.0, key.1), error = %e, ?delay, "sync failed, retrying");
@@ -189,7 +191,7 @@ impl Controller {
         }
     }
 
-    async fn sync_inner(&mut self, key: &Key) -> Result<(), WriteError> {
+    async fn sync_inner(&mut self, key: &Key) -> Result<(), Error> {
         let Some(pvc) = self.claim(key) else {
             if self.waiting.remove(key).is_some() {
                 self.update_waiting_gauge();
@@ -224,19 +226,22 @@ impl Controller {
         }
     }
 
-    async fn live_users(&self, pvc: &PersistentVolumeClaim, key: &Key) -> Result<Vec<PodRef>, WriteError> {
+    async fn live_users(&self, pvc: &PersistentVolumeClaim, key: &Key) -> Result<Vec<PodRef>, Error> {
         let api: Api<Pod> = Api::namespaced(self.cluster.client.clone(), &key.0);
         // No resourceVersion: a consistent read, newer than the claim's deletion we reacted to.
         match api.list(&ListParams::default()).await {
             Ok(list) => {
                 let u = users(pvc, &list.items);
-                let outcome = if u.is_empty() { "unused" } else { "in_use" };
-                self.metrics.live_lists.with_label_values(&[outcome]).inc();
+                let claim = if u.is_empty() { "unused" } else { "in_use" };
+                self.metrics.live_lists.with_label_values(&[SUCCESS, claim]).inc();
                 Ok(u)
             }
             Err(e) => {
-                self.metrics.live_lists.with_label_values(&["error"]).inc();
-                Err(WriteError::Api(e))
+                self.metrics
+                    .live_lists
+                    .with_label_values(&[ERROR, "unknown"])
+                    .inc();
+                Err(Error::Api(e))
             }
         }
     }
@@ -255,7 +260,7 @@ impl Controller {
             .normal(&pvc.object_ref(&()), REASON_CLAIM_IN_USE, "Delete", note);
     }
 
-    async fn add_finalizer(&self, pvc: &PersistentVolumeClaim) -> Result<(), WriteError> {
+    async fn add_finalizer(&self, pvc: &PersistentVolumeClaim) -> Result<(), Error> {
         let Some(patch) = write::add_finalizer(&pvc.metadata, PVC_FINALIZER) else {
             return Ok(()); // no resourceVersion: not an object from the apiserver
         };
@@ -271,7 +276,7 @@ impl Controller {
         Ok(())
     }
 
-    async fn remove_finalizer(&mut self, pvc: &PersistentVolumeClaim, key: &Key) -> Result<(), WriteError> {
+    async fn remove_finalizer(&mut self, pvc: &PersistentVolumeClaim, key: &Key) -> Result<(), Error> {
         let Some(patch) = write::remove_finalizer(&pvc.metadata, PVC_FINALIZER) else {
             return Ok(());
         };

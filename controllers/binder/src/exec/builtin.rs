@@ -12,6 +12,7 @@ use tokio::time::Instant;
 use super::*;
 use crate::core::{self};
 use crate::loopdev;
+use stowage_common::errors::{ERROR, SUCCESS};
 use stowage_common::writes::is_not_found;
 
 impl Executor {
@@ -21,7 +22,7 @@ impl Executor {
         done: &mut Outcome,
         claim: &str,
         class: &str,
-    ) -> Result<(), WriteError> {
+    ) -> Result<(), Error> {
         let Some(c) = Self::claim(snap, done, claim) else {
             return Ok(());
         };
@@ -50,11 +51,11 @@ impl Executor {
                 }
             }
             Err(e) => {
-                self.metrics.provisioning.with_label_values(&["failed"]).inc();
+                self.metrics.provisioning.with_label_values(&[ERROR]).inc();
                 let note = format!("failed to create volume {name}: {e}");
                 done.events
                     .push(claim_event(c.object_ref(&()), true, "ProvisioningFailed", note));
-                return Err(WriteError::Api(e));
+                return Err(Error::Api(e));
             }
         }
         Ok(())
@@ -65,7 +66,7 @@ impl Executor {
         snap: &Snapshot,
         done: &mut Outcome,
         pv: &str,
-    ) -> Result<(), WriteError> {
+    ) -> Result<(), Error> {
         let Some(mut v) = Self::pv(snap, done, pv) else {
             return Ok(());
         };
@@ -93,7 +94,7 @@ impl Executor {
             })
         });
         if let Err(e) = made {
-            self.metrics.provisioning.with_label_values(&["failed"]).inc();
+            self.metrics.provisioning.with_label_values(&[ERROR]).inc();
             let msg = format!(
                 "cannot create the {} image of volume {pv}: {e}",
                 core::human(capacity)
@@ -118,7 +119,7 @@ impl Executor {
         v.annotations_mut().remove(ANN_IMAGE_PENDING);
         done.pvs
             .push(self.writes().replace_pv(&v, "provision_image").await?);
-        self.metrics.provisioning.with_label_values(&["succeeded"]).inc();
+        self.metrics.provisioning.with_label_values(&[SUCCESS]).inc();
         if let Some(t) = claim {
             let note = format!(
                 "Successfully provisioned volume {pv} ({} image {handle}.img)",
@@ -138,7 +139,7 @@ impl Executor {
     pub(crate) async fn live_handles(
         &self,
         since: Instant,
-    ) -> Result<Arc<HashMap<String, Vec<String>>>, WriteError> {
+    ) -> Result<Arc<HashMap<String, Vec<String>>>, Error> {
         let mut last = self.live.lock().await;
         if let Some(l) = last.as_ref()
             && l.started >= since
@@ -173,7 +174,7 @@ impl Executor {
         snap: &Snapshot,
         done: &mut Outcome,
         pv: &str,
-    ) -> Result<(), WriteError> {
+    ) -> Result<(), Error> {
         let since = Instant::now();
         if Self::pv(snap, done, pv).is_none() {
             return Ok(());
@@ -187,7 +188,7 @@ impl Executor {
         }
         // A volume whose image is still pending was never handed to its claim: no data.
         if !has_ann(&v, ANN_IMAGE_PENDING) && self.claim_still_there(&v).await? {
-            return Err(WriteError::ClaimStillThere(format!("{:?}", claim_ref(&v))));
+            return Err(Error::StaleCache(format!("{:?}", claim_ref(&v))));
         }
         let handle = volume_handle(&v).unwrap_or_default().to_string();
         let live = self.live_handles(since).await?;
@@ -224,7 +225,7 @@ impl Executor {
                     .push(volume_event(&v, false, "VolumeImageMissing", note));
             }
             Err(e) => {
-                self.metrics.deletions.with_label_values(&["failed"]).inc();
+                self.metrics.deletions.with_label_values(&[ERROR]).inc();
                 let msg = format!("cannot delete the image of volume {pv}: {e}");
                 done.events
                     .push(volume_event(&v, true, "VolumeFailedDelete", msg.clone()));
@@ -249,7 +250,7 @@ impl Executor {
             Err(e) if is_not_found(&e) => {}
             Err(e) => return Err(e.into()),
         }
-        self.metrics.deletions.with_label_values(&["succeeded"]).inc();
+        self.metrics.deletions.with_label_values(&[SUCCESS]).inc();
         // The object may linger behind other finalizers (pv-protection); the watch reports it.
         Ok(())
     }
