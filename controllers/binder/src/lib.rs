@@ -25,6 +25,8 @@ mod fidelity_tests;
 mod model_tests;
 #[cfg(test)]
 mod safety_tests;
+#[cfg(test)]
+mod table_tests;
 
 pub use controller::{Config, run};
 pub use metrics::Metrics;
