@@ -1,3 +1,4 @@
+//! Over 600 lines: one table, a row per case, kept whole so it reads side by side with upstream's.
 //! Example-based tests of the binder core, in the style of upstream's binder_test.go tables: each
 //! row is the objects the controller knows (volumes, claims, classes, pods), the object synced,
 //! and the actions that come out (writes exactly; events by type and reason). They sit beside the
