@@ -1,12 +1,18 @@
-//! The PV/PVC binder: upstream's persistentvolume-binder behaviour with a pure decision core
-//! (`core`), an ordered volume index (`index`), and an executor that writes concurrently with a
-//! per-volume reservation (`exec`). The built-in driver `loop.stowage.dev` is provisioned and
-//! deleted here (`loopdev`).
+//! The PV/PVC binder: upstream's persistentvolume-binder behaviour in the one controller shape
+//! (docs/architecture.md): a pure decision core (`core`), store events into keys (`ingest`), the
+//! `Controller` owning the decision task (`controller`), an `Executor` that writes concurrently in
+//! the shared window with a per-volume reservation (`exec`), and the fold of write outcomes
+//! (`results`). An ordered volume index (`index`) serves matching. The built-in driver
+//! `loop.stowage.dev` is provisioned and deleted here (`loopdev`).
 
+pub mod controller;
 pub mod core;
+pub mod error;
 pub mod exec;
 pub mod index;
+pub mod ingest;
 pub mod loopdev;
+pub mod results;
 // The PV/PVC readers and quantities are shared with the other controllers.
 pub use stowage_common::{pv as objects, quantity};
 pub mod metrics;
@@ -19,6 +25,8 @@ mod fidelity_tests;
 mod model_tests;
 #[cfg(test)]
 mod safety_tests;
+#[cfg(test)]
+mod table_tests;
 
-pub use exec::{Config, run};
+pub use controller::{Config, run};
 pub use metrics::Metrics;

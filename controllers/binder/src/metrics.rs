@@ -55,7 +55,7 @@ impl Metrics {
             errors: IntCounterVec::new(
                 Opts::new(
                     "stowage_binder_reconcile_errors_total",
-                    "Binder syncs whose writes failed, by kind and error category.",
+                    "Binder syncs that failed, by kind and error (the shared error vocabulary).",
                 ),
                 &["kind", "error"],
             )
@@ -80,7 +80,7 @@ impl Metrics {
             .unwrap(),
             writes: IntCounterVec::new(
                 Opts::new("stowage_binder_api_writes_total", "API writes by operation."),
-                &["op"],
+                &["operation"],
             )
             .unwrap(),
             queue_depth: IntGauge::new(
@@ -101,7 +101,7 @@ impl Metrics {
             provisioning: IntCounterVec::new(
                 Opts::new(
                     "stowage_binder_provisioning_total",
-                    "Built-in provisioning steps by result.",
+                    "Built-in provisioning steps by result (success, error).",
                 ),
                 &["result"],
             )
@@ -109,7 +109,7 @@ impl Metrics {
             deletions: IntCounterVec::new(
                 Opts::new(
                     "stowage_binder_deletions_total",
-                    "Built-in volume deletions by result.",
+                    "Built-in volume deletions by result (success, error).",
                 ),
                 &["result"],
             )
@@ -136,7 +136,7 @@ impl Metrics {
         register(registry, m.deletions.clone());
         register(registry, m.warnings.clone());
         // Known outcomes start at zero, so the families are visible from the first scrape.
-        for result in ["succeeded", "failed"] {
+        for result in [stowage_common::errors::SUCCESS, stowage_common::errors::ERROR] {
             m.provisioning.with_label_values(&[result]);
             m.deletions.with_label_values(&[result]);
         }

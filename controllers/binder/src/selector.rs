@@ -4,31 +4,18 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{NodeSelector, NodeSelectorRequirement};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
+use kube::core::labels::{Selector, SelectorExt};
 
 type Labels = BTreeMap<String, String>;
 
-/// Whether `labels` satisfy `sel`; an empty selector matches everything, an operator we do not
-/// know matches nothing (the apiserver validates operators, so this is only defensive).
+/// Whether `labels` satisfy `sel`, by kube-core's `Selector`: an empty selector matches
+/// everything; one it cannot parse (an unknown operator, In/NotIn without values: the apiserver
+/// refuses both) matches nothing.
 pub fn labels_match(sel: &LabelSelector, labels: &Labels) -> bool {
-    let exact = sel
-        .match_labels
-        .iter()
-        .flatten()
-        .all(|(k, v)| labels.get(k) == Some(v));
-    exact
-        && sel.match_expressions.iter().flatten().all(|e| {
-            let values = e.values.as_deref().unwrap_or_default();
-            let got = labels.get(&e.key);
-            match e.operator.as_str() {
-                "In" => got.is_some_and(|v| values.contains(v)),
-                "NotIn" => got.is_none_or(|v| !values.contains(v)),
-                "Exists" => got.is_some(),
-                "DoesNotExist" => got.is_none(),
-                _ => false,
-            }
-        })
+    Selector::try_from(sel.clone()).is_ok_and(|s| s.matches(labels))
 }
 
+// Node selectors stay hand-written: kube-core's `Selector` has no Gt/Lt and no matchFields.
 fn requirement_matches(r: &NodeSelectorRequirement, value: Option<&String>) -> bool {
     let values = r.values.as_deref().unwrap_or_default();
     match r.operator.as_str() {
@@ -90,6 +77,25 @@ mod tests {
         assert!(!labels_match(&sel, &labels(&[("tier", "fast"), ("zone", "c")])));
         assert!(!labels_match(&sel, &labels(&[("zone", "a")])));
         assert!(labels_match(&LabelSelector::default(), &labels(&[])));
+        let expr = |op: &str, values: Option<Vec<&str>>| LabelSelector {
+            match_expressions: Some(vec![LabelSelectorRequirement {
+                key: "zone".into(),
+                operator: op.into(),
+                values: values.map(|v| v.into_iter().map(String::from).collect()),
+            }]),
+            ..Default::default()
+        };
+        let (a, none) = (labels(&[("zone", "a")]), labels(&[]));
+        assert!(labels_match(&expr("NotIn", Some(vec!["b"])), &a));
+        assert!(labels_match(&expr("NotIn", Some(vec!["b"])), &none));
+        assert!(!labels_match(&expr("NotIn", Some(vec!["a"])), &a));
+        assert!(labels_match(&expr("Exists", None), &a));
+        assert!(!labels_match(&expr("Exists", None), &none));
+        assert!(labels_match(&expr("DoesNotExist", None), &none));
+        assert!(!labels_match(&expr("DoesNotExist", None), &a));
+        // What the apiserver would refuse matches nothing.
+        assert!(!labels_match(&expr("Gt", Some(vec!["1"])), &a));
+        assert!(!labels_match(&expr("In", None), &a));
     }
 
     #[test]

@@ -408,7 +408,7 @@ async fn a_failing_image_creation_backs_off_across_resyncs() {
     })
     .await;
     // ...the image was tried at 0, 1, 3, 7 (and maybe 15) s: a handful, not one per resync.
-    let attempts = counter(&h, "stowage_binder_provisioning_total", ("result", "failed"));
+    let attempts = counter(&h, "stowage_binder_provisioning_total", ("result", "error"));
     assert!((2.0..=7.0).contains(&attempts), "{attempts} attempts");
     let events = h.events(Some("app"), "slow", "ProvisioningFailed").await;
     assert_eq!(events.len(), 1, "{events:#?}");

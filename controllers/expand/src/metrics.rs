@@ -7,7 +7,7 @@ use stowage_common::metrics::register;
 pub struct Metrics {
     /// Claim syncs.
     pub reconciles: IntCounterVec,
-    /// Syncs whose writes failed, by error category.
+    /// Syncs whose work failed, by error (the shared error vocabulary).
     pub errors: IntCounterVec,
     /// Time to carry out one sync's writes (and image growth).
     pub reconcile_seconds: HistogramVec,
@@ -16,9 +16,9 @@ pub struct Metrics {
     /// Expansion durations: `controller` = start → PV grown and claim marked; `total` = start →
     /// claim capacity reached (node step included), for expansions started by this process.
     pub expansion_seconds: HistogramVec,
-    /// Expansion outcomes of the controller part, by result.
+    /// Expansion outcomes of the controller part, by the state they reached.
     pub expansions: IntCounterVec,
-    /// Failed expansions by reason.
+    /// Failed or refused expansions by error.
     pub failures: IntCounterVec,
     /// API writes by operation.
     pub writes: IntCounterVec,
@@ -37,7 +37,7 @@ impl Metrics {
             errors: IntCounterVec::new(
                 Opts::new(
                     "stowage_expand_reconcile_errors_total",
-                    "Expand controller syncs whose work failed, by error category.",
+                    "Expand controller syncs whose work failed, by error (the shared error vocabulary).",
                 ),
                 &["error"],
             )
@@ -68,22 +68,22 @@ impl Metrics {
             expansions: IntCounterVec::new(
                 Opts::new(
                     "stowage_expand_expansions_total",
-                    "Controller-side expansion outcomes (node_pending, finished, failed, handed_off, canceled).",
+                    "Controller-side expansion outcomes by the state reached (node_pending, finished, failed, handed_off, canceled).",
                 ),
-                &["result"],
+                &["state"],
             )
             .unwrap(),
             failures: IntCounterVec::new(
                 Opts::new(
                     "stowage_expand_failures_total",
-                    "Failed or refused expansions by reason.",
+                    "Failed or refused expansions by error (image, infeasible, not_allowed).",
                 ),
-                &["reason"],
+                &["error"],
             )
             .unwrap(),
             writes: IntCounterVec::new(
                 Opts::new("stowage_expand_api_writes_total", "API writes by operation."),
-                &["op"],
+                &["operation"],
             )
             .unwrap(),
             queue_depth: IntGauge::new(

@@ -105,7 +105,7 @@ async fn a_bound_loop_volume_grows_and_is_then_left_alone() {
     assert!(h.events("app", "data", "VolumeResizeFailed").await.is_empty());
     let m = h.metrics_text();
     assert!(
-        m.contains("stowage_expand_expansions_total{result=\"node_pending\"} 1"),
+        m.contains("stowage_expand_expansions_total{state=\"node_pending\"} 1"),
         "{m}"
     );
     assert!(
@@ -188,7 +188,7 @@ async fn a_failure_mid_way_is_reported_and_the_retry_completes_after_the_fix() {
     assert!(h.events("app", "data", "VolumeResizeSuccessful").await.is_empty());
     let m = h.metrics_text();
     assert!(
-        m.contains("stowage_expand_failures_total{reason=\"ImageError\"}"),
+        m.contains("stowage_expand_failures_total{error=\"image\"}"),
         "{m}"
     );
 }
@@ -260,7 +260,7 @@ async fn lowering_the_request_after_an_infeasible_expansion_recovers() {
     assert!(h.events("app", "data", "VolumeResizeSuccessful").await.is_empty());
     let m = h.metrics_text();
     assert!(
-        m.contains("stowage_expand_failures_total{reason=\"Infeasible\"} 1"),
+        m.contains("stowage_expand_failures_total{error=\"infeasible\"} 1"),
         "{m}"
     );
 }

@@ -2,6 +2,7 @@
 //! finalizer. No I/O, no clock; the async layer feeds snapshots in and carries the answer out.
 
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
+use stowage_common::objects::pod_claims;
 
 /// Put on every claim by the apiserver's StorageObjectInUseProtection admission.
 pub const PVC_FINALIZER: &str = "kubernetes.io/pvc-protection";
@@ -93,23 +94,10 @@ pub fn pod_is_terminated(pod: &Pod) -> bool {
 }
 
 /// The names of the claims a pod refers to, in its own namespace: plain claim volumes and the
-/// `<pod>-<volume>` claims of generic ephemeral volumes. Used to index pods by claim.
+/// `<pod>-<volume>` claims of generic ephemeral volumes (the shared reader,
+/// `stowage_common::objects::pod_claims`). Used to index pods by claim.
 pub fn claim_names(pod: &Pod) -> Vec<String> {
-    let pod_name = pod.metadata.name.as_deref().unwrap_or_default();
-    let mut out: Vec<String> = pod
-        .spec
-        .iter()
-        .flat_map(|s| s.volumes.iter().flatten())
-        .filter_map(|v| {
-            if let Some(c) = &v.persistent_volume_claim {
-                Some(c.claim_name.clone())
-            } else if v.ephemeral.is_some() {
-                Some(format!("{pod_name}-{}", v.name))
-            } else {
-                None
-            }
-        })
-        .collect();
+    let mut out: Vec<String> = pod_claims(pod).into_iter().map(|c| c.claim).collect();
     out.sort();
     out.dedup();
     out
@@ -123,24 +111,12 @@ pub fn pod_uses_claim(pod: &Pod, pvc: &PersistentVolumeClaim) -> bool {
     if pod.metadata.namespace != pvc.metadata.namespace || pod_is_terminated(pod) {
         return false;
     }
-    let (Some(pod_name), Some(claim)) = (pod.metadata.name.as_deref(), pvc.metadata.name.as_deref()) else {
+    let Some(claim) = pvc.metadata.name.as_deref() else {
         return false;
     };
-    let owned_by_pod = || {
-        pvc.metadata.owner_references.iter().flatten().any(|o| {
-            o.controller == Some(true) && o.kind == "Pod" && Some(&o.uid) == pod.metadata.uid.as_ref()
-        })
-    };
-    pod.spec.iter().flat_map(|s| s.volumes.iter().flatten()).any(|v| {
-        if let Some(c) = &v.persistent_volume_claim {
-            c.claim_name == claim
-        } else if v.ephemeral.is_some() {
-            claim.strip_prefix(pod_name).and_then(|r| r.strip_prefix('-')) == Some(v.name.as_str())
-                && owned_by_pod()
-        } else {
-            false
-        }
-    })
+    pod_claims(pod)
+        .iter()
+        .any(|c| c.claim == claim && c.usable(pod, pvc))
 }
 
 /// The live users of `pvc` among `pods`, sorted.

@@ -2,16 +2,19 @@
 //! apiserver's StorageObjectInUseProtection admission puts on every claim and volume, once nothing
 //! uses the object any more, and put them back on objects that lack them. See docs/protection.md.
 //!
-//! `core` decides (pure), `index` finds a claim's pods, `stowage_common::queue` orders the work, `write` makes
-//! guarded patches, and `pvc`/`pv` are the thin async layers over the shared stores.
+//! The one controller shape (docs/architecture.md), with two controllers: `core` decides (pure),
+//! `ingest` reads the shared change feeds, `index` finds a claim's pods, `stowage_common::queue`
+//! orders the work, `exec` makes guarded patches, and `pvc::Controller` / `pv::Controller` own
+//! the two decision loops.
 
 pub mod core;
+pub mod error;
+pub mod exec;
 pub mod index;
+mod ingest;
 pub mod metrics;
 mod pv;
 mod pvc;
-
-pub mod write;
 
 pub use metrics::Metrics;
 pub use pv::run_pv_protection;

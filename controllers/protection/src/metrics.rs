@@ -70,8 +70,8 @@ impl Metrics {
             ),
             errors: counter(
                 "stowage_protection_reconcile_errors_total",
-                "Syncs that failed and were retried with backoff, by controller and reason (conflict, api).",
-                &["controller", "reason"],
+                "Syncs that failed and were retried with backoff, by controller and error (the shared error vocabulary).",
+                &["controller", "error"],
             ),
             duration: register(
                 registry,
@@ -98,8 +98,8 @@ impl Metrics {
             ),
             live_lists: counter(
                 "stowage_protection_live_pod_lists_total",
-                "Live pod lists of a namespace made to confirm a claim is unused before removing its finalizer.",
-                &["outcome"],
+                "Live pod lists of a namespace made to confirm a claim is unused before removing its finalizer, by result and what they found (in_use, unused; unknown when the list failed).",
+                &["result", "claim"],
             ),
             in_use_events: counter(
                 "stowage_protection_claim_in_use_events_total",

@@ -1,4 +1,4 @@
-//! pv-protection: the async layer. A volume being deleted keeps its finalizer while Bound; the
+//! pv-protection's `Controller`. A volume being deleted keeps its finalizer while Bound; the
 //! resourceVersion guard on the patch means a store that still shows an old Released phase
 //! cannot take the finalizer off a volume that was bound again meanwhile.
 
@@ -13,12 +13,14 @@ use stowage_common::informer::Change;
 use tokio::time::Instant;
 
 use crate::core::{Action, PV_FINALIZER, decide_pv};
+use crate::error::Error;
+use crate::exec as write;
+use crate::ingest::{Feed, feed, try_feed};
 use crate::metrics::{self, Metrics};
-use crate::pvc::{Feed, feed, try_feed};
-use crate::write::{self, WriteError};
+use stowage_common::errors::MetricLabel;
 use stowage_common::queue::WorkQueue;
 
-struct PvProtection {
+struct Controller {
     cluster: Arc<Cluster>,
     metrics: Metrics,
     queue: WorkQueue<String>,
@@ -34,7 +36,7 @@ fn needs_sync(pv: &PersistentVolume) -> bool {
 pub async fn run_pv_protection(cluster: Arc<Cluster>, metrics: Metrics) -> anyhow::Result<()> {
     let mut volumes = cluster.pvs.subscribe();
     cluster.pvs.ready().await;
-    let mut c = PvProtection {
+    let mut c = Controller {
         cluster,
         metrics,
         // Finalizer writes retry more patiently than binds: 10 ms doubling to 2 min.
@@ -68,7 +70,7 @@ pub async fn run_pv_protection(cluster: Arc<Cluster>, metrics: Metrics) -> anyho
     }
 }
 
-impl PvProtection {
+impl Controller {
     fn on_volume(&mut self, f: Feed<PersistentVolume>) {
         match f {
             Feed::Change(Change::Applied(pv)) => {
@@ -128,7 +130,7 @@ impl PvProtection {
             Err(e) => {
                 self.metrics
                     .errors
-                    .with_label_values(&[metrics::PV_CONTROLLER, e.reason()])
+                    .with_label_values(&[metrics::PV_CONTROLLER, e.metric_label()])
                     .inc();
                 let delay = self.queue.retry(name.clone(), Instant::now());
                 tracing::debug!(volume = %name, error = %e, ?delay, "sync failed, retrying");
@@ -136,7 +138,7 @@ impl PvProtection {
         }
     }
 
-    async fn sync_inner(&mut self, name: &str) -> Result<(), WriteError> {
+    async fn sync_inner(&mut self, name: &str) -> Result<(), Error> {
         let Some(pv) = self.cluster.pvs.store().get(&ObjectRef::new(name)) else {
             self.set_waiting(name, false);
             return Ok(());

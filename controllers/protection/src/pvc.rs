@@ -1,11 +1,10 @@
-//! pvc-protection: the async layer. One task owns the queue, the pods-by-claim index and the
+//! pvc-protection's `Controller`. One task owns the queue, the pods-by-claim index and the
 //! record of which pods each waiting claim was last reported with; syncs run one at a time (as
 //! upstream's single worker), each a store read, at most one live pod list, and one patch.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use anyhow::bail;
 use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
 use kube::api::ListParams;
 use kube::runtime::reflector::ObjectRef;
@@ -13,13 +12,15 @@ use kube::{Api, Resource};
 use stowage_common::cluster::Cluster;
 use stowage_common::events::Events;
 use stowage_common::informer::Change;
-use tokio::sync::broadcast::error::{RecvError, TryRecvError};
 use tokio::time::Instant;
 
 use crate::core::{Action, PVC_FINALIZER, PodRef, decide_pvc, pvc_needs_sync, users, waiting_note};
+use crate::error::Error;
+use crate::exec as write;
 use crate::index::{Key, PodsByClaim, key_of};
+use crate::ingest::{Feed, feed, try_feed};
 use crate::metrics::{self, Metrics};
-use crate::write::{self, WriteError};
+use stowage_common::errors::{ERROR, MetricLabel, SUCCESS};
 use stowage_common::queue::WorkQueue;
 
 /// Reason of the event on a claim whose deletion waits for pods.
@@ -27,7 +28,7 @@ pub const REASON_CLAIM_IN_USE: &str = "ClaimInUse";
 /// Reporting controller of the events.
 const EVENT_SOURCE: &str = "stowage-protection";
 
-struct PvcProtection {
+struct Controller {
     cluster: Arc<Cluster>,
     metrics: Metrics,
     queue: WorkQueue<Key>,
@@ -37,28 +38,6 @@ struct PvcProtection {
     events: Events,
 }
 
-pub(crate) enum Feed<K> {
-    Change(Change<K>),
-    Lagged,
-}
-
-pub(crate) fn feed<K>(r: Result<Change<K>, RecvError>) -> anyhow::Result<Feed<K>> {
-    match r {
-        Ok(c) => Ok(Feed::Change(c)),
-        Err(RecvError::Lagged(_)) => Ok(Feed::Lagged),
-        Err(RecvError::Closed) => bail!("change feed closed"),
-    }
-}
-
-pub(crate) fn try_feed<K>(r: Result<Change<K>, TryRecvError>) -> anyhow::Result<Option<Feed<K>>> {
-    match r {
-        Ok(c) => Ok(Some(Feed::Change(c))),
-        Err(TryRecvError::Empty) => Ok(None),
-        Err(TryRecvError::Lagged(_)) => Ok(Some(Feed::Lagged)),
-        Err(TryRecvError::Closed) => bail!("change feed closed"),
-    }
-}
-
 /// Runs pvc-protection until the feeds close (the informers stopped) or the future is dropped.
 pub async fn run_pvc_protection(cluster: Arc<Cluster>, metrics: Metrics) -> anyhow::Result<()> {
     // Subscribe before the first scan, so nothing that changes during it is missed.
@@ -66,7 +45,7 @@ pub async fn run_pvc_protection(cluster: Arc<Cluster>, metrics: Metrics) -> anyh
     let mut pods = cluster.pods.subscribe();
     cluster.pvcs.ready().await;
     cluster.pods.ready().await;
-    let mut c = PvcProtection {
+    let mut c = Controller {
         events: Events::new(cluster.client.clone(), EVENT_SOURCE),
         cluster,
         metrics,
@@ -109,7 +88,7 @@ pub async fn run_pvc_protection(cluster: Arc<Cluster>, metrics: Metrics) -> anyh
     }
 }
 
-impl PvcProtection {
+impl Controller {
     fn claim(&self, key: &Key) -> Option<Arc<PersistentVolumeClaim>> {
         self.cluster
             .pvcs
@@ -204,7 +183,7 @@ impl PvcProtection {
             Err(e) => {
                 self.metrics
                     .errors
-                    .with_label_values(&[metrics::PVC_CONTROLLER, e.reason()])
+                    .with_label_values(&[metrics::PVC_CONTROLLER, e.metric_label()])
                     .inc();
                 let delay = self.queue.retry(key.clone(), Instant::now());
                 tracing::debug!(claim = %format!("{}/{}", key.0, key.1), error = %e, ?delay, "sync failed, retrying");
@@ -212,7 +191,7 @@ impl PvcProtection {
         }
     }
 
-    async fn sync_inner(&mut self, key: &Key) -> Result<(), WriteError> {
+    async fn sync_inner(&mut self, key: &Key) -> Result<(), Error> {
         let Some(pvc) = self.claim(key) else {
             if self.waiting.remove(key).is_some() {
                 self.update_waiting_gauge();
@@ -247,19 +226,22 @@ impl PvcProtection {
         }
     }
 
-    async fn live_users(&self, pvc: &PersistentVolumeClaim, key: &Key) -> Result<Vec<PodRef>, WriteError> {
+    async fn live_users(&self, pvc: &PersistentVolumeClaim, key: &Key) -> Result<Vec<PodRef>, Error> {
         let api: Api<Pod> = Api::namespaced(self.cluster.client.clone(), &key.0);
         // No resourceVersion: a consistent read, newer than the claim's deletion we reacted to.
         match api.list(&ListParams::default()).await {
             Ok(list) => {
                 let u = users(pvc, &list.items);
-                let outcome = if u.is_empty() { "unused" } else { "in_use" };
-                self.metrics.live_lists.with_label_values(&[outcome]).inc();
+                let claim = if u.is_empty() { "unused" } else { "in_use" };
+                self.metrics.live_lists.with_label_values(&[SUCCESS, claim]).inc();
                 Ok(u)
             }
             Err(e) => {
-                self.metrics.live_lists.with_label_values(&["error"]).inc();
-                Err(WriteError::Api(e))
+                self.metrics
+                    .live_lists
+                    .with_label_values(&[ERROR, "unknown"])
+                    .inc();
+                Err(Error::Api(e))
             }
         }
     }
@@ -278,7 +260,7 @@ impl PvcProtection {
             .normal(&pvc.object_ref(&()), REASON_CLAIM_IN_USE, "Delete", note);
     }
 
-    async fn add_finalizer(&self, pvc: &PersistentVolumeClaim) -> Result<(), WriteError> {
+    async fn add_finalizer(&self, pvc: &PersistentVolumeClaim) -> Result<(), Error> {
         let Some(patch) = write::add_finalizer(&pvc.metadata, PVC_FINALIZER) else {
             return Ok(()); // no resourceVersion: not an object from the apiserver
         };
@@ -294,7 +276,7 @@ impl PvcProtection {
         Ok(())
     }
 
-    async fn remove_finalizer(&mut self, pvc: &PersistentVolumeClaim, key: &Key) -> Result<(), WriteError> {
+    async fn remove_finalizer(&mut self, pvc: &PersistentVolumeClaim, key: &Key) -> Result<(), Error> {
         let Some(patch) = write::remove_finalizer(&pvc.metadata, PVC_FINALIZER) else {
             return Ok(());
         };

@@ -19,7 +19,8 @@ use prometheus::Registry;
 use serde_json::json;
 use stowage_common::cluster::Cluster;
 use stowage_protection::core::{PV_FINALIZER, PVC_FINALIZER};
-use stowage_protection::write::{self, WriteError};
+use stowage_protection::error::Error;
+use stowage_protection::exec as write;
 use stowage_protection::{Metrics, REASON_CLAIM_IN_USE, run_pv_protection, run_pvc_protection};
 use stowage_testkit::{ControlPlane, builders, eventually};
 use tokio::task::JoinSet;
@@ -306,7 +307,7 @@ async fn missing_claim_finalizer_is_added_and_ephemeral_claims_are_protected() {
         .unwrap();
     let patch = write::remove_finalizer(&seen.metadata, PVC_FINALIZER).unwrap();
     match write::send(&claims, "old", patch).await {
-        Err(WriteError::Stale) => {}
+        Err(Error::Stale) => {}
         other => panic!("expected a stale write, got {other:?}"),
     }
     let now = claims.get("old").await.unwrap();

@@ -19,6 +19,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
+use crate::errors::{ERROR, SUCCESS};
 use k8s_openapi::api::core::v1::ObjectReference;
 use k8s_openapi::api::events::v1::Event as K8sEvent;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
@@ -45,17 +46,24 @@ pub const FOLD_CAPACITY: usize = 4096;
 /// therefore costs one PATCH per interval, not one write per occurrence.
 pub const SERIES_WRITE_INTERVAL: Duration = Duration::from_secs(10);
 
-/// `stowage_events_total{component, type, outcome}`, process-wide; `metrics::registry` exposes it.
+/// `stowage_events_total{component, type, operation, result}`, process-wide; `metrics::registry`
+/// exposes it.
 pub(crate) static EVENTS_TOTAL: LazyLock<IntCounterVec> = LazyLock::new(|| {
     IntCounterVec::new(
         Opts::new(
             "stowage_events_total",
-            "Kubernetes Events by outcome: recorded (a new Event object), folded (a repeat counted in an existing Event's series), failed (refused by the apiserver) or dropped (queue full).",
+            "Kubernetes Events by operation (create: a new Event object; series: a repeat counted in an existing Event's series; queue: dropped because the queue was full) and result (success, error).",
         ),
-        &["component", "type", "outcome"],
+        &["component", "type", "operation", "result"],
     )
     .expect("static metric definition")
 });
+
+/// The `operation` label of `stowage_events_total`: a new Event object, a repeat written into an
+/// existing Event's series, or the hand-off to the sender (only fails: queue full, dropped).
+const OP_CREATE: &str = "create";
+const OP_SERIES: &str = "series";
+const OP_QUEUE: &str = "queue";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum EventType {
@@ -273,8 +281,8 @@ impl Sender {
             .map(|_| ())
     }
 
-    /// Creates, or folds into a series; returns the metric outcome.
-    async fn send(&mut self, p: Pending) -> &'static str {
+    /// Creates, or folds into a series; returns the metric's operation and result.
+    async fn send(&mut self, p: Pending) -> (&'static str, &'static str) {
         let key = FoldKey::of(&p);
         let now = Instant::now();
         if let Some(seen) = self.folds.get(&key).cloned()
@@ -288,14 +296,14 @@ impl Sender {
             };
             if !write_now {
                 self.folds.put(key, next);
-                return "folded";
+                return (OP_SERIES, SUCCESS);
             }
             match self.write_series(&next).await {
                 Ok(()) => {
                     next.written = count;
                     next.last_write = now;
                     self.folds.put(key, next);
-                    return "folded";
+                    return (OP_SERIES, SUCCESS);
                 }
                 // Expired (events have a TTL) or deleted: start a new object below.
                 Err(kube::Error::Api(s)) if s.code == 404 => self.folds.forget(&key),
@@ -303,7 +311,7 @@ impl Sender {
                     // Counted still; the next flush tries again.
                     tracing::warn!(reason = %p.reason, error = %e, "cannot update event series");
                     self.folds.put(key, next);
-                    return "failed";
+                    return (OP_SERIES, ERROR);
                 }
             }
         }
@@ -321,11 +329,11 @@ impl Sender {
                     last_write: now,
                 };
                 self.folds.put(key, seen);
-                "recorded"
+                (OP_CREATE, SUCCESS)
             }
             Err(e) => {
                 tracing::warn!(reason = %p.reason, error = %e, "cannot record event");
-                "failed"
+                (OP_CREATE, ERROR)
             }
         }
     }
@@ -393,9 +401,9 @@ impl Events {
                     p = rx.recv() => {
                         let Some(p) = p else { break };
                         let type_ = p.type_;
-                        let outcome = sender.send(p).await;
+                        let (operation, result) = sender.send(p).await;
                         EVENTS_TOTAL
-                            .with_label_values(&[&*label, type_.as_str(), outcome])
+                            .with_label_values(&[&*label, type_.as_str(), operation, result])
                             .inc();
                     }
                     _ = flush.tick() => sender.flush().await,
@@ -428,7 +436,7 @@ impl Events {
         if self.tx.try_send(p).is_err() {
             tracing::warn!(reason, object = ?on.name, "event queue full, event dropped");
             EVENTS_TOTAL
-                .with_label_values(&[&*self.component, type_.as_str(), "dropped"])
+                .with_label_values(&[&*self.component, type_.as_str(), OP_QUEUE, ERROR])
                 .inc();
         }
     }
@@ -445,7 +453,7 @@ mod tests {
         let events = Events::new(Client::try_from(config).unwrap(), "test-full-queue");
         let dropped = || {
             EVENTS_TOTAL
-                .with_label_values(&["test-full-queue", "Warning", "dropped"])
+                .with_label_values(&["test-full-queue", "Warning", OP_QUEUE, ERROR])
                 .get()
         };
         let on = ObjectReference {

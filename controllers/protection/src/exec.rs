@@ -1,6 +1,7 @@
-//! Finalizer writes as JSON patches that first `test` the resourceVersion the decision was made
-//! on: if the object changed since, the apiserver applies nothing and the key is retried with a
-//! fresh view. A finalizer is never removed on a stale view, and other finalizers are untouched.
+//! The executing layer of both protection controllers: finalizer writes as JSON patches that
+//! first `test` the resourceVersion the decision was made on: if the object changed since, the
+//! apiserver applies nothing and the key is retried with a fresh view. A finalizer is never
+//! removed on a stale view, and other finalizers are untouched.
 
 use std::fmt::Debug;
 
@@ -10,33 +11,7 @@ use kube::{Api, Resource};
 use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
 
-/// Why a write did not happen.
-#[derive(Debug)]
-pub enum WriteError {
-    /// The object changed since we read it (failed `test`, or a conflict).
-    Stale,
-    /// Anything else the apiserver or the connection said.
-    Api(kube::Error),
-}
-
-impl std::fmt::Display for WriteError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            WriteError::Stale => f.write_str("object changed since it was read"),
-            WriteError::Api(e) => write!(f, "{e}"),
-        }
-    }
-}
-
-impl WriteError {
-    /// The `reason` label of the error metric.
-    pub fn reason(&self) -> &'static str {
-        match self {
-            WriteError::Stale => "conflict",
-            WriteError::Api(_) => "api",
-        }
-    }
-}
+use crate::error::Error;
 
 fn patch(ops: Value) -> Patch {
     serde_json::from_value(ops).expect("well-formed JSON patch")
@@ -70,7 +45,7 @@ pub fn remove_finalizer(meta: &ObjectMeta, finalizer: &str) -> Option<Patch> {
 }
 
 /// Sends `patch`; a vanished object counts as done (`Ok(None)`).
-pub async fn send<K>(api: &Api<K>, name: &str, patch: Patch) -> Result<Option<K>, WriteError>
+pub async fn send<K>(api: &Api<K>, name: &str, patch: Patch) -> Result<Option<K>, Error>
 where
     K: Resource + Clone + DeserializeOwned + Debug,
 {
@@ -86,8 +61,8 @@ where
         Err(kube::Error::Api(s)) if s.code == 404 => Ok(None),
         // A failed `test` comes back as 422 (the patch cannot be applied to the current object);
         // a plain conflict as 409. Both mean: look again.
-        Err(kube::Error::Api(s)) if s.code == 409 || s.code == 422 => Err(WriteError::Stale),
-        Err(e) => Err(WriteError::Api(e)),
+        Err(kube::Error::Api(s)) if s.code == 409 || s.code == 422 => Err(Error::Stale),
+        Err(e) => Err(Error::Api(e)),
     }
 }
 

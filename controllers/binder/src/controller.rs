@@ -1,0 +1,342 @@
+//! The binder's `Controller`: one task owns the cache and the queue and makes every decision
+//! serially (so matching can never hand one volume to two claims); the writes of different objects
+//! run concurrently in the shared window (`exec`), each object's writes in order, and their
+//! outcomes come back to that task (`results`), which keeps the newest objects it has seen or
+//! written. Store events become keys in `ingest`.
+
+use std::collections::{HashMap, HashSet};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::ObjectReference;
+use k8s_openapi::api::storage::v1::StorageClass;
+use kube::runtime::reflector::ObjectRef;
+use kube::{Api, Resource, ResourceExt};
+use stowage_common::cluster::Cluster;
+use stowage_common::events::Events;
+use stowage_common::inflight::Window;
+use stowage_common::informer::Change;
+use tokio::time::Instant;
+
+use crate::core::{self, Action, Cache, Env, Event, Target};
+use crate::error::Error;
+use crate::exec::{Executor, Snapshot};
+use crate::ingest::PodIndex;
+use crate::metrics::Metrics;
+use crate::objects::*;
+use crate::results::Outcome;
+use stowage_common::queue::WorkQueue;
+
+/// Binder settings.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Full resync period (upstream's --pvclaimbinder-sync-period).
+    pub resync: Duration,
+    /// Where the built-in driver keeps its images.
+    pub image_dir: PathBuf,
+    /// Objects whose writes may be in flight at once.
+    pub max_in_flight: usize,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            resync: Duration::from_secs(15),
+            image_dir: PathBuf::from("/var/lib/stowage/images"),
+            max_in_flight: 64,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Key {
+    Claim(String),
+    Volume(String),
+}
+
+impl Key {
+    pub(crate) fn kind(&self) -> &'static str {
+        match self {
+            Key::Claim(_) => "claim",
+            Key::Volume(_) => "volume",
+        }
+    }
+}
+
+/// The single decision task's state.
+pub(crate) struct Controller {
+    /// Write tasks, one per key (see `Window`): dropped (aborted) with the controller when
+    /// leadership ends, so a former leader stops writing at once. Keys are only decided while
+    /// it has room.
+    pub(crate) window: Window<Key, Outcome>,
+    pub(crate) cache: Cache,
+    pub(crate) queue: WorkQueue<Key>,
+    /// Unbound claims (key → class) and the same by class, to wake the claims a freed volume
+    /// could satisfy without scanning every claim.
+    pub(crate) unbound: HashMap<String, String>,
+    pub(crate) unbound_by_class: HashMap<String, HashSet<String>>,
+    /// Classes whose unbound claims are to be woken at the next work pass.
+    pub(crate) woken: HashSet<String>,
+    /// Last event per object, so a condition that persists is reported once, not every resync.
+    pub(crate) last_event: HashMap<Target, (&'static str, String)>,
+    /// Consecutive failures (other than conflicts) per key, for the retry backoff.
+    pub(crate) failing: HashMap<Key, u32>,
+    /// Which pods use which claim (delayed-binding events, Recycle waiting for pods).
+    pub(crate) pods: PodIndex,
+    pub(crate) cluster: Arc<Cluster>,
+    pub(crate) executor: Executor,
+}
+
+pub async fn run(cluster: Arc<Cluster>, metrics: Metrics, config: Config) -> anyhow::Result<()> {
+    metrics.attach(cluster.pvs.store().clone(), cluster.pvcs.store().clone());
+    // Subscribe before reading the stores so nothing falls between the two.
+    let mut pv_feed = cluster.pvs.feed();
+    let mut pvc_feed = cluster.pvcs.feed();
+    let mut class_feed = cluster.classes.feed();
+    let mut pod_feed = cluster.pods.feed();
+    let client = cluster.client.clone();
+    let mut ctl = Controller {
+        window: Window::new(config.max_in_flight),
+        cache: Cache::default(),
+        queue: WorkQueue::default().named("binder"),
+        unbound: HashMap::new(),
+        unbound_by_class: HashMap::new(),
+        woken: HashSet::new(),
+        last_event: HashMap::new(),
+        failing: HashMap::new(),
+        pods: PodIndex::default(),
+        executor: Executor {
+            pvs: Api::all(client.clone()),
+            events: Events::new(client.clone(), "stowage-binder"),
+            client,
+            metrics,
+            image_dir: config.image_dir.clone(),
+            live: Arc::default(),
+        },
+        cluster,
+    };
+    ctl.pods_resync();
+    ctl.resync();
+    let mut resync = tokio::time::interval_at(Instant::now() + config.resync, config.resync);
+    loop {
+        ctl.executor.metrics.queue_depth.set(ctl.queue.len() as i64);
+        ctl.queue.report(Instant::now());
+        let next_due = ctl.queue.next_due();
+        tokio::select! {
+            biased;
+            landed = ctl.window.next() => ctl.finish(landed),
+            r = pv_feed.next() => match r? {
+                Change::Applied(pv) => ctl.pv_seen(pv),
+                Change::Deleted(pv) => ctl.pv_gone(&pv),
+                Change::Resynced => ctl.resync(),
+            },
+            r = pvc_feed.next() => match r? {
+                Change::Applied(c) => ctl.claim_seen(c),
+                Change::Deleted(c) => ctl.claim_gone(&c),
+                Change::Resynced => ctl.resync(),
+            },
+            r = pod_feed.next() => match r? {
+                Change::Applied(p) => ctl.pod_seen(&p, false),
+                Change::Deleted(p) => ctl.pod_seen(&p, true),
+                Change::Resynced => ctl.pods_resync(),
+            },
+            // A new or changed class can unblock claims waiting for it.
+            r = class_feed.next() => { r?; ctl.wake_pending_claims() }
+            _ = resync.tick() => ctl.resync(),
+            _ = std::future::ready(()), if ctl.window.has_room() && (ctl.queue.has_ready() || !ctl.woken.is_empty()) => {
+                ctl.work(Instant::now())
+            }
+            // A landing batch wakes the loop, so a full window needs no timer.
+            _ = tokio::time::sleep_until(next_due.unwrap_or_else(Instant::now)), if next_due.is_some() && ctl.window.has_room() => {
+                ctl.work(Instant::now())
+            }
+        }
+    }
+}
+
+impl Controller {
+    pub(crate) fn env_parts(&self) -> (Option<String>, kube::runtime::reflector::Store<StorageClass>) {
+        let classes = self.cluster.classes.store().clone();
+        let defaults: Vec<_> = classes
+            .state()
+            .into_iter()
+            .filter(|c| {
+                [ANN_DEFAULT_CLASS, ANN_BETA_DEFAULT_CLASS]
+                    .iter()
+                    .any(|a| ann(c.as_ref(), a) == Some("true"))
+            })
+            .collect();
+        let default = core::newest_default_class(
+            defaults
+                .iter()
+                .map(|c| (c.metadata.creation_timestamp.as_ref().map(|t| t.0), c.name_any())),
+        );
+        (default, classes)
+    }
+
+    /// Takes ready keys while writes may start (a bounded batch, so results and watch events
+    /// are not starved).
+    pub(crate) fn work(&mut self, now: Instant) {
+        self.flush_wakeups();
+        for _ in 0..256 {
+            if !self.window.has_room() {
+                return;
+            }
+            let Some(key) = self.queue.pop(now) else { return };
+            self.sync(key);
+        }
+    }
+
+    pub(crate) fn sync(&mut self, key: Key) {
+        if self.window.defer_if_running(&key) {
+            return;
+        }
+        // A volume being bound is synced after that bind's writes land.
+        if let Key::Volume(name) = &key
+            && self.cache.reserved.contains_key(name)
+        {
+            self.window.mark_dirty(key);
+            return;
+        }
+        let (default_class, classes) = self.env_parts();
+        let nodes = self.cluster.nodes.store().clone();
+        let class_fn = |name: &str| classes.get(&ObjectRef::new(name));
+        let node_fn = |name: &str| nodes.get(&ObjectRef::new(name)).map(|n| n.labels().clone());
+        let pods = &self.pods;
+        let pods_fn = |claim: &str| pods.of(claim);
+        let env = Env {
+            class: &class_fn,
+            default_class,
+            node_labels: &node_fn,
+            pods_of: &pods_fn,
+        };
+        let timer = self
+            .executor
+            .metrics
+            .decide_seconds
+            .with_label_values(&[key.kind()])
+            .start_timer();
+        let actions = match &key {
+            Key::Claim(k) => match self.cache.claims.get(k) {
+                Some(c) => core::sync_claim(c, &self.cache, &env),
+                None => vec![],
+            },
+            Key::Volume(n) => match self.cache.pvs.get(n) {
+                Some(pv) => core::sync_volume(pv, &self.cache, &env),
+                None => vec![],
+            },
+        };
+        timer.observe_duration();
+        self.executor
+            .metrics
+            .reconciles
+            .with_label_values(&[key.kind()])
+            .inc();
+        self.execute(key, actions);
+    }
+
+    /// Handles the in-memory actions here and hands the API writes to a task of their own.
+    pub(crate) fn execute(&mut self, key: Key, actions: Vec<Action>) {
+        let mut writes = Vec::new();
+        let mut retry = None;
+        for a in actions {
+            match a {
+                Action::WakeClaim(k) => self.queue.add(Key::Claim(k)),
+                Action::Event(e) => self.event(e),
+                Action::RetryLater { why } => retry = Some(why),
+                other => writes.push(other),
+            }
+        }
+        if writes.is_empty() {
+            match retry {
+                Some(why) => self.backoff(key, Error::InvalidState(why), Instant::now()),
+                None => {
+                    self.queue.forget(&key);
+                    self.failing.remove(&key);
+                }
+            }
+            return;
+        }
+        // Claim to reserve, objects as the cache has them now.
+        let mut reserved = None;
+        for w in &writes {
+            if let Action::Bind { pv, claim } = w {
+                self.cache.reserved.insert(pv.clone(), claim.clone());
+                reserved = Some(pv.clone());
+            }
+        }
+        let mut snapshot = Snapshot::of(&self.cache, &writes);
+        for w in &writes {
+            if let Action::ProvisionLoop { class, .. } = w
+                && let Some(sc) = self.cluster.classes.store().get(&ObjectRef::new(class))
+            {
+                snapshot.classes.insert(class.clone(), sc);
+            }
+        }
+        let executor = self.executor.clone();
+        self.window.start(key.clone(), async move {
+            let timer = executor
+                .metrics
+                .write_seconds
+                .with_label_values(&[key.kind()])
+                .start_timer();
+            let mut done = Outcome::empty(key, reserved);
+            for w in writes {
+                if let Err(e) = executor.apply(&w, &snapshot, &mut done).await {
+                    done.error = Some(e);
+                    break;
+                }
+            }
+            timer.observe_duration();
+            done
+        });
+        self.executor.metrics.in_flight.set(self.window.len() as i64);
+    }
+
+    pub(crate) fn event(&mut self, e: Event) {
+        if let Some(reference) = self.reference(&e.target) {
+            self.send_event(e, reference);
+        }
+    }
+
+    /// Sends `e` unless it repeats the last event about the same object: a condition that
+    /// persists is reported once per change of its text, however often it is retried.
+    pub(crate) fn send_event(&mut self, e: Event, reference: ObjectReference) {
+        let key = (e.reason, e.note.clone());
+        if self.last_event.get(&e.target) == Some(&key) {
+            return;
+        }
+        let known = match &e.target {
+            Target::Claim(k) => self.cache.claims.contains_key(k),
+            Target::Volume(n) => self.cache.pvs.contains_key(n),
+        };
+        // Only objects still known are remembered (their removal forgets them).
+        if known {
+            self.last_event.insert(e.target.clone(), key);
+        }
+        if e.warning {
+            self.executor
+                .metrics
+                .warnings
+                .with_label_values(&[e.reason])
+                .inc();
+        }
+        if e.warning {
+            self.executor
+                .events
+                .warning(&reference, e.reason, "Binding", e.note);
+        } else {
+            self.executor
+                .events
+                .normal(&reference, e.reason, "Binding", e.note);
+        }
+    }
+
+    pub(crate) fn reference(&self, t: &Target) -> Option<ObjectReference> {
+        Some(match t {
+            Target::Claim(k) => self.cache.claims.get(k)?.object_ref(&()),
+            Target::Volume(n) => self.cache.pvs.get(n)?.object_ref(&()),
+        })
+    }
+}

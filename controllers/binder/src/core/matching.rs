@@ -1,0 +1,224 @@
+//! Matching a claim to a volume: why a volume cannot serve a claim, and the best one that can.
+
+use super::*;
+
+/// Why a volume cannot serve a claim, in words a user can act on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Mismatch {
+    BeingDeleted,
+    TooSmall { have: u128, want: u128 },
+    Class { have: String, want: String },
+    AccessModes { have: Vec<String>, want: Vec<String> },
+    VolumeMode,
+    Selector,
+    NodeAffinity { node: String },
+    AttributesClass { have: String, want: String },
+    Reserved,
+    ImagePending,
+}
+
+impl std::fmt::Display for Mismatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::BeingDeleted => write!(f, "it is being deleted"),
+            Self::TooSmall { have, want } => write!(f, "too small: {} < {}", human(*have), human(*want)),
+            Self::Class { have, want } => write!(f, "storage class {have:?}, claim wants {want:?}"),
+            Self::AccessModes { have, want } => {
+                write!(
+                    f,
+                    "access modes [{}] do not cover [{}]",
+                    have.join(","),
+                    want.join(",")
+                )
+            }
+            Self::VolumeMode => write!(f, "volumeMode differs"),
+            Self::Selector => write!(f, "labels do not match the claim's selector"),
+            Self::NodeAffinity { node } => write!(f, "node affinity excludes node {node:?}"),
+            Self::AttributesClass { have, want } => {
+                write!(f, "volume attributes class {have:?}, claim wants {want:?}")
+            }
+            Self::Reserved => write!(f, "being bound to another claim"),
+            Self::ImagePending => write!(f, "its image is still being created"),
+        }
+    }
+}
+
+/// Bytes in the largest binary unit not above them, for messages ("1Gi", "1.50Gi", "512").
+pub fn human(b: u128) -> String {
+    for (unit, shift) in [("Ti", 40u32), ("Gi", 30), ("Mi", 20), ("Ki", 10)] {
+        let base = 1u128 << shift;
+        if b >= base {
+            return if b.is_multiple_of(base) {
+                format!("{}{unit}", b / base)
+            } else {
+                format!("{:.2}{unit}", b as f64 / base as f64)
+            };
+        }
+    }
+    b.to_string()
+}
+
+/// Which rules a candidate is held to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scope {
+    /// A volume pre-bound to the claim: size, modes, volume mode (and attributes class, node).
+    Prebound,
+    /// A volume the claim asked for by name (upstream's checkVolumeSatisfyClaim): adds the class.
+    Named,
+    /// Any free volume: adds the claim's label selector.
+    Any,
+}
+
+/// The checks of one candidate, in upstream's order. `node` is set when a node has been chosen
+/// for the claim (selected-node), to evaluate the volume's node affinity.
+pub fn check(
+    pv: &PersistentVolume,
+    claim: &PersistentVolumeClaim,
+    env: &Env,
+    node: Option<&str>,
+    scope: Scope,
+) -> Result<(), Mismatch> {
+    if being_deleted(pv) {
+        return Err(Mismatch::BeingDeleted);
+    }
+    let want = claim_request(claim).unwrap_or(u128::MAX);
+    let have = pv_capacity(pv).unwrap_or(0);
+    if have < want {
+        return Err(Mismatch::TooSmall { have, want });
+    }
+    if pv_block(pv) != claim_block(claim) {
+        return Err(Mismatch::VolumeMode);
+    }
+    let (pm, cm) = (pv_modes(pv), claim_modes(claim));
+    if !pm.is_superset(&cm) {
+        return Err(Mismatch::AccessModes {
+            have: pm.into_iter().collect(),
+            want: cm.into_iter().collect(),
+        });
+    }
+    if scope != Scope::Prebound {
+        let want_class = claim_class(claim).unwrap_or("");
+        if pv_class(pv) != want_class {
+            return Err(Mismatch::Class {
+                have: pv_class(pv).into(),
+                want: want_class.into(),
+            });
+        }
+    }
+    if scope == Scope::Any
+        && let Some(sel) = claim.spec.as_ref().and_then(|s| s.selector.as_ref())
+        && !selector::labels_match(sel, pv.labels())
+    {
+        return Err(Mismatch::Selector);
+    }
+    if pv_vac(pv) != claim_vac(claim) {
+        return Err(Mismatch::AttributesClass {
+            have: pv_vac(pv).into(),
+            want: claim_vac(claim).into(),
+        });
+    }
+    if let (Some(node), Some(req)) = (
+        node,
+        pv.spec
+            .as_ref()
+            .and_then(|s| s.node_affinity.as_ref())
+            .and_then(|a| a.required.as_ref()),
+    ) {
+        let labels = (env.node_labels)(node).unwrap_or_default();
+        if !selector::node_matches(req, node, &labels) {
+            return Err(Mismatch::NodeAffinity { node: node.into() });
+        }
+    }
+    if has_ann(pv, ANN_IMAGE_PENDING) {
+        return Err(Mismatch::ImagePending);
+    }
+    Ok(())
+}
+
+/// Outcome of looking for a volume.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Found<'a> {
+    Volume(&'a PersistentVolume),
+    /// Nothing (yet); the claim waits for a consumer before taking an unnamed volume.
+    WaitForConsumer,
+    None,
+}
+
+/// The smallest volume that satisfies the claim: first a volume pre-bound to it, then, unless
+/// binding is delayed without a chosen node, the free volumes of its class through the index.
+pub fn find_best<'a>(claim: &PersistentVolumeClaim, cache: &'a Cache, env: &Env, delay: bool) -> Found<'a> {
+    let key = claim_key(claim);
+    let node = chosen_node(claim, delay);
+    let mut prebound: Vec<&PersistentVolume> = cache
+        .index
+        .prebound_to(&key)
+        .filter_map(|n| cache.pvs.get(n).map(Arc::as_ref))
+        .filter(|pv| refers_to(pv, claim) && !cache.reserved_for_other(&pv.name_any(), &key))
+        .filter(|pv| check(pv, claim, env, node, Scope::Prebound).is_ok())
+        .collect();
+    prebound.sort_by_key(|pv| (pv_capacity(pv), pv.name_any()));
+    if let Some(pv) = prebound.first() {
+        return Found::Volume(pv);
+    }
+    if delay && node.is_none() {
+        return Found::WaitForConsumer;
+    }
+    let (Some(want), class) = (claim_request(claim), claim_class(claim).unwrap_or("")) else {
+        return Found::None;
+    };
+    for group in cache.index.groups(class, &claim_modes(claim), want) {
+        for (_, name) in group {
+            if cache.reserved_for_other(name, &key) {
+                continue;
+            }
+            let Some(pv) = cache.pvs.get(name) else { continue };
+            if check(pv, claim, env, node, Scope::Any).is_ok() {
+                return Found::Volume(pv);
+            }
+        }
+    }
+    Found::None
+}
+
+/// The node a volume's node affinity is checked against: the scheduler's choice, and only for
+/// delayed binding. Upstream never checks node affinity for an Immediate claim (its volume
+/// decides where the pod can go), even if some tool annotated a node on it.
+pub(super) fn chosen_node(claim: &PersistentVolumeClaim, delay: bool) -> Option<&str> {
+    ann(claim, ANN_SELECTED_NODE).filter(|_| delay)
+}
+
+/// Names the rule that ruled out the nearest free volumes of the claim's class (by size).
+pub fn explain(claim: &PersistentVolumeClaim, cache: &Cache, env: &Env) -> String {
+    let class = claim_class(claim).unwrap_or("");
+    let want = claim_request(claim).unwrap_or(0);
+    let delay = claim_class(claim)
+        .filter(|c| !c.is_empty())
+        .and_then(|c| (env.class)(c))
+        .is_some_and(|c| is_wffc(&c));
+    let node = chosen_node(claim, delay);
+    let key = claim_key(claim);
+    // Bounded work whatever the number of volumes: only the neighbours of the requested size.
+    let (total, candidates) = cache.index.near(class, want, 4);
+    if total == 0 {
+        return format!("no available volumes in storage class {class:?}");
+    }
+    let mut near: Vec<(u128, &str, Mismatch)> = candidates
+        .into_iter()
+        .filter_map(|(size, name)| {
+            let pv = cache.pvs.get(name)?;
+            let why = if cache.reserved_for_other(name, &key) {
+                Mismatch::Reserved
+            } else {
+                check(pv, claim, env, node, Scope::Any).err()?
+            };
+            Some((size.abs_diff(want), name, why))
+        })
+        .collect();
+    near.sort_by(|a, b| (a.0, a.1).cmp(&(b.0, b.1)));
+    near.truncate(3);
+    let parts: Vec<String> = near.iter().map(|(_, n, why)| format!("{n}: {why}")).collect();
+    format!(
+        "{total} available volume(s) in storage class {class:?}, none fits; nearest: {}",
+        parts.join("; ")
+    )
+}

@@ -1,0 +1,257 @@
+//! The built-in driver's writes: provision a PV, create its image, and delete image and PV after
+//! live reads (the cache may lag, and removing an image is final).
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use kube::api::{DeleteParams, PostParams};
+use kube::{Resource, ResourceExt};
+use tokio::time::Instant;
+
+use super::*;
+use crate::core::{self};
+use crate::loopdev;
+use stowage_common::errors::{ERROR, SUCCESS};
+use stowage_common::writes::is_not_found;
+
+impl Executor {
+    pub(crate) async fn provision(
+        &self,
+        snap: &Snapshot,
+        done: &mut Outcome,
+        claim: &str,
+        class: &str,
+    ) -> Result<(), Error> {
+        let Some(c) = Self::claim(snap, done, claim) else {
+            return Ok(());
+        };
+        let Some(name) = loopdev::provisioned_name(&c) else {
+            return Ok(());
+        };
+        if snap.pvs.contains_key(&name) {
+            return Ok(()); // created already; its own sync creates the image
+        }
+        let Some(sc) = snap.classes.get(class) else {
+            return Ok(());
+        };
+        let Some(pv) = loopdev::provisioned_pv(&c, sc) else {
+            let note = "claim has no storage request; cannot provision".to_string();
+            done.events
+                .push(claim_event(c.object_ref(&()), true, "ProvisioningFailed", note));
+            return Ok(());
+        };
+        self.count("provision_volume");
+        match self.pvs.create(&PostParams::default(), &pv).await {
+            Ok(created) => done.pvs.push(created),
+            // Idempotent by name: an earlier attempt created it.
+            Err(kube::Error::Api(s)) if s.code == 409 => {
+                if let Some(existing) = self.pvs.get_opt(&name).await? {
+                    done.pvs.push(existing);
+                }
+            }
+            Err(e) => {
+                self.metrics.provisioning.with_label_values(&[ERROR]).inc();
+                let note = format!("failed to create volume {name}: {e}");
+                done.events
+                    .push(claim_event(c.object_ref(&()), true, "ProvisioningFailed", note));
+                return Err(Error::Api(e));
+            }
+        }
+        Ok(())
+    }
+
+    pub(crate) async fn create_image(
+        &self,
+        snap: &Snapshot,
+        done: &mut Outcome,
+        pv: &str,
+    ) -> Result<(), Error> {
+        let Some(mut v) = Self::pv(snap, done, pv) else {
+            return Ok(());
+        };
+        let claim = claim_of(&v);
+        let handle = volume_handle(&v).unwrap_or_default().to_string();
+        let capacity = pv_capacity(&v).unwrap_or(0);
+        let dir = self.image_dir.clone();
+        let h = handle.clone();
+        let made = tokio::task::spawn_blocking(move || {
+            // A size no file offset can express is refused here, never rounded or truncated.
+            let size = u64::try_from(capacity).map_err(|_| loopdev::ImageError::Io {
+                path: dir.join(format!("{h}.img")),
+                source: std::io::Error::new(
+                    std::io::ErrorKind::InvalidInput,
+                    format!("{capacity} bytes is more than a file can hold"),
+                ),
+            })?;
+            loopdev::ImageStore::new(dir).ensure(&h, size)
+        })
+        .await
+        .unwrap_or_else(|e| {
+            Err(loopdev::ImageError::Io {
+                path: PathBuf::new(),
+                source: std::io::Error::other(e),
+            })
+        });
+        if let Err(e) = made {
+            self.metrics.provisioning.with_label_values(&[ERROR]).inc();
+            let msg = format!(
+                "cannot create the {} image of volume {pv}: {e}",
+                core::human(capacity)
+            );
+            if e.permanent() {
+                // No retry can fix it: the volume ends Failed (still pending, so nothing binds
+                // to it) and deletable; its claim reports the reason (`core::loop_refusal`).
+                let next = core::with_pv_phase(&v, "Failed", &msg);
+                done.pvs
+                    .push(self.writes().replace_pv_status(&next, "volume_phase").await?);
+                if let Some(t) = claim {
+                    done.wake.push(Key::Claim(ref_key(&t)));
+                }
+                return Ok(());
+            }
+            if let Some(t) = claim {
+                let note = format!("{msg}; retrying");
+                done.events.push(claim_event(t, true, "ProvisioningFailed", note));
+            }
+            return Err(e.into());
+        }
+        v.annotations_mut().remove(ANN_IMAGE_PENDING);
+        done.pvs
+            .push(self.writes().replace_pv(&v, "provision_image").await?);
+        self.metrics.provisioning.with_label_values(&[SUCCESS]).inc();
+        if let Some(t) = claim {
+            let note = format!(
+                "Successfully provisioned volume {pv} ({} image {handle}.img)",
+                core::human(capacity)
+            );
+            done.wake.push(Key::Claim(ref_key(&t)));
+            done.events
+                .push(claim_event(t, false, "ProvisioningSucceeded", note));
+        }
+        Ok(())
+    }
+
+    /// Every built-in handle and the PVs naming it, from a live (paged) list that started no
+    /// earlier than `since`: the cache may lag a PV just created, and removing an image is
+    /// final. One list at a time, shared by every deletion that began before it started, so a
+    /// burst of deletions costs a few lists, not one each.
+    pub(crate) async fn live_handles(
+        &self,
+        since: Instant,
+    ) -> Result<Arc<HashMap<String, Vec<String>>>, Error> {
+        let mut last = self.live.lock().await;
+        if let Some(l) = last.as_ref()
+            && l.started >= since
+        {
+            return Ok(l.by_handle.clone());
+        }
+        let started = Instant::now();
+        let mut by_handle: HashMap<String, Vec<String>> = HashMap::new();
+        let mut lp = kube::api::ListParams::default().limit(500);
+        loop {
+            let page = self.pvs.list(&lp).await?;
+            for p in &page.items {
+                if let Some(h) = loop_handle(p) {
+                    by_handle.entry(h.to_string()).or_default().push(p.name_any());
+                }
+            }
+            match page.metadata.continue_.filter(|c| !c.is_empty()) {
+                Some(c) => lp = lp.continue_token(&c),
+                None => break,
+            }
+        }
+        let by_handle = Arc::new(by_handle);
+        *last = Some(LiveHandles {
+            started,
+            by_handle: by_handle.clone(),
+        });
+        Ok(by_handle)
+    }
+
+    pub(crate) async fn delete_volume(
+        &self,
+        snap: &Snapshot,
+        done: &mut Outcome,
+        pv: &str,
+    ) -> Result<(), Error> {
+        let since = Instant::now();
+        if Self::pv(snap, done, pv).is_none() {
+            return Ok(());
+        }
+        // Decide on the live object: what follows cannot be undone.
+        let Some(mut v) = self.pvs.get_opt(pv).await? else {
+            return Ok(());
+        };
+        if !core::deleter_wanted(&v) {
+            return Ok(()); // its next sync says why and drops the finalizer
+        }
+        // A volume whose image is still pending was never handed to its claim: no data.
+        if !has_ann(&v, ANN_IMAGE_PENDING) && self.claim_still_there(&v).await? {
+            return Err(Error::StaleCache(format!("{:?}", claim_ref(&v))));
+        }
+        let handle = volume_handle(&v).unwrap_or_default().to_string();
+        let live = self.live_handles(since).await?;
+        let sharing: Vec<String> = live
+            .get(&handle)
+            .into_iter()
+            .flatten()
+            .filter(|n| *n != pv)
+            .cloned()
+            .collect();
+        if !sharing.is_empty() {
+            let note = format!(
+                "image {handle}.img is also the volume of PersistentVolume(s) {}; it is kept, and deleted with this volume once no other PersistentVolume names it",
+                sharing.join(", ")
+            );
+            done.events
+                .push(volume_event(&v, true, core::DELETE_REFUSED, note));
+            return Ok(());
+        }
+        let dir = self.image_dir.clone();
+        let removed = tokio::task::spawn_blocking(move || loopdev::ImageStore::new(dir).remove(&handle))
+            .await
+            .unwrap_or_else(|e| {
+                Err(loopdev::ImageError::Io {
+                    path: PathBuf::new(),
+                    source: std::io::Error::other(e),
+                })
+            });
+        match removed {
+            Ok(true) => {}
+            Ok(false) => {
+                let note = format!("image of volume {pv} was already gone; deleting the volume object");
+                done.events
+                    .push(volume_event(&v, false, "VolumeImageMissing", note));
+            }
+            Err(e) => {
+                self.metrics.deletions.with_label_values(&[ERROR]).inc();
+                let msg = format!("cannot delete the image of volume {pv}: {e}");
+                done.events
+                    .push(volume_event(&v, true, "VolumeFailedDelete", msg.clone()));
+                if pv_phase(&v) != "Failed" {
+                    done.pvs.push(
+                        self.writes()
+                            .replace_pv_status(&core::with_pv_phase(&v, "Failed", &msg), "volume_phase")
+                            .await?,
+                    );
+                }
+                return Err(e.into());
+            }
+        }
+        if v.finalizers().iter().any(|f| f == FINALIZER_LOOP_DELETER) {
+            v.finalizers_mut().retain(|f| f != FINALIZER_LOOP_DELETER);
+            v = self.writes().replace_pv(&v, "deleter_finalizer").await?;
+            done.pvs.push(v.clone());
+        }
+        self.count("delete_volume");
+        match self.pvs.delete(pv, &DeleteParams::default()).await {
+            Ok(_) => {}
+            Err(e) if is_not_found(&e) => {}
+            Err(e) => return Err(e.into()),
+        }
+        self.metrics.deletions.with_label_values(&[SUCCESS]).inc();
+        // The object may linger behind other finalizers (pv-protection); the watch reports it.
+        Ok(())
+    }
+}

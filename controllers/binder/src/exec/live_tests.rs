@@ -1,0 +1,171 @@
+use super::*;
+use stowage_testkit::InProcess;
+use stowage_testkit::builders::pv as pv_builder;
+
+/// The cache may lag a PV just created that names the same image; the live list before the
+/// removal catches it (against the real apiserver, with a real image dir).
+#[tokio::test]
+async fn a_sharer_the_cache_has_not_seen_yet_keeps_the_image() {
+    let h = InProcess::new().await;
+    let made = h
+        .create_pv(
+            pv_builder("made")
+                .reclaim("Delete")
+                .driver(LOOP_DRIVER, "shared")
+                .annotation(ANN_PROVISIONED_BY, LOOP_DRIVER)
+                .build(),
+        )
+        .await;
+    h.create_pv(pv_builder("late").driver(LOOP_DRIVER, "shared").build())
+        .await;
+    let img = h.images.path().join("shared.img");
+    std::fs::write(&img, b"data").unwrap();
+    let executor = Executor {
+        pvs: Api::all(h.client.clone()),
+        events: Events::new(h.client.clone(), "test"),
+        client: h.client.clone(),
+        metrics: Metrics::new(&h.registry),
+        image_dir: h.images.path().to_path_buf(),
+        live: Arc::default(),
+    };
+    // The cache knows only the volume being deleted.
+    let mut cache = Cache::default();
+    cache.put_pv(Arc::new(made));
+    let action = Action::DeleteLoopVolume { pv: "made".into() };
+    let snap = Snapshot::of(&cache, std::slice::from_ref(&action));
+    let mut done = Outcome::empty(Key::Volume("made".into()), None);
+    executor.apply(&action, &snap, &mut done).await.unwrap();
+    assert_eq!(std::fs::read(&img).unwrap(), b"data", "the image is kept");
+    let refused = done
+        .events
+        .iter()
+        .find(|(e, _)| e.reason == core::DELETE_REFUSED)
+        .map(|(e, _)| e.note.clone())
+        .expect("VolumeDeleteRefused");
+    assert!(refused.contains("late"), "{refused}");
+    assert!(h.pvs().get_opt("made").await.unwrap().is_some(), "not deleted");
+
+    // Once the other volume is gone, the same deletion goes through.
+    h.pvs().delete("late", &Default::default()).await.unwrap();
+    let patch = serde_json::json!({"metadata": {"finalizers": null}});
+    h.pvs()
+        .patch(
+            "late",
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(&patch),
+        )
+        .await
+        .unwrap();
+    let mut done = Outcome::empty(Key::Volume("made".into()), None);
+    executor.apply(&action, &snap, &mut done).await.unwrap();
+    assert!(!img.exists(), "deleted with the last volume naming it");
+}
+
+/// An executor writing to `h`'s apiserver and image directory.
+fn executor(h: &InProcess) -> Executor {
+    Executor {
+        pvs: Api::all(h.client.clone()),
+        events: Events::new(h.client.clone(), "test"),
+        client: h.client.clone(),
+        metrics: Metrics::new(&h.registry),
+        image_dir: h.images.path().to_path_buf(),
+        live: Arc::default(),
+    }
+}
+
+/// A built-in, Delete-policy volume with its image, Released from claim `ns/c` (UID `uid`).
+async fn released_volume(h: &InProcess, name: &str, uid: &str) -> (PersistentVolume, std::path::PathBuf) {
+    let mut v = pv_builder(name)
+        .reclaim("Delete")
+        .driver(LOOP_DRIVER, name)
+        .annotation(ANN_PROVISIONED_BY, LOOP_DRIVER)
+        .claim_ref("ns", "c", uid)
+        .build();
+    v.metadata.finalizers = Some(vec![FINALIZER_LOOP_DELETER.into()]);
+    let v = h.create_pv(v).await;
+    let img = h.images.path().join(format!("{name}.img"));
+    std::fs::write(&img, b"data").unwrap();
+    (v, img)
+}
+
+/// The deletion decides on the live volume, not the cached one: an admin who switched the
+/// policy to Retain after the cache saw Delete keeps the data. Without the live read, the
+/// cached copy (still Delete) removes the image.
+#[tokio::test]
+async fn the_deletion_reads_the_volume_live_before_removing_its_image() {
+    let h = InProcess::new().await;
+    let (cached, img) = released_volume(&h, "retained", "uid-gone").await;
+    let patch = serde_json::json!({"spec": {"persistentVolumeReclaimPolicy": "Retain"}});
+    h.pvs()
+        .patch(
+            "retained",
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(&patch),
+        )
+        .await
+        .unwrap();
+    let mut cache = Cache::default();
+    cache.put_pv(Arc::new(cached));
+    let action = Action::DeleteLoopVolume {
+        pv: "retained".into(),
+    };
+    let snap = Snapshot::of(&cache, std::slice::from_ref(&action));
+    let mut done = Outcome::empty(Key::Volume("retained".into()), None);
+    let applied = executor(&h).apply(&action, &snap, &mut done).await;
+    assert_eq!(std::fs::read(&img).unwrap(), b"data", "the image is kept");
+    applied.unwrap();
+    assert!(
+        h.pvs().get_opt("retained").await.unwrap().is_some(),
+        "not deleted"
+    );
+}
+
+/// The claim a Released volume names may exist after all (created a moment ago, not yet in the
+/// cache): a live read of the claim stops the deletion with a stale-cache error, and the key is
+/// retried. Without the read, the image is removed under a live claim.
+#[tokio::test]
+async fn the_deletion_reads_the_claim_live_before_removing_its_image() {
+    let h = InProcess::new().await;
+    h.namespace("ns").await;
+    let claim = h
+        .create_pvc(stowage_testkit::builders::pvc("ns", "c").build())
+        .await;
+    let uid = claim.metadata.uid.clone().unwrap();
+    let (cached, img) = released_volume(&h, "claimed", &uid).await;
+    // The cache has the volume, not the claim.
+    let mut cache = Cache::default();
+    cache.put_pv(Arc::new(cached));
+    let action = Action::DeleteLoopVolume { pv: "claimed".into() };
+    let snap = Snapshot::of(&cache, std::slice::from_ref(&action));
+    let mut done = Outcome::empty(Key::Volume("claimed".into()), None);
+    let exec = executor(&h);
+    let err = exec
+        .apply(&action, &snap, &mut done)
+        .await
+        .expect_err("the live claim stops the deletion");
+    assert!(matches!(err, crate::error::Error::StaleCache(_)), "{err:?}");
+    assert_eq!(std::fs::read(&img).unwrap(), b"data", "the image is kept");
+    assert!(h.pvs().get_opt("claimed").await.unwrap().is_some(), "not deleted");
+
+    // Once the claim is really gone, the same deletion goes through.
+    h.pvcs("ns").delete("c", &Default::default()).await.unwrap();
+    let patch = serde_json::json!({"metadata": {"finalizers": null}});
+    h.pvcs("ns")
+        .patch(
+            "c",
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(&patch),
+        )
+        .await
+        .ok();
+    stowage_testkit::eventually(std::time::Duration::from_secs(30), || async {
+        match h.pvcs("ns").get_opt("c").await {
+            Ok(None) => Ok(()),
+            other => Err(format!("claim still there: {other:?}")),
+        }
+    })
+    .await;
+    let mut done = Outcome::empty(Key::Volume("claimed".into()), None);
+    exec.apply(&action, &snap, &mut done).await.unwrap();
+    assert!(!img.exists(), "deleted once no claim names it");
+}

@@ -1,0 +1,252 @@
+//! Ingest: store and watch events become queued keys and the controller's own state (the cache,
+//! unbound claims by class, which pods use which claim).
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::Arc;
+
+use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
+use kube::ResourceExt;
+
+use crate::controller::{Controller, Key};
+use crate::core::{PodUse, Target};
+use crate::objects::*;
+
+impl Controller {
+    /// Reloads the cache from the stores (keeping newer objects we wrote) and queues everything.
+    pub(crate) fn resync(&mut self) {
+        let pvs = self.cluster.pvs.store().state();
+        let claims = self.cluster.pvcs.store().state();
+        let live_pvs: HashSet<String> = pvs.iter().map(|p| p.name_any()).collect();
+        let live_claims: HashSet<String> = claims.iter().map(|c| claim_key(c)).collect();
+        // Objects deleted while a watch was down vanish from the store without an event.
+        let gone_pvs: Vec<String> = self
+            .cache
+            .pvs
+            .keys()
+            .filter(|k| !live_pvs.contains(*k))
+            .cloned()
+            .collect();
+        let gone_claims: Vec<String> = self
+            .cache
+            .claims
+            .keys()
+            .filter(|k| !live_claims.contains(*k))
+            .cloned()
+            .collect();
+        for name in gone_pvs {
+            if let Some(pv) = self.cache.remove_pv(&name) {
+                self.pv_gone(&pv);
+            }
+        }
+        for key in gone_claims {
+            if let Some(c) = self.cache.remove_claim(&key) {
+                self.claim_gone(&c);
+            }
+        }
+        // A key backing off after a failure keeps its delay: the resync must not turn the
+        // backoff into a retry every period (a change to the object still wakes it).
+        for pv in pvs {
+            self.requeue(Key::Volume(pv.name_any()));
+            self.cache.put_pv(pv);
+        }
+        for c in claims {
+            let key = claim_key(&c);
+            self.requeue(Key::Claim(key.clone()));
+            if self.cache.put_claim(c.clone()) {
+                self.track_claim(&key, Some(&c));
+            }
+        }
+    }
+
+    /// Queues `key` now unless it is backing off after a failure.
+    pub(crate) fn requeue(&mut self, key: Key) {
+        if !self.failing.contains_key(&key) {
+            self.queue.add(key);
+        }
+    }
+
+    pub(crate) fn pv_seen(&mut self, pv: Arc<PersistentVolume>) {
+        let name = pv.name_any();
+        let was_free = self.cache.pvs.get(&name).is_some_and(|old| is_free(old));
+        if self.cache.put_pv(pv.clone()) {
+            self.queue.add(Key::Volume(name));
+            // A volume that just became available may satisfy a waiting claim: wake the claims
+            // of its class now instead of at the next resync (upstream waits, kubernetes#71761).
+            if is_free(&pv) && !was_free {
+                self.wake_claims_of_class(pv_class(&pv).to_string());
+            }
+        }
+    }
+
+    pub(crate) fn pv_gone(&mut self, pv: &PersistentVolume) {
+        let name = pv.name_any();
+        // The other volumes naming the same image may now delete it.
+        for other in self.cache.sharing_handle(pv) {
+            self.queue.add(Key::Volume(other));
+        }
+        self.cache.remove_pv(&name);
+        self.failing.remove(&Key::Volume(name.clone()));
+        self.last_event.remove(&Target::Volume(name));
+        if let Some((ns, n, _)) = claim_ref(pv) {
+            self.queue.add(Key::Claim(format!("{ns}/{n}")));
+        }
+    }
+
+    pub(crate) fn claim_seen(&mut self, c: Arc<PersistentVolumeClaim>) {
+        let key = claim_key(&c);
+        if self.cache.put_claim(c.clone()) {
+            self.track_claim(&key, Some(&c));
+            self.queue.add(Key::Claim(key));
+        }
+    }
+
+    pub(crate) fn claim_gone(&mut self, c: &PersistentVolumeClaim) {
+        let key = claim_key(c);
+        self.cache.remove_claim(&key);
+        self.track_claim(&key, None);
+        self.failing.remove(&Key::Claim(key.clone()));
+        self.last_event.remove(&Target::Claim(key.clone()));
+        let vol = claim_volume_name(c);
+        if !vol.is_empty() {
+            self.queue.add(Key::Volume(vol.to_string()));
+        }
+        // A claim that went away may have been waiting on a provisioned volume.
+        let prebound: Vec<String> = self.cache.index.prebound_to(&key).map(String::from).collect();
+        for pv in prebound {
+            self.queue.add(Key::Volume(pv));
+        }
+    }
+
+    /// Indexes a pod's claims; a change wakes what waits on pods: an unbound claim (its
+    /// WaitForPodScheduled event) and a volume still naming the claim (Recycle waits for pods).
+    pub(crate) fn pod_seen(&mut self, pod: &Pod, gone: bool) {
+        for claim in self.pods.update(pod, gone) {
+            if self.unbound.contains_key(&claim) {
+                self.queue.add(Key::Claim(claim.clone()));
+            }
+            let pvs: Vec<String> = self.cache.index.prebound_to(&claim).map(String::from).collect();
+            for pv in pvs {
+                self.queue.add(Key::Volume(pv));
+            }
+        }
+    }
+
+    pub(crate) fn pods_resync(&mut self) {
+        self.pods = PodIndex::default();
+        for p in self.cluster.pods.store().state() {
+            self.pods.update(&p, false);
+        }
+    }
+
+    /// Keeps the index of unbound claims by class in step with the cache.
+    pub(crate) fn track_claim(&mut self, key: &str, claim: Option<&PersistentVolumeClaim>) {
+        if let Some(old) = self.unbound.remove(key)
+            && let Some(set) = self.unbound_by_class.get_mut(&old)
+        {
+            set.remove(key);
+            if set.is_empty() {
+                self.unbound_by_class.remove(&old);
+            }
+        }
+        if let Some(c) = claim.filter(|c| !has_ann(*c, ANN_BIND_COMPLETED)) {
+            let class = claim_class(c).unwrap_or("").to_string();
+            self.unbound_by_class
+                .entry(class.clone())
+                .or_default()
+                .insert(key.to_string());
+            self.unbound.insert(key.to_string(), class);
+        }
+    }
+
+    /// Marks a class whose unbound claims should be synced; the wake-ups of a burst of freed
+    /// volumes are coalesced into one pass over the class's claims (`flush_wakeups`).
+    pub(crate) fn wake_claims_of_class(&mut self, class: String) {
+        self.woken.insert(class);
+    }
+
+    pub(crate) fn wake_pending_claims(&mut self) {
+        let classes: Vec<String> = self.unbound_by_class.keys().cloned().collect();
+        self.woken.extend(classes);
+    }
+
+    pub(crate) fn flush_wakeups(&mut self) {
+        for class in std::mem::take(&mut self.woken) {
+            for key in self.unbound_by_class.get(&class).into_iter().flatten() {
+                self.queue.add(Key::Claim(key.clone()));
+            }
+        }
+    }
+}
+
+/// Claim key → the pods (not terminated) that use it, and back.
+#[derive(Default)]
+pub(crate) struct PodIndex {
+    by_claim: HashMap<String, BTreeMap<String, bool>>,
+    by_pod: HashMap<String, Vec<String>>,
+}
+
+impl PodIndex {
+    pub(crate) fn of(&self, claim: &str) -> Vec<PodUse> {
+        self.by_claim
+            .get(claim)
+            .into_iter()
+            .flatten()
+            .map(|(name, scheduled)| PodUse {
+                name: name.clone(),
+                scheduled: *scheduled,
+            })
+            .collect()
+    }
+
+    /// Records `pod` (or its removal); returns the claims whose pods changed.
+    pub(crate) fn update(&mut self, pod: &Pod, gone: bool) -> Vec<String> {
+        let ns = pod.namespace().unwrap_or_default();
+        let name = pod.name_any();
+        let pod_key = format!("{ns}/{name}");
+        let scheduled = pod
+            .spec
+            .as_ref()
+            .and_then(|s| s.node_name.as_deref())
+            .is_some_and(|n| !n.is_empty());
+        let now: Vec<String> = if gone || stowage_common::objects::pod_terminated(pod) {
+            vec![]
+        } else {
+            stowage_common::objects::pod_claims(pod)
+                .into_iter()
+                .map(|c| format!("{ns}/{}", c.claim))
+                .collect()
+        };
+        let before = self.by_pod.remove(&pod_key).unwrap_or_default();
+        let mut changed = Vec::new();
+        for c in &before {
+            if !now.contains(c)
+                && let Some(m) = self.by_claim.get_mut(c)
+            {
+                m.remove(&name);
+                if m.is_empty() {
+                    self.by_claim.remove(c);
+                }
+                changed.push(c.clone());
+            }
+        }
+        for c in &now {
+            let old = self
+                .by_claim
+                .entry(c.clone())
+                .or_default()
+                .insert(name.clone(), scheduled);
+            if old != Some(scheduled) {
+                changed.push(c.clone());
+            }
+        }
+        if !now.is_empty() {
+            self.by_pod.insert(pod_key, now);
+        }
+        changed
+    }
+}
+
+/// A volume offered to any claim of its class.
+pub(crate) fn is_free(pv: &PersistentVolume) -> bool {
+    claim_ref(pv).is_none() && pv_phase(pv) == "Available" && !being_deleted(pv)
+}

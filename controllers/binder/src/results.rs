@@ -1,0 +1,137 @@
+//! Results: what a write task reports back (`Outcome`), folded into the cache, the queue
+//! (requeue, backoff), metrics and events by the decision task.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::{ObjectReference, PersistentVolume, PersistentVolumeClaim};
+use stowage_common::inflight::Landed;
+use stowage_common::informer::strip_managed_fields;
+use tokio::time::Instant;
+
+use crate::controller::{Controller, Key};
+use crate::core::Event;
+use crate::error::Error;
+use stowage_common::errors::MetricLabel;
+
+/// What a batch of writes reports back.
+pub(crate) struct Outcome {
+    pub(crate) key: Key,
+    pub(crate) reserved: Option<String>,
+    pub(crate) pvs: Vec<PersistentVolume>,
+    pub(crate) claims: Vec<PersistentVolumeClaim>,
+    /// Objects the batch deleted.
+    pub(crate) deleted_pvs: Vec<String>,
+    pub(crate) wake: Vec<Key>,
+    /// Events the writes produced, with the object they are about (it may be gone from the
+    /// cache by the time they land); the decision task sends each once per change of its text.
+    pub(crate) events: Vec<(Event, ObjectReference)>,
+    pub(crate) error: Option<Error>,
+}
+
+impl Outcome {
+    /// Nothing written yet for `key`.
+    pub(crate) fn empty(key: Key, reserved: Option<String>) -> Self {
+        Self {
+            key,
+            reserved,
+            pvs: vec![],
+            claims: vec![],
+            deleted_pvs: vec![],
+            wake: vec![],
+            events: vec![],
+            error: None,
+        }
+    }
+}
+
+impl Controller {
+    /// Counts a failed sync and retries its key: conflicts at the queue's quick pace (they pass
+    /// once the cache catches up), anything else with the failure backoff.
+    pub(crate) fn backoff(&mut self, key: Key, error: Error, now: Instant) {
+        self.executor
+            .metrics
+            .errors
+            .with_label_values(&[key.kind(), error.metric_label()])
+            .inc();
+        let delay = if error.is_conflict() {
+            self.queue.retry(key.clone(), now)
+        } else {
+            let n = self.failing.entry(key.clone()).or_insert(0);
+            let delay = failure_backoff(*n);
+            *n = n.saturating_add(1);
+            self.queue.retry_at(key.clone(), now, now + delay);
+            delay
+        };
+        tracing::debug!(?key, %error, ?delay, "sync failed, retrying");
+        if !error.is_conflict() {
+            tracing::warn!(?key, %error, "binder sync failed");
+        }
+    }
+
+    /// Takes a batch's results: newest objects into the cache, reservation released, and the
+    /// key requeued — at once if it changed meanwhile, with backoff if the batch failed.
+    pub(crate) fn finish(&mut self, landed: Landed<Key, Outcome>) {
+        let now = Instant::now();
+        self.executor.metrics.in_flight.set(self.window.len() as i64);
+        let done = landed.result.unwrap_or_else(|| {
+            // The task died with its report: free what it may have reserved and retry the key.
+            match &landed.key {
+                Key::Claim(k) => self.cache.reserved.retain(|_, c| c != k),
+                Key::Volume(n) => {
+                    self.cache.reserved.remove(n);
+                }
+            }
+            Outcome {
+                error: Some(Error::Panic),
+                ..Outcome::empty(landed.key.clone(), None)
+            }
+        });
+        if let Some(pv) = &done.reserved {
+            self.cache.reserved.remove(pv);
+            if self.window.take_dirty(&Key::Volume(pv.clone())) {
+                self.queue.add(Key::Volume(pv.clone()));
+            }
+        }
+        for name in &done.deleted_pvs {
+            if let Some(pv) = self.cache.remove_pv(name) {
+                self.pv_gone(&pv);
+            }
+        }
+        // Write responses carry managedFields; the informers drop them, and so does the cache.
+        for mut pv in done.pvs {
+            strip_managed_fields(&mut pv);
+            self.pv_seen(Arc::new(pv));
+        }
+        for mut c in done.claims {
+            strip_managed_fields(&mut c);
+            self.claim_seen(Arc::new(c));
+        }
+        for k in done.wake {
+            self.queue.add(k);
+        }
+        for (e, reference) in done.events {
+            self.send_event(e, reference);
+        }
+        match done.error {
+            Some(error) => self.backoff(done.key, error, now),
+            None => {
+                self.queue.forget(&done.key);
+                self.failing.remove(&done.key);
+                if landed.dirty {
+                    self.queue.add(done.key);
+                }
+            }
+        }
+    }
+}
+
+/// Retry delay after `n` earlier consecutive failures that are not conflicts (an image that
+/// cannot be created or removed, an API error): 1 s doubling to 5 min, external-provisioner's
+/// defaults for provisioning and deletion retries. Conflicts keep the queue's quick 5 ms → 60 s
+/// steps: they pass as soon as the cache catches up.
+pub fn failure_backoff(n: u32) -> Duration {
+    const START: Duration = Duration::from_secs(1);
+    const MAX: Duration = Duration::from_secs(300);
+    START.saturating_mul(1u32 << n.min(16)).min(MAX)
+}
