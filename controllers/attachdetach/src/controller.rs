@@ -12,9 +12,9 @@ use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::ObjectReference;
 use kube::{Api, ResourceExt};
-use stowage_common::cluster::Cluster;
 use stowage_common::events::Events;
 use stowage_common::informer::Change;
+use stowage_common::informers::Informers;
 use tokio::sync::{Semaphore, broadcast, mpsc};
 use tokio::task::JoinSet;
 
@@ -47,7 +47,7 @@ pub(crate) struct Controller {
     /// Write tasks: aborted with the controller when leadership ends, so a former leader
     /// stops writing at once.
     pub(crate) tasks: JoinSet<()>,
-    pub(crate) cluster: Arc<Cluster>,
+    pub(crate) cluster: Arc<Informers>,
     pub(crate) config: Config,
     pub(crate) executor: Executor,
     pub(crate) desired: Desired,
@@ -85,7 +85,7 @@ pub(crate) struct Controller {
 }
 
 /// Runs the controller until a watch ends or the future is dropped.
-pub async fn run(cluster: Arc<Cluster>, metrics: Metrics, config: Config) -> anyhow::Result<()> {
+pub async fn run(cluster: Arc<Informers>, metrics: Metrics, config: Config) -> anyhow::Result<()> {
     // Subscribe before reading the stores so nothing falls between the two.
     let mut pod_feed = cluster.pods.subscribe();
     let mut node_feed = cluster.nodes.subscribe();

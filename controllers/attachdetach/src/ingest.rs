@@ -9,8 +9,8 @@ use k8s_openapi::api::core::v1::{Node, PersistentVolume, PersistentVolumeClaim, 
 use k8s_openapi::api::storage::v1::{CSIDriver, VolumeAttachment};
 use kube::ResourceExt;
 use kube::runtime::reflector::ObjectRef;
-use stowage_common::cluster::Cluster;
 use stowage_common::informer::is_newer;
+use stowage_common::informers::Informers;
 
 use crate::controller::Controller;
 use crate::desired::{Lookup, PodRef, pod_volumes};
@@ -20,7 +20,7 @@ use crate::objects::{
 };
 
 /// Resolves pod volumes through the shared stores.
-pub(crate) struct Stores<'a>(&'a Cluster);
+pub(crate) struct Stores<'a>(&'a Informers);
 
 impl Lookup for Stores<'_> {
     fn claim(&self, namespace: &str, name: &str) -> Option<Arc<PersistentVolumeClaim>> {

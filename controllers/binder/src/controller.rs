@@ -13,10 +13,10 @@ use k8s_openapi::api::core::v1::ObjectReference;
 use k8s_openapi::api::storage::v1::StorageClass;
 use kube::runtime::reflector::ObjectRef;
 use kube::{Api, Resource, ResourceExt};
-use stowage_common::cluster::Cluster;
 use stowage_common::events::Events;
 use stowage_common::inflight::Window;
 use stowage_common::informer::Change;
+use stowage_common::informers::Informers;
 use tokio::time::Instant;
 
 use crate::core::{self, Action, Cache, Env, Event, Target};
@@ -84,11 +84,11 @@ pub(crate) struct Controller {
     pub(crate) failing: HashMap<Key, u32>,
     /// Which pods use which claim (delayed-binding events, Recycle waiting for pods).
     pub(crate) pods: PodIndex,
-    pub(crate) cluster: Arc<Cluster>,
+    pub(crate) cluster: Arc<Informers>,
     pub(crate) executor: Executor,
 }
 
-pub async fn run(cluster: Arc<Cluster>, metrics: Metrics, config: Config) -> anyhow::Result<()> {
+pub async fn run(cluster: Arc<Informers>, metrics: Metrics, config: Config) -> anyhow::Result<()> {
     metrics.attach(cluster.pvs.store().clone(), cluster.pvcs.store().clone());
     // Subscribe before reading the stores so nothing falls between the two.
     let mut pv_feed = cluster.pvs.feed();
@@ -252,7 +252,7 @@ impl Controller {
             match retry {
                 Some(why) => self.backoff(key, Error::InvalidState(why), Instant::now()),
                 None => {
-                    self.queue.forget(&key);
+                    self.queue.succeeded(&key);
                     self.failing.remove(&key);
                 }
             }

@@ -116,7 +116,7 @@ impl Controller {
         match done.error {
             Some(error) => self.backoff(done.key, error, now),
             None => {
-                self.queue.forget(&done.key);
+                self.queue.succeeded(&done.key);
                 self.failing.remove(&done.key);
                 if landed.dirty {
                     self.queue.add(done.key);

@@ -166,7 +166,7 @@ async fn start(runner: &Runner, cp: &ControlPlane, client: &Client) -> Running {
             let mut informers = JoinSet::new();
             let registry = prometheus::Registry::new();
             let cluster =
-                stowage_common::cluster::Cluster::start(client.clone(), registry.clone(), &mut informers);
+                stowage_common::informers::Informers::start(client.clone(), registry.clone(), &mut informers);
             cluster.ready().await;
             let config = stowage_binder::Config {
                 resync: Duration::from_secs(1),

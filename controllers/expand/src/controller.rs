@@ -12,10 +12,10 @@ use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
 use kube::runtime::reflector::ObjectRef;
-use stowage_common::cluster::Cluster;
 use stowage_common::events::Events;
 use stowage_common::inflight::Window;
 use stowage_common::informer::Change;
+use stowage_common::informers::Informers;
 use stowage_common::pv::{claim_class, claim_volume_name, pv_block};
 use stowage_common::queue::WorkQueue;
 use tokio::time::Instant;
@@ -50,7 +50,7 @@ pub(crate) struct Controller {
     /// Work tasks, one per claim: dropped (aborted) with the controller when leadership ends,
     /// so a former leader stops writing at once; claims wait in the queue while it is full.
     pub(crate) window: Window<String, Outcome>,
-    pub(crate) cluster: Arc<Cluster>,
+    pub(crate) cluster: Arc<Informers>,
     pub(crate) queue: WorkQueue<String>,
     /// Objects this controller wrote, until the stores catch up (newest resourceVersion wins).
     pub(crate) claims: HashMap<String, Arc<PersistentVolumeClaim>>,
@@ -60,7 +60,7 @@ pub(crate) struct Controller {
     pub(crate) executor: Executor,
 }
 
-pub async fn run(cluster: Arc<Cluster>, metrics: Metrics, config: Config) -> anyhow::Result<()> {
+pub async fn run(cluster: Arc<Informers>, metrics: Metrics, config: Config) -> anyhow::Result<()> {
     // Subscribe before reading the stores so nothing falls between the two.
     let mut pvc_feed = cluster.pvcs.feed();
     let mut pv_feed = cluster.pvs.feed();
@@ -135,7 +135,7 @@ impl Controller {
             return;
         }
         let Some(claim) = self.claim(&key) else {
-            self.queue.forget(&key);
+            self.queue.succeeded(&key);
             return;
         };
         let pv = Some(claim_volume_name(&claim))
@@ -173,7 +173,7 @@ impl Controller {
                     self.executor.report(&key, &claim, *warning, reason, note);
                 }
             }
-            self.queue.forget(&key);
+            self.queue.succeeded(&key);
             return;
         }
         let executor = self.executor.clone();

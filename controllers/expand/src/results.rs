@@ -57,7 +57,7 @@ impl Controller {
                     self.queue.retry(key.clone(), Instant::now());
                 }
             }
-            None => self.queue.forget(&key),
+            None => self.queue.succeeded(&key),
         }
         // Changed by someone else meanwhile: decide again on the newer object now.
         if landed.dirty {

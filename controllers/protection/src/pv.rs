@@ -8,8 +8,8 @@ use std::sync::Arc;
 use k8s_openapi::api::core::v1::PersistentVolume;
 use kube::Api;
 use kube::runtime::reflector::ObjectRef;
-use stowage_common::cluster::Cluster;
 use stowage_common::informer::Change;
+use stowage_common::informers::Informers;
 use tokio::time::Instant;
 
 use crate::core::{Action, PV_FINALIZER, decide_pv};
@@ -21,7 +21,7 @@ use stowage_common::errors::MetricLabel;
 use stowage_common::queue::WorkQueue;
 
 struct Controller {
-    cluster: Arc<Cluster>,
+    cluster: Arc<Informers>,
     metrics: Metrics,
     queue: WorkQueue<String>,
     /// Volumes being deleted that are still Bound.
@@ -33,7 +33,7 @@ fn needs_sync(pv: &PersistentVolume) -> bool {
 }
 
 /// Runs pv-protection until the feed closes or the future is dropped.
-pub async fn run_pv_protection(cluster: Arc<Cluster>, metrics: Metrics) -> anyhow::Result<()> {
+pub async fn run_pv_protection(cluster: Arc<Informers>, metrics: Metrics) -> anyhow::Result<()> {
     let mut volumes = cluster.pvs.subscribe();
     cluster.pvs.ready().await;
     let mut c = Controller {
@@ -83,7 +83,7 @@ impl Controller {
             }
             Feed::Change(Change::Deleted(pv)) => {
                 let name = pv.metadata.name.clone().unwrap_or_default();
-                self.queue.forget(&name);
+                self.queue.succeeded(&name);
                 self.set_waiting(&name, false);
             }
             Feed::Change(Change::Resynced) | Feed::Lagged => self.resync(),
@@ -126,7 +126,7 @@ impl Controller {
             .with_label_values(&[metrics::PV_CONTROLLER])
             .observe(started.elapsed().as_secs_f64());
         match result {
-            Ok(()) => self.queue.forget(&name),
+            Ok(()) => self.queue.succeeded(&name),
             Err(e) => {
                 self.metrics
                     .errors

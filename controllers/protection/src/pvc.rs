@@ -9,9 +9,9 @@ use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
 use kube::api::ListParams;
 use kube::runtime::reflector::ObjectRef;
 use kube::{Api, Resource};
-use stowage_common::cluster::Cluster;
 use stowage_common::events::Events;
 use stowage_common::informer::Change;
+use stowage_common::informers::Informers;
 use tokio::time::Instant;
 
 use crate::core::{Action, PVC_FINALIZER, PodRef, decide_pvc, pvc_needs_sync, users, waiting_note};
@@ -29,7 +29,7 @@ pub const REASON_CLAIM_IN_USE: &str = "ClaimInUse";
 const EVENT_SOURCE: &str = "stowage-protection";
 
 struct Controller {
-    cluster: Arc<Cluster>,
+    cluster: Arc<Informers>,
     metrics: Metrics,
     queue: WorkQueue<Key>,
     index: PodsByClaim,
@@ -39,7 +39,7 @@ struct Controller {
 }
 
 /// Runs pvc-protection until the feeds close (the informers stopped) or the future is dropped.
-pub async fn run_pvc_protection(cluster: Arc<Cluster>, metrics: Metrics) -> anyhow::Result<()> {
+pub async fn run_pvc_protection(cluster: Arc<Informers>, metrics: Metrics) -> anyhow::Result<()> {
     // Subscribe before the first scan, so nothing that changes during it is missed.
     let mut claims = cluster.pvcs.subscribe();
     let mut pods = cluster.pods.subscribe();
@@ -109,7 +109,7 @@ impl Controller {
             }
             Feed::Change(Change::Deleted(pvc)) => {
                 let key = key_of(&pvc.metadata);
-                self.queue.forget(&key);
+                self.queue.succeeded(&key);
                 if self.waiting.remove(&key).is_some() {
                     self.update_waiting_gauge();
                 }
@@ -179,7 +179,7 @@ impl Controller {
             .with_label_values(&[metrics::PVC_CONTROLLER])
             .observe(started.elapsed().as_secs_f64());
         match result {
-            Ok(()) => self.queue.forget(&key),
+            Ok(()) => self.queue.succeeded(&key),
             Err(e) => {
                 self.metrics
                     .errors

@@ -17,7 +17,7 @@ use kube::api::{DeleteParams, ListParams, ObjectMeta, Patch, PatchParams, PostPa
 use kube::{Api, Client};
 use prometheus::Registry;
 use serde_json::json;
-use stowage_common::cluster::Cluster;
+use stowage_common::informers::Informers;
 use stowage_protection::core::{PV_FINALIZER, PVC_FINALIZER};
 use stowage_protection::error::Error;
 use stowage_protection::exec as write;
@@ -48,7 +48,7 @@ async fn start(which: Which) -> Env {
     let client = cp.client().await;
     let registry = Registry::new();
     let mut tasks = JoinSet::new();
-    let cluster: Arc<Cluster> = Cluster::start(client.clone(), registry.clone(), &mut tasks);
+    let cluster: Arc<Informers> = Informers::start(client.clone(), registry.clone(), &mut tasks);
     cluster.ready().await;
     let metrics = Metrics::new(&registry);
     match which {

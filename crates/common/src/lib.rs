@@ -3,11 +3,11 @@
 pub mod backoff;
 pub mod client;
 pub mod clientmetrics;
-pub mod cluster;
 pub mod errors;
 pub mod events;
 pub mod inflight;
 pub mod informer;
+pub mod informers;
 pub mod leader;
 pub mod logging;
 pub mod metrics;

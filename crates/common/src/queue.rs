@@ -234,7 +234,7 @@ impl<K: Clone + Eq + Hash + Ord> WorkQueue<K> {
 
     /// Ends the work on `key` with success: its failures are forgotten (the key itself stays
     /// queued if it was queued again meanwhile).
-    pub fn forget(&mut self, key: &K) {
+    pub fn succeeded(&mut self, key: &K) {
         self.failures.remove(key);
         self.finished(key, Instant::now());
     }
@@ -315,7 +315,7 @@ mod tests {
         assert_eq!(q.pop(t0), Some("b"));
         assert_eq!(q.pop(t0), None, "a is not due yet");
         assert_eq!(q.pop(t0 + d1), Some("a"));
-        q.forget(&"a");
+        q.succeeded(&"a");
         assert_eq!(q.retry("a", t0), BASE);
     }
 
@@ -354,7 +354,7 @@ mod tests {
         let due = q.next_due().unwrap();
         assert_eq!(q.pop(due), Some("a"));
         assert_eq!(adds(), 2, "a retried key counts again when it becomes ready");
-        q.forget(&"a");
+        q.succeeded(&"a");
         assert_eq!(work(), 2);
         q.report(due);
         assert_eq!(f.longest.with_label_values(&["test-queue-metrics"]).get(), 0.0);

@@ -8,7 +8,7 @@ use anyhow::bail;
 use clap::Parser;
 use kube::Client;
 use stowage_common::client::ApiArgs;
-use stowage_common::cluster::Cluster;
+use stowage_common::informers::Informers;
 use stowage_common::leader::{self, Elector, Timings};
 use stowage_common::ratelimit::{Adaptive, Limit};
 use stowage_common::serve::{self, Health};
@@ -353,7 +353,7 @@ async fn run_controllers(
     wiring: &Wiring,
 ) -> anyhow::Result<()> {
     let mut informers = JoinSet::new();
-    let cluster = Cluster::start(client, registry.clone(), &mut informers);
+    let cluster = Informers::start(client, registry.clone(), &mut informers);
     cluster.ready().await;
     tracing::info!(controllers = ?controllers, "leading: caches synced, controllers started");
     let mut running: JoinSet<(&'static str, anyhow::Result<()>)> = JoinSet::new();

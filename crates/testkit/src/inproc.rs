@@ -10,7 +10,7 @@ use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
 use k8s_openapi::api::events::v1::Event;
 use kube::api::{ListParams, PostParams};
 use kube::{Api, Client, ResourceExt};
-use stowage_common::cluster::Cluster;
+use stowage_common::informers::Informers;
 use tokio::task::{JoinHandle, JoinSet};
 
 use crate::{ControlPlane, builders, eventually};
@@ -70,8 +70,8 @@ impl InProcess {
     }
 
     /// Starts the shared informers and waits for their first lists.
-    pub async fn cluster(&mut self) -> Arc<Cluster> {
-        let cluster = Cluster::start(self.client.clone(), self.registry.clone(), &mut self.informers);
+    pub async fn cluster(&mut self) -> Arc<Informers> {
+        let cluster = Informers::start(self.client.clone(), self.registry.clone(), &mut self.informers);
         cluster.ready().await;
         cluster
     }

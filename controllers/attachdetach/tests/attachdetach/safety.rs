@@ -157,7 +157,7 @@ fn start_with_hidden_attachments(client: &Client) -> Controller {
     let registry = Registry::new();
     let mut tasks = JoinSet::new();
     let cfg = watcher::Config::default;
-    let cluster = Arc::new(Cluster {
+    let cluster = Arc::new(Informers {
         pvs: Informer::spawn(Api::all(client.clone()), cfg(), strip_managed_fields, &mut tasks),
         pvcs: Informer::spawn(Api::all(client.clone()), cfg(), strip_managed_fields, &mut tasks),
         pods: Informer::spawn(Api::all(client.clone()), cfg(), strip_managed_fields, &mut tasks),

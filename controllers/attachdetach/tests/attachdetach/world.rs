@@ -1,6 +1,6 @@
 //! The test world: one control plane per test, a controller on its own informers, helpers that
 //! play the kubelet and the external attacher. (The JoinSet holds the informers' and the
-//! controller's tasks, as `Cluster::start` takes it; it is not a write window.)
+//! controller's tasks, as `Informers::start` takes it; it is not a write window.)
 
 pub(crate) use std::time::Duration;
 
@@ -15,7 +15,7 @@ pub(crate) use prometheus::Registry;
 pub(crate) use serde_json::json;
 pub(crate) use stowage_attachdetach::objects::{attachment_name, unique_volume_name};
 pub(crate) use stowage_attachdetach::{Config, Metrics, run};
-pub(crate) use stowage_common::cluster::Cluster;
+pub(crate) use stowage_common::informers::Informers;
 pub(crate) use stowage_testkit::{ControlPlane, builders, eventually};
 pub(crate) use tokio::task::JoinSet;
 
@@ -34,13 +34,13 @@ impl Controller {
     pub(crate) fn start(client: &Client, config: Config) -> Self {
         let registry = Registry::new();
         let mut tasks = JoinSet::new();
-        let cluster = Cluster::start(client.clone(), registry.clone(), &mut tasks);
+        let cluster = Informers::start(client.clone(), registry.clone(), &mut tasks);
         Self::run_on(cluster, registry, tasks, config)
     }
 
     /// The controller on informers the caller started on `tasks`.
     pub(crate) fn run_on(
-        cluster: std::sync::Arc<Cluster>,
+        cluster: std::sync::Arc<Informers>,
         registry: Registry,
         mut tasks: JoinSet<()>,
         config: Config,

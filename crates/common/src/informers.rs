@@ -12,7 +12,7 @@ use tokio::task::JoinSet;
 
 use crate::informer::{Informer, strip_managed_fields};
 
-pub struct Cluster {
+pub struct Informers {
     /// The rate-limited client of this process.
     pub client: Client,
     /// Where controllers register their metric families.
@@ -38,7 +38,7 @@ fn strip_pod(pod: &mut Pod) {
     pod.metadata.annotations = None;
 }
 
-impl Cluster {
+impl Informers {
     /// Starts every watch on `tasks` (they end when the set is dropped).
     pub fn start(client: Client, registry: Registry, tasks: &mut JoinSet<()>) -> Arc<Self> {
         let cfg = watcher::Config::default;
