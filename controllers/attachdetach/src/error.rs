@@ -40,7 +40,7 @@ impl MetricLabel for Error {
             Error::NodeStatus(_) => "node_status_not_updated",
             Error::StillInUse(_) => "volume_in_use",
             Error::NodeUnreadable { .. } => "node_unreadable",
-            Error::Panicked => "panicked",
+            Error::Panicked => "panic",
         }
     }
 }
@@ -64,6 +64,6 @@ mod tests {
             "node_status_not_updated"
         );
         assert_eq!(Error::StillInUse("n".into()).metric_label(), "volume_in_use");
-        assert_eq!(Error::Panicked.metric_label(), "panicked");
+        assert_eq!(Error::Panicked.metric_label(), "panic");
     }
 }
