@@ -7,7 +7,10 @@
 #   BENCH_SIZES=full|small     full = the sizes (static 1,000 + 10,000 pairs, burst 10,000,
 #                              1,000 pods over 50 nodes, 500 expansions); small = N 200 (10 nodes)
 #   BENCH_WORKLOADS=static,burst,attach,expand,agent   (agent: loop devices, needs root)
-#   BENCH_IMPLS=upstream,stowage     BENCH_MODES=equal,defaults
+#   BENCH_IMPLS=floor,upstream,stowage   floor: the apiserver's write floor of each workload
+#                              (a bare writer, no limit, no logic; run first, once per workload)
+#   BENCH_FLOOR_CONCURRENCY=16,64,256  one floor row per value; the best one is the floor
+#   BENCH_MODES=equal,defaults  also `lifted`: --kube-api-qps=100000 --kube-api-burst=100000 for both
 #   BENCH_QPS=50 BENCH_BURST=100     client limits of both in mode `equal`
 #   BENCH_STATIC_SIZES=1000,10000 BENCH_BURST_SIZE BENCH_ATTACH_PODS BENCH_ATTACH_NODES BENCH_EXPAND_SIZE
 #   BENCH_STALL_TIMEOUT=120s   a run gives up when nothing progresses for this long
