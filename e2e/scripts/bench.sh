@@ -20,9 +20,17 @@ cd "$top"
 bench="$top/target/release/stowage-bench"
 controller="$top/target/release/stowage-controller"
 agent="$top/target/release/stowage-agent"
-if [ ! -x "$bench" ] || [ ! -x "$controller" ] || [ ! -x "$agent" ]; then
-  echo "==> building the release binaries (stowage-bench, stowage-controller, stowage-agent)" >&2
-  cargo build --release -p stowage-bench -p stowage-controller -p stowage-agent >&2
+# The agent is only needed by workload `agent` (in the binary's default list, not in BENCH_WORKLOADS
+# unless named).
+need=(-p stowage-bench -p stowage-controller)
+missing=0
+{ [ -x "$bench" ] && [ -x "$controller" ]; } || missing=1
+case ",${BENCH_WORKLOADS:-agent}," in
+  *,agent,*) need+=(-p stowage-agent); [ -x "$agent" ] || missing=1 ;;
+esac
+if [ "$missing" = 1 ]; then
+  echo "==> building the release binaries (${need[*]})" >&2
+  cargo build --release "${need[@]}" >&2
 fi
 if [ ! -x "$top/e2e/bin/kube-controller-manager" ]; then
   echo "e2e/bin/kube-controller-manager not found: run \`make controlplane\` first" >&2
