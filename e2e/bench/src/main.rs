@@ -332,7 +332,18 @@ async fn run(args: Args) -> anyhow::Result<()> {
         timeout: args.run_timeout,
     };
 
-    let mut results: Vec<RunResult> = Vec::new();
+    let mut report = Report {
+        started_unix: stamp,
+        machine,
+        settings: json!({
+            "equal_qps": args.qps, "equal_burst": args.burst, "lifted": LIFTED,
+            "upstream_defaults": UPSTREAM_DEFAULTS, "stowage_defaults": sdef.to_string(),
+            "floor_concurrency": args.floor_concurrency,
+            "concurrency": args.concurrency, "stall_timeout_s": args.stall_timeout.as_secs(),
+        }),
+        workloads: workloads.iter().map(|w| (w.name(), w.describe())).collect(),
+        results: Vec::new(),
+    };
     // Runs whose flags are identical (stowage's defaults may equal the `equal` limits) are run once.
     let mut by_config: HashMap<(String, Impl, String), RunResult> = HashMap::new();
     let runs = plan(
@@ -353,7 +364,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
                     prev.mode, p.effective
                 ));
                 r.mode = mode_name.into();
-                results.push(r);
+                report.results.push(r);
                 continue;
             }
             eprintln!("stowage-bench: {} / {mode_name} / {}", w.name(), which.name());
@@ -372,41 +383,41 @@ async fn run(args: Args) -> anyhow::Result<()> {
                 outcome(&r, "")
             );
             by_config.insert(key, r.clone());
-            results.push(r);
+            report.results.push(r);
+            // Saved after every run, so a matrix cut short still leaves what it measured.
+            save(&report, &out_dir, stamp)?;
         }
     }
 
-    let mut described: Vec<(String, String)> = workloads.iter().map(|w| (w.name(), w.describe())).collect();
     if let Some(n) = agent_n {
         eprintln!("stowage-bench: {} / stowage-agent", agent::name(n));
         let r = agent::run(&env, n, &agent_bin).await?;
         let rss = format!(", peak RSS {:.0} MiB", r.peak_rss_mib);
         eprintln!("stowage-bench: {}: {}", r.workload, outcome(&r, &rss));
-        described.push((r.workload.clone(), agent::describe(n)));
-        results.push(r);
+        report.workloads.push((r.workload.clone(), agent::describe(n)));
+        report.results.push(r);
     }
 
-    let report = Report {
-        started_unix: stamp,
-        machine,
-        settings: json!({
-            "equal_qps": args.qps, "equal_burst": args.burst, "lifted": LIFTED,
-            "upstream_defaults": UPSTREAM_DEFAULTS, "stowage_defaults": sdef.to_string(),
-            "floor_concurrency": args.floor_concurrency,
-            "concurrency": args.concurrency, "stall_timeout_s": args.stall_timeout.as_secs(),
-        }),
-        workloads: described,
-        results,
-    };
-    let md = report.markdown();
+    let md = save(&report, &out_dir, stamp)?;
     println!("{md}");
-    let json_path = out_dir.join(format!("bench-{stamp}.json"));
-    std::fs::write(&json_path, serde_json::to_string_pretty(&report)?)?;
-    std::fs::write(out_dir.join(format!("bench-{stamp}.md")), &md)?;
-    eprintln!("stowage-bench: wrote {}", json_path.display());
+    eprintln!(
+        "stowage-bench: wrote {}",
+        out_dir.join(format!("bench-{stamp}.json")).display()
+    );
     drop(env);
     cp.stop();
     Ok(())
+}
+
+/// Writes the report so far as `bench-<stamp>.json` and `.md` into `out_dir`; returns the Markdown.
+fn save(report: &Report, out_dir: &std::path::Path, stamp: u64) -> anyhow::Result<String> {
+    let md = report.markdown();
+    std::fs::write(
+        out_dir.join(format!("bench-{stamp}.json")),
+        serde_json::to_string_pretty(report)?,
+    )?;
+    std::fs::write(out_dir.join(format!("bench-{stamp}.md")), &md)?;
+    Ok(md)
 }
 
 /// A finished run for the progress lines: done/objects, wall time and CPU, `extra`, its note.
