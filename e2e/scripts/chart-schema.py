@@ -38,7 +38,8 @@ def schema(v, path):
 s = schema(vals, [])
 # Values that may be given as numbers or strings.
 s["properties"]["apiServer"]["properties"]["port"] = {"type":["string","integer"]}
-s["properties"]["kubeApi"]["properties"]["qps"] = {"type":"number","minimum":0}
+s["properties"]["kubeApi"]["properties"]["qps"] = {"type":["number","null"],"minimum":0}
+s["properties"]["kubeApi"]["properties"]["maxQps"] = {"type":"number","exclusiveMinimum":0}
 s["properties"]["logVerbosity"] = {"type":"integer","minimum":0,"maximum":10}
 s["properties"]["controller"]["properties"]["replicas"] = {"type":"integer","minimum":1}
 # The checker polls every 2 s; less than 10 s cannot see a claim provisioned.

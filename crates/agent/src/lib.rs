@@ -127,7 +127,13 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let metrics = metrics::Metrics::new(&registry);
     let health = Health::new(registry.clone());
     serve::spawn(args.metrics_bind_address, health.clone()).await?;
-    let client = args.api.client().await?;
+    let client = args
+        .api
+        .client(args.api.limit_or(stowage_common::ratelimit::Limit::Static {
+            qps: stowage_common::client::AGENT_QPS,
+            burst: args.api.kube_api_burst,
+        }))
+        .await?;
 
     let mut watches = JoinSet::new();
     let pods = Informer::spawn(

@@ -138,8 +138,8 @@ async fn defaults_render_the_core_objects_only() {
             "- --leader-elect=true",
             "- --leader-elect-resource-namespace=stowage-system",
             "- --image-dir=/var/lib/stowage/images",
-            "- --kube-api-qps=50",
             "- --kube-api-burst=100",
+            "- --kube-api-max-qps=2000",
             "- --log-format=text",
             "- --v=2",
             "priorityClassName: system-cluster-critical",
@@ -158,6 +158,8 @@ async fn defaults_render_the_core_objects_only() {
         ],
     );
     assert!(!d.contains("prometheus.io/scrape"), "{d}");
+    // No fixed rate by default: the controller's adaptive limiter applies.
+    assert!(!d.contains("--kube-api-qps"), "{d}");
     // Spreading is soft (a one-node cluster runs every replica) and is all the scheduling
     // preference the defaults add.
     assert_eq!(d.matches("whenUnsatisfiable: ScheduleAnyway").count(), 2, "{d}");
@@ -385,11 +387,12 @@ async fn standalone_agent_renders_the_kubelet_less_node() {
                 "- --root-dir=/var/lib/stowage",
                 "- --image-dir=/var/lib/stowage/images",
                 "- --metrics-bind-address=0.0.0.0:8081",
-                "- --kube-api-qps=50",
                 "- --kube-api-burst=100",
                 "privileged: true",
             ],
         );
+        // No qps by default: the agent's own fixed default applies.
+        assert!(!a.contains("--kube-api-qps"), "{set}:\n{a}");
         assert_eq!(a.contains("- --register-node"), register, "{set}:\n{a}");
         // No kubelet: no --kubelet-dir and no kubelet dir volume.
         assert!(!a.contains("kubelet-dir"), "{set}:\n{a}");

@@ -6,11 +6,12 @@ use std::time::Duration;
 
 use anyhow::{Context, anyhow};
 use kube::client::ClientBuilder;
+use kube::client::retry::RetryPolicy;
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Client, Config};
 
 use crate::clientmetrics::MetricsLayer;
-use crate::ratelimit::RateLimitLayer;
+use crate::ratelimit::{Limit, RateLimitLayer};
 
 /// The API connection flags shared by both binaries.
 #[derive(Debug, Clone, clap::Args)]
@@ -18,13 +19,19 @@ pub struct ApiArgs {
     /// Path to a kubeconfig file; without it the in-cluster service account is used.
     #[arg(long, env = "KUBECONFIG")]
     pub kubeconfig: Option<PathBuf>,
-    /// Steady-state requests per second to the apiserver (client-side token bucket; 0 = unlimited).
-    #[arg(long, default_value_t = 50.0)]
-    pub kube_api_qps: f32,
-    /// Requests that may be sent at once above the steady rate.
+    /// Requests per second of a fixed client-side token bucket (0 = unlimited). Unset, the
+    /// controller adapts its rate to the apiserver's answers (--kube-api-max-qps) and the agent
+    /// uses 50.
+    #[arg(long)]
+    pub kube_api_qps: Option<f32>,
+    /// Requests a fixed bucket lets through at once above --kube-api-qps.
     #[arg(long, default_value_t = 100)]
     pub kube_api_burst: u32,
 }
+
+/// The agent's rate when --kube-api-qps is not given: one per node, so a fixed modest rate
+/// (the kubelet's own default) keeps a fleet's restart from flooding the apiserver.
+pub const AGENT_QPS: f32 = 50.0;
 
 impl ApiArgs {
     /// Loads the configuration; the error says in one line where it looked.
@@ -42,37 +49,78 @@ impl ApiArgs {
         }
     }
 
+    /// The fixed bucket the flags ask for, or `unset` when --kube-api-qps is not given.
+    pub fn limit_or(&self, unset: Limit) -> Limit {
+        match self.kube_api_qps {
+            None => unset,
+            Some(qps) if qps <= 0.0 => Limit::Unlimited,
+            Some(qps) => Limit::Static {
+                qps,
+                burst: self.kube_api_burst,
+            },
+        }
+    }
+
     /// A client with the rate limit in its stack, checked against the apiserver before returning.
-    pub async fn client(&self) -> anyhow::Result<Client> {
-        Ok(self.clients().await?.0)
+    pub async fn client(&self, limit: Limit) -> anyhow::Result<Client> {
+        Ok(self.clients(limit).await?.0)
     }
 
     /// The rate-limited client for the work, and one without the limit for leader election, so
     /// a busy controller's own traffic can never delay its lease renewals (kube-controller-manager
     /// uses a separate client for the same reason).
-    pub async fn clients(&self) -> anyhow::Result<(Client, Client)> {
+    pub async fn clients(&self, limit: Limit) -> anyhow::Result<(Client, Client)> {
         let config = self.config().await?;
         let url = config.cluster_url.clone();
-        let client = build(config.clone(), self.kube_api_qps, self.kube_api_burst)?;
+        let client = build(config.clone(), limit)?;
         wait_reachable(&client, Duration::from_secs(10))
             .await
             .with_context(|| format!("apiserver {url} is not reachable"))?;
-        Ok((client, build(config, 0.0, 0)?))
+        Ok((client, build_without_limit(config)?))
     }
 }
 
-/// Builds a client whose every request passes the token bucket and is counted in the
-/// `rest_client_*` metrics.
-pub fn build(config: Config, qps: f32, burst: u32) -> anyhow::Result<Client> {
-    let host = config
+/// The election client: no limiter, so it does not overwrite the work client's limit gauge.
+fn build_without_limit(config: Config) -> anyhow::Result<Client> {
+    build_with(config, None)
+}
+
+fn host_of(config: &Config) -> String {
+    config
         .cluster_url
         .authority()
         .map(|a| a.to_string())
-        .unwrap_or_default();
+        .unwrap_or_default()
+}
+
+/// Builds a client whose every request passes the limiter and is counted in the
+/// `rest_client_*` metrics, and whose requests answered 429/503/504 are sent again.
+///
+/// The retry is client-go's (its REST client retries such answers up to 10 times, after the
+/// server's `Retry-After`): a request API Priority and Fairness turned away was never processed,
+/// and surfacing it would put the object into the controller's per-key backoff, which grows to
+/// minutes. Each retry passes the limiter again, so the 429 also slows the rate.
+pub fn build(config: Config, limit: Limit) -> anyhow::Result<Client> {
+    build_with(config, Some(limit))
+}
+
+fn build_with(mut config: Config, limit: Option<Limit>) -> anyhow::Result<Client> {
+    let host = host_of(&config);
+    // kube's own retry sits below any layer added here: the 429s it absorbed would reach neither
+    // the request metrics nor the adaptive limiter. Ours goes on top instead.
+    config.default_retry = false;
     let builder = ClientBuilder::try_from(config).context("cannot build an API client")?;
+    let retry = RetryPolicy::new(Duration::from_millis(250), Duration::from_secs(10), 10, true)
+        .context("retry policy")?;
+    let builder = builder.with_layer(&MetricsLayer::new(host.clone()));
+    let builder = builder.with_layer(&match limit {
+        Some(limit) => RateLimitLayer::for_host(limit, &host),
+        None => RateLimitLayer::unlimited(),
+    });
     Ok(builder
-        .with_layer(&MetricsLayer::new(host.clone()))
-        .with_layer(&RateLimitLayer::for_host(qps, burst, &host))
+        // Retry needs a cloneable service; the buffer makes the stack one.
+        .with_layer(&tower::buffer::BufferLayer::new(1024))
+        .with_layer(&tower::retry::RetryLayer::new(retry))
         .build())
 }
 

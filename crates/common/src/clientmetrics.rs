@@ -9,13 +9,15 @@ use std::sync::LazyLock;
 use std::task::{Context, Poll};
 use std::time::Instant;
 
-use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, Opts};
+use prometheus::{GaugeVec, HistogramOpts, HistogramVec, IntCounterVec, Opts};
 use tower::{Layer, Service};
 
 pub(crate) struct Families {
     pub(crate) requests: IntCounterVec,
     pub(crate) latency: HistogramVec,
     pub(crate) limiter_wait: HistogramVec,
+    pub(crate) limit: GaugeVec,
+    pub(crate) cuts: IntCounterVec,
 }
 
 /// client-go's latency buckets (5 ms to 60 s).
@@ -49,6 +51,22 @@ pub(crate) static FAMILIES: LazyLock<Families> = LazyLock::new(|| {
         &["verb", "host"],
     )
     .expect("static metric definition"),
+    limit: GaugeVec::new(
+        Opts::new(
+            "stowage_api_client_qps_limit",
+            "Requests per second the client-side limiter allows now (0 = no limit); the adaptive limiter moves it.",
+        ),
+        &["host"],
+    )
+    .expect("static metric definition"),
+    cuts: IntCounterVec::new(
+        Opts::new(
+            "stowage_api_client_limit_cuts_total",
+            "Times the adaptive limiter halved its rate because the apiserver answered 429.",
+        ),
+        &["host"],
+    )
+    .expect("static metric definition"),
 }
 });
 
@@ -58,6 +76,8 @@ impl Families {
         register(registry, self.requests.clone());
         register(registry, self.latency.clone());
         register(registry, self.limiter_wait.clone());
+        register(registry, self.limit.clone());
+        register(registry, self.cuts.clone());
     }
 }
 
@@ -148,4 +168,14 @@ pub(crate) fn limiter_waited(method: &str, host: &str, secs: f64) {
         .limiter_wait
         .with_label_values(&[method, host])
         .observe(secs);
+}
+
+/// The limiter's current rate (set at start and whenever the adaptive limiter moves it).
+pub(crate) fn limit_set(host: &str, qps: f64) {
+    FAMILIES.limit.with_label_values(&[host]).set(qps);
+}
+
+/// The adaptive limiter cut its rate after a 429.
+pub(crate) fn limit_cut(host: &str) {
+    FAMILIES.cuts.with_label_values(&[host]).inc();
 }

@@ -60,11 +60,7 @@ mod tests {
     use super::*;
 
     fn api(code: u16) -> kube::Error {
-        kube::Error::Api(
-            kube::core::Status::failure("x", "y")
-                .with_code(code)
-                .boxed(),
-        )
+        kube::Error::Api(kube::core::Status::failure("x", "y").with_code(code).boxed())
     }
 
     #[test]

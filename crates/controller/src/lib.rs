@@ -10,6 +10,7 @@ use kube::Client;
 use stowage_common::client::ApiArgs;
 use stowage_common::cluster::Cluster;
 use stowage_common::leader::{self, Elector, Timings};
+use stowage_common::ratelimit::{Adaptive, Limit};
 use stowage_common::serve::{self, Health};
 use tokio::sync::watch;
 use tokio::task::JoinSet;
@@ -32,6 +33,10 @@ pub const CONTROLLERS: &[(&str, bool)] = &[
 pub struct Args {
     #[command(flatten)]
     pub api: ApiArgs,
+    /// Ceiling of the adaptive client rate used when --kube-api-qps is not given: it starts at a
+    /// quarter of this, halves when the apiserver answers 429 and grows while healthy.
+    #[arg(long, default_value_t = 2000.0)]
+    pub kube_api_max_qps: f32,
     #[command(flatten)]
     pub log: stowage_common::logging::LogArgs,
     /// Controllers to run: names, `*` for all default ones, `-name` to leave one out
@@ -84,6 +89,22 @@ pub struct Args {
     pub disable_force_detach_on_timeout: bool,
 }
 
+impl Args {
+    /// The client limit: the fixed bucket the flags give, else the adaptive one.
+    pub fn limit(&self) -> Limit {
+        let max = f64::from(self.kube_api_max_qps.max(ADAPTIVE_MIN_QPS as f32));
+        self.api.limit_or(Limit::Adaptive(Adaptive {
+            start: max / 4.0,
+            min: ADAPTIVE_MIN_QPS,
+            max,
+        }))
+    }
+}
+
+/// The adaptive rate never drops below this, so the controllers still make progress while the
+/// apiserver sheds load.
+const ADAPTIVE_MIN_QPS: f64 = 10.0;
+
 /// The selected controllers' metrics and settings, made once per process (metrics must be
 /// registered once, however often leadership comes and goes).
 #[derive(Clone)]
@@ -96,6 +117,7 @@ struct Wiring {
 
 impl Wiring {
     fn new(args: &Args, registry: &prometheus::Registry) -> Self {
+        let qps = args.limit().nominal_qps();
         Self {
             binder: (
                 stowage_binder::Metrics::new(registry),
@@ -103,7 +125,7 @@ impl Wiring {
                     resync: args.pvclaimbinder_sync_period,
                     image_dir: args.image_dir.clone(),
                     max_in_flight: match args.binder_max_in_flight {
-                        0 => auto_in_flight(args.api.kube_api_qps),
+                        0 => auto_in_flight(qps),
                         n => n,
                     },
                 },
@@ -113,11 +135,11 @@ impl Wiring {
                 stowage_attachdetach::Metrics::new(registry),
                 stowage_attachdetach::Config {
                     max_attaches_in_flight: match args.attachdetach_max_in_flight {
-                        0 => auto_attach_in_flight(args.api.kube_api_qps),
+                        0 => auto_attach_in_flight(qps),
                         n => n,
                     },
                     max_detaches_in_flight: match args.attachdetach_max_in_flight {
-                        0 => auto_attach_in_flight(args.api.kube_api_qps),
+                        0 => auto_attach_in_flight(qps),
                         n => n,
                     },
                     max_wait_for_unmount: args.max_wait_for_unmount,
@@ -249,7 +271,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     if args.leader_elect {
         timings.validate().map_err(anyhow::Error::msg)?;
     }
-    let (client, election_client) = args.api.clients().await?;
+    let (client, election_client) = args.api.clients(args.limit()).await?;
     health.ready.store(true, Ordering::Relaxed);
     tracing::info!(
         controllers = ?controllers,

@@ -204,6 +204,44 @@ impl ControlPlane {
         &self.dir
     }
 
+    /// A kubeconfig for service account `namespace/name`, made cluster-admin by RBAC. Unlike the
+    /// admin (system:masters, which API Priority and Fairness exempts), its requests are
+    /// classified by FlowSchemas, as a controller's in a real cluster are.
+    pub async fn service_account_kubeconfig(&self, namespace: &str, name: &str) -> anyhow::Result<PathBuf> {
+        use k8s_openapi::api::authentication::v1::TokenRequest;
+        use k8s_openapi::api::core::v1::ServiceAccount;
+        use k8s_openapi::api::rbac::v1::ClusterRoleBinding;
+        use kube::api::{Api, PostParams};
+        let client = self.client().await;
+        let pp = PostParams::default();
+        let sa: Api<ServiceAccount> = Api::namespaced(client.clone(), namespace);
+        sa.create(
+            &pp,
+            &serde_json::from_value(serde_json::json!({"metadata": {"name": name}}))?,
+        )
+        .await?;
+        let binding: ClusterRoleBinding = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": format!("{namespace}-{name}-admin")},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "cluster-admin"},
+            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}],
+        }))?;
+        Api::<ClusterRoleBinding>::all(client)
+            .create(&pp, &binding)
+            .await?;
+        let request: TokenRequest = serde_json::from_value(
+            serde_json::json!({"spec": {"expirationSeconds": 86400, "audiences": []}}),
+        )?;
+        let granted: TokenRequest = sa.create_subresource("token", name, &pp, &request).await?;
+        let token = granted
+            .status
+            .and_then(|s| s.token)
+            .context("token request answered without a token")?;
+        let admin = std::fs::read_to_string(self.kubeconfig())?;
+        let path = self.dir.join(format!("kubeconfig-{namespace}-{name}"));
+        std::fs::write(&path, admin.replace(ADMIN_TOKEN, &token))?;
+        Ok(path)
+    }
+
     /// A client for the admin kubeconfig, without client-side rate limits.
     pub async fn client(&self) -> Client {
         client_for(&self.kubeconfig())
@@ -230,7 +268,7 @@ impl Drop for ControlPlane {
 async fn client_for(kubeconfig: &Path) -> anyhow::Result<Client> {
     let kc = kube::config::Kubeconfig::read_from(kubeconfig)?;
     let config = kube::Config::from_custom_kubeconfig(kc, &Default::default()).await?;
-    stowage_common::client::build(config, 0.0, 0)
+    stowage_common::client::build(config, stowage_common::ratelimit::Limit::Unlimited)
 }
 
 pub(crate) fn log_file(dir: &Path, name: &str) -> anyhow::Result<std::fs::File> {

@@ -5,6 +5,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
+use stowage_common::ratelimit::Limit;
 use stowage_testkit::process::{free_port, spawn_tied, stop};
 
 use crate::procstat;
@@ -171,22 +172,70 @@ impl Drop for Controller {
     }
 }
 
-/// The client limits a stowage binary runs with when given no limit flags, read from the shared
-/// flag definitions so they cannot drift.
-pub fn stowage_client_defaults(bin: &str) -> Limits {
+impl From<Limit> for Limits {
+    fn from(l: Limit) -> Self {
+        match l {
+            Limit::Unlimited => Limits::None,
+            Limit::Static { qps, burst } => Limits::Fixed { qps, burst },
+            Limit::Adaptive(a) => Limits::Adaptive {
+                max_qps: a.max as f32,
+            },
+        }
+    }
+}
+
+/// The client limit stowage-controller runs with when given no limit flags (the adaptive
+/// limiter), read from its own flag definitions so it cannot drift.
+pub fn stowage_controller_defaults() -> Limits {
+    use clap::Parser;
+    stowage_controller::Args::parse_from(["stowage-controller"])
+        .limit()
+        .into()
+}
+
+/// The same for stowage-agent (a fixed bucket when --kube-api-qps is not given).
+pub fn stowage_agent_defaults() -> Limits {
     use clap::Parser;
     #[derive(Parser)]
     struct Defaults {
         #[command(flatten)]
         api: stowage_common::client::ApiArgs,
     }
-    let d = Defaults::parse_from([bin]);
-    match (d.api.kube_api_qps, d.api.kube_api_burst) {
-        (q, _) if q <= 0.0 => Limits::None,
-        (qps, burst) => Limits::Fixed { qps, burst },
-    }
+    let d = Defaults::parse_from(["stowage-agent"]);
+    d.api
+        .limit_or(Limit::Static {
+            qps: stowage_common::client::AGENT_QPS,
+            burst: d.api.kube_api_burst,
+        })
+        .into()
 }
 
 pub fn default_bin(rel: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..").join(rel)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_read_from_the_binaries_flags() {
+        // Without --kube-api-qps the controller adapts up to --kube-api-max-qps (2000); the agent
+        // keeps a fixed bucket.
+        assert_eq!(
+            stowage_controller_defaults(),
+            Limits::Adaptive { max_qps: 2000.0 }
+        );
+        assert_eq!(stowage_controller_defaults().to_string(), "adaptive ≤2000");
+        assert!(matches!(stowage_agent_defaults(), Limits::Fixed { .. }));
+        assert_eq!(Limits::from(Limit::Unlimited).to_string(), "none");
+        assert_eq!(
+            Limits::from(Limit::Static {
+                qps: 100_000.0,
+                burst: 100_000
+            })
+            .to_string(),
+            "100000/100000"
+        );
+    }
 }

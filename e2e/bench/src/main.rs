@@ -304,7 +304,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     }
     let machine = Machine::probe();
     // stowage-controller's own client defaults.
-    let sdef = controller::stowage_client_defaults("stowage-controller");
+    let sdef = controller::stowage_controller_defaults();
 
     eprintln!("stowage-bench: starting etcd + kube-apiserver");
     let cp = tokio::task::block_in_place(stowage_testkit::ControlPlane::start)?;

@@ -37,6 +37,8 @@ pub struct RunResult {
     pub writes: f64,
     pub writes_per_object: f64,
     pub conflicts: f64,
+    /// Writes answered 429 by API Priority and Fairness (and retried by the client).
+    pub throttled: f64,
     pub writes_by_resource: BTreeMap<String, f64>,
     pub controller_log: String,
 }
@@ -70,6 +72,7 @@ impl RunResult {
             writes: 0.0,
             writes_per_object: 0.0,
             conflicts: 0.0,
+            throttled: 0.0,
             writes_by_resource: Default::default(),
             controller_log: String::new(),
         }
@@ -122,7 +125,7 @@ fn ratio(s: f64, u: f64) -> Option<f64> {
     (u > 0.0 && s.is_finite() && u.is_finite()).then(|| s / u)
 }
 
-const HEADER: &str = "| mode | implementation | QPS/burst | done | wall s | objects/s | % of floor | p50 ms | p99 ms | CPU s | peak RSS MiB | writes/object | 409s |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+const HEADER: &str = "| mode | implementation | QPS/burst | done | wall s | objects/s | % of floor | p50 ms | p99 ms | CPU s | peak RSS MiB | writes/object | 409s | 429s |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
 
 /// Prefix of the floor rows' implementation name (`floor@<concurrency>`).
 pub const FLOOR: &str = "floor@";
@@ -159,7 +162,7 @@ impl Report {
                 for r in rows.iter().filter(|r| r.mode == mode) {
                     let _ = writeln!(
                         out,
-                        "| {} | {} | {} | {}/{}{} | {:.1} | {:.1} | {} | {} | {} | {:.2} | {:.0} | {:.2} | {:.0} |",
+                        "| {} | {} | {} | {}/{}{} | {:.1} | {:.1} | {} | {} | {} | {:.2} | {:.0} | {:.2} | {:.0} | {:.0} |",
                         r.mode,
                         r.implementation,
                         r.limits,
@@ -179,7 +182,8 @@ impl Report {
                         r.cpu_s,
                         r.peak_rss_mib,
                         r.writes_per_object,
-                        r.conflicts
+                        r.conflicts,
+                        r.throttled
                     );
                     if let Some(n) = &r.note {
                         notes.push(format!("{} {}/{}: {n}", r.mode, r.implementation, r.workload));
@@ -192,7 +196,7 @@ impl Report {
                     let f = |v: Option<f64>| opt(v, 2);
                     let _ = writeln!(
                         out,
-                        "| {mode} | **stowage/upstream** | | | {} | {} | | {} | {} | {} | {} | {} | |",
+                        "| {mode} | **stowage/upstream** | | | {} | {} | | {} | {} | {} | {} | {} | | |",
                         f(ratio(s.wall_s, u.wall_s)),
                         f(ratio(s.throughput_per_s, u.throughput_per_s)),
                         f(s.p50_ms.zip(u.p50_ms).and_then(|(a, b)| ratio(a, b))),

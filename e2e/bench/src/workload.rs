@@ -204,6 +204,7 @@ impl WindowEnd {
             writes,
             writes_per_object: if done > 0 { writes / done as f64 } else { 0.0 },
             conflicts: self.delta.conflicts(),
+            throttled: self.delta.throttled(),
             writes_by_resource: self.delta.0,
             ..base
         }
