@@ -12,7 +12,7 @@
 #   BENCH_FLOOR_CONCURRENCY=16,64,256  one floor row per value; the best one is the floor
 #   BENCH_MODES=equal,defaults  also `lifted`: --kube-api-qps=100000 --kube-api-burst=100000 for both
 #   BENCH_QPS=50 BENCH_BURST=100     client limits of both in mode `equal`
-#   BENCH_STATIC_SIZES=1000,10000 BENCH_BURST_SIZE BENCH_ATTACH_PODS BENCH_ATTACH_NODES BENCH_EXPAND_SIZE
+#   BENCH_STATIC_SIZES=1000,10000 BENCH_BURST_SIZE=10000,50000 (lists) BENCH_ATTACH_PODS BENCH_ATTACH_NODES BENCH_EXPAND_SIZE
 #   BENCH_STALL_TIMEOUT=120s   a run gives up when nothing progresses for this long
 set -euo pipefail
 top=$(cd "$(dirname "$0")/../.." && pwd)

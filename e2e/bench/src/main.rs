@@ -171,8 +171,9 @@ struct Args {
     /// Pair counts of the static bind (the CPU scaling row compares the smallest and largest).
     #[arg(long, env = "BENCH_STATIC_SIZES", value_delimiter = ',')]
     static_sizes: Option<Vec<usize>>,
-    #[arg(long, env = "BENCH_BURST_SIZE")]
-    burst_size: Option<usize>,
+    /// Claim counts of the burst (one workload per value, e.g. the scale rows 10000,50000).
+    #[arg(long, env = "BENCH_BURST_SIZE", value_delimiter = ',')]
+    burst_size: Option<Vec<usize>>,
     #[arg(long, env = "BENCH_ATTACH_PODS")]
     attach_pods: Option<usize>,
     #[arg(long, env = "BENCH_ATTACH_NODES")]
@@ -230,9 +231,13 @@ impl Args {
                         .unwrap_or_else(|| if small { vec![200] } else { vec![1_000, 10_000] });
                     out.extend(sizes.into_iter().map(|n| Workload::Static { n }));
                 }
-                "burst" => out.push(Workload::Burst {
-                    n: pick(self.burst_size, 10_000),
-                }),
+                "burst" => {
+                    let sizes = self
+                        .burst_size
+                        .clone()
+                        .unwrap_or_else(|| vec![pick(None, 10_000)]);
+                    out.extend(sizes.into_iter().map(|n| Workload::Burst { n }));
+                }
                 "attach" => out.push(Workload::Attach {
                     pods: pick(self.attach_pods, 1_000),
                     nodes: self.attach_nodes.unwrap_or(if small { 10 } else { 50 }),
@@ -461,6 +466,24 @@ mod tests {
         assert_eq!(a.modes, [Mode::Lifted, Mode::Defaults]);
         assert_eq!(a.impls, [ImplArg::Floor, ImplArg::Upstream, ImplArg::Stowage]);
         assert_eq!(a.floor_concurrency, [16, 64]);
+    }
+
+    #[test]
+    fn scale_sizes_are_selectable() {
+        let a = Args::try_parse_from([
+            "stowage-bench",
+            "--workloads=static,burst",
+            "--static-sizes=10000,50000",
+            "--burst-size=10000,50000",
+        ])
+        .unwrap();
+        let names: Vec<String> = a.workloads().unwrap().iter().map(Workload::name).collect();
+        assert_eq!(
+            names,
+            ["static-10000", "static-50000", "burst-10000", "burst-50000"]
+        );
+        let a = Args::try_parse_from(["stowage-bench", "--workloads=burst", "--sizes=small"]).unwrap();
+        assert_eq!(a.workloads().unwrap(), [Workload::Burst { n: 200 }]);
     }
 
     #[test]
