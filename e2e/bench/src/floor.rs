@@ -86,8 +86,10 @@ pub async fn run(args: FloorArgs) -> anyhow::Result<()> {
         FloorWorkload::Static | FloorWorkload::Burst => {
             let pvs: Api<PersistentVolume> = Api::all(client.clone());
             let (volumes, writer) = reflector::store();
-            let feed = reflector::reflector(writer, watcher(pvs.clone(), by_run.clone()).default_backoff())
-                .for_each(|_| async {});
+            let volumes_seen = watcher(pvs.clone(), by_run.clone())
+                .default_backoff()
+                .modify(strip);
+            let feed = reflector::reflector(writer, volumes_seen).for_each(|_| async {});
             let feed = tokio::spawn(feed);
             volumes
                 .wait_until_ready()
@@ -145,7 +147,7 @@ where
     let (tx, rx) = mpsc::unbounded::<K>();
     let seen = Mutex::new(HashSet::<String>::new());
     let feed = tokio::spawn(async move {
-        let mut stream = watcher(api, config).default_backoff().boxed();
+        let mut stream = watcher(api, config).default_backoff().modify(strip).boxed();
         while let Some(ev) = stream.next().await {
             if let Ok(watcher::Event::Apply(o) | watcher::Event::InitApply(o)) = ev
                 && wanted(&o)
@@ -179,6 +181,11 @@ where
     .await;
     feed.abort();
     Ok(())
+}
+
+/// Drops what no write here needs and what would only make requests and memory bigger.
+fn strip<K: Resource>(o: &mut K) {
+    o.meta_mut().managed_fields = None;
 }
 
 /// A claim the binder would bind: Pending (or not yet given a phase) and not bound to a volume.
@@ -216,6 +223,9 @@ where
     let name = obj.name_any();
     let mut attempt = 0;
     loop {
+        // Omitted managedFields are kept as they are by the apiserver: no need to send them back
+        // (a controller that strips them from its cache does not either).
+        obj.meta_mut().managed_fields = None;
         edit(&mut obj);
         let r = if status {
             api.replace_status(&name, &pp, &obj).await
