@@ -177,8 +177,10 @@ impl From<Limit> for Limits {
         match l {
             Limit::Unlimited => Limits::None,
             Limit::Static { qps, burst } => Limits::Fixed { qps, burst },
-            Limit::Adaptive(a) => Limits::Adaptive {
-                max_qps: a.max as f32,
+            // Its ceiling rate (the adaptive part may be a rate or a window of requests in
+            // flight; the ceiling is what the flags set).
+            adaptive @ Limit::Adaptive(_) => Limits::Adaptive {
+                max_qps: adaptive.nominal_qps(),
             },
         }
     }
