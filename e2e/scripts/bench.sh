@@ -7,9 +7,12 @@
 #   BENCH_SIZES=full|small     full = the issue's sizes (static 1,000 + 10,000 pairs, burst 10,000,
 #                              1,000 pods over 50 nodes, 500 expansions); small = N 200 (10 nodes)
 #   BENCH_WORKLOADS=static,burst,attach,expand,agent   (agent: loop devices, needs root)
-#   BENCH_IMPLS=upstream,stowage     BENCH_MODES=equal,defaults
+#   BENCH_IMPLS=floor,upstream,stowage   floor: the apiserver's write floor of each workload
+#                              (a bare writer, no limit, no logic; run first, once per workload)
+#   BENCH_FLOOR_CONCURRENCY=16,64,256  one floor row per value; the best one is the floor
+#   BENCH_MODES=equal,defaults  also `lifted`: --kube-api-qps=100000 --kube-api-burst=100000 for both
 #   BENCH_QPS=50 BENCH_BURST=100     client limits of both in mode `equal`
-#   BENCH_STATIC_SIZES=1000,10000 BENCH_BURST_SIZE BENCH_ATTACH_PODS BENCH_ATTACH_NODES BENCH_EXPAND_SIZE
+#   BENCH_STATIC_SIZES=1000,10000 BENCH_BURST_SIZE=10000,50000 (lists) BENCH_ATTACH_PODS BENCH_ATTACH_NODES BENCH_EXPAND_SIZE
 #   BENCH_STALL_TIMEOUT=120s   a run gives up when nothing progresses for this long
 set -euo pipefail
 top=$(cd "$(dirname "$0")/../.." && pwd)
@@ -17,9 +20,17 @@ cd "$top"
 bench="$top/target/release/stowage-bench"
 controller="$top/target/release/stowage-controller"
 agent="$top/target/release/stowage-agent"
-if [ ! -x "$bench" ] || [ ! -x "$controller" ] || [ ! -x "$agent" ]; then
-  echo "==> building the release binaries (stowage-bench, stowage-controller, stowage-agent)" >&2
-  cargo build --release -p stowage-bench -p stowage-controller -p stowage-agent >&2
+# The agent is only needed by workload `agent` (in the binary's default list, not in BENCH_WORKLOADS
+# unless named).
+need=(-p stowage-bench -p stowage-controller)
+missing=0
+{ [ -x "$bench" ] && [ -x "$controller" ]; } || missing=1
+case ",${BENCH_WORKLOADS:-agent}," in
+  *,agent,*) need+=(-p stowage-agent); [ -x "$agent" ] || missing=1 ;;
+esac
+if [ "$missing" = 1 ]; then
+  echo "==> building the release binaries (${need[*]})" >&2
+  cargo build --release "${need[@]}" >&2
 fi
 if [ ! -x "$top/e2e/bin/kube-controller-manager" ]; then
   echo "e2e/bin/kube-controller-manager not found: run \`make controlplane\` first" >&2

@@ -23,7 +23,7 @@ use stowage_testkit::host::{Cleanup, mounts_under};
 use stowage_testkit::process::{free_port, spawn_tied, stop};
 
 use crate::apiserver::Writes;
-use crate::controller::stowage_client_defaults;
+use crate::controller::stowage_agent_defaults;
 use crate::objects::{label, pairs, pod};
 use crate::procstat;
 use crate::report::RunResult;
@@ -255,13 +255,7 @@ async fn measure(
 
     let base = RunResult {
         controller_log: log,
-        ..RunResult::unmeasured(
-            name(n),
-            "defaults",
-            "stowage-agent",
-            stowage_client_defaults("stowage-agent"),
-            n,
-        )
+        ..RunResult::unmeasured(name(n), "defaults", "stowage-agent", stowage_agent_defaults(), n)
     };
     Ok(end.result(base, o, &tracker, failure))
 }

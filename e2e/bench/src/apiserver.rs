@@ -66,10 +66,19 @@ impl Writes {
 
     /// Writes the apiserver refused with 409 Conflict (stale resourceVersion).
     pub fn conflicts(&self) -> f64 {
+        self.with_code("409")
+    }
+
+    /// Writes API Priority and Fairness turned away (429 Too Many Requests).
+    pub fn throttled(&self) -> f64 {
+        self.with_code("429")
+    }
+
+    fn with_code(&self, code: &str) -> f64 {
         // `+ 0.0` turns the empty sum's -0.0 into 0.
         self.0
             .iter()
-            .filter(|(k, _)| k.ends_with(" 409"))
+            .filter(|(k, _)| k.rsplit(' ').next() == Some(code))
             .map(|(_, v)| v)
             .sum::<f64>()
             + 0.0
@@ -88,12 +97,14 @@ apiserver_request_total{code=\"200\",component=\"apiserver\",resource=\"persiste
 apiserver_request_total{code=\"409\",component=\"apiserver\",resource=\"persistentvolumes\",scope=\"resource\",subresource=\"\",verb=\"PUT\",version=\"v1\"} 1\n\
 apiserver_request_total{code=\"200\",component=\"apiserver\",resource=\"persistentvolumes\",scope=\"cluster\",subresource=\"\",verb=\"LIST\",version=\"v1\"} 9\n\
 apiserver_request_total{code=\"200\",component=\"apiserver\",group=\"coordination.k8s.io\",resource=\"leases\",scope=\"resource\",subresource=\"\",verb=\"PUT\",version=\"v1\"} 7\n\
-apiserver_request_total{code=\"422\",component=\"apiserver\",resource=\"endpoints\",scope=\"resource\",subresource=\"\",verb=\"POST\",version=\"v1\"} 2\n";
+apiserver_request_total{code=\"422\",component=\"apiserver\",resource=\"endpoints\",scope=\"resource\",subresource=\"\",verb=\"POST\",version=\"v1\"} 2\n\
+apiserver_request_total{code=\"429\",component=\"apiserver\",resource=\"persistentvolumeclaims\",scope=\"resource\",subresource=\"status\",verb=\"PUT\",version=\"v1\"} 4\n";
         let w = Writes::from_text(text).unwrap();
-        assert_eq!(w.controller_writes(), 9.0);
+        assert_eq!(w.controller_writes(), 13.0);
         assert_eq!(w.conflicts(), 1.0);
+        assert_eq!(w.throttled(), 4.0);
         assert_eq!(w.0["persistentvolumes/status PUT 200"], 3.0);
         let later = Writes(w.0.iter().map(|(k, v)| (k.clone(), v + 2.0)).collect());
-        assert_eq!(later.since(&w).controller_writes(), 6.0);
+        assert_eq!(later.since(&w).controller_writes(), 8.0);
     }
 }

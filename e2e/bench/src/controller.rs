@@ -5,29 +5,58 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
+use stowage_common::ratelimit::Limit;
 use stowage_testkit::process::{free_port, spawn_tied, stop};
 
 use crate::procstat;
 use crate::workload::Watched;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, clap::ValueEnum, serde::Serialize)]
-#[serde(rename_all = "lowercase")]
+/// What runs against a workload: one of the two controllers, or the floor writer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Impl {
+    /// `stowage-bench floor` with this many objects in flight.
+    Floor {
+        concurrency: usize,
+    },
     Upstream,
     Stowage,
 }
 
 impl Impl {
-    pub fn name(self) -> &'static str {
+    pub fn name(self) -> String {
         match self {
-            Impl::Upstream => "upstream",
-            Impl::Stowage => "stowage",
+            Impl::Floor { concurrency } => format!("floor@{concurrency}"),
+            Impl::Upstream => "upstream".into(),
+            Impl::Stowage => "stowage".into(),
+        }
+    }
+}
+
+/// The client-side rate limit a run has.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Limits {
+    /// A token bucket: steady QPS, burst.
+    Fixed { qps: f32, burst: u32 },
+    /// No client-side limit (the floor writer).
+    None,
+    /// stowage's adaptive limiter: follows the apiserver's 429s up to this ceiling.
+    Adaptive { max_qps: f32 },
+}
+
+impl std::fmt::Display for Limits {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Limits::Fixed { qps, burst } => write!(f, "{qps}/{burst}"),
+            Limits::None => f.write_str("none"),
+            Limits::Adaptive { max_qps } => write!(f, "adaptive ≤{max_qps}"),
         }
     }
 }
 
 /// Binaries and the shared settings of every run.
 pub struct Setup {
+    /// This binary: the floor runs as `<bench_bin> floor ...`.
+    pub bench_bin: PathBuf,
     pub kcm_bin: PathBuf,
     pub stowage_bin: PathBuf,
     pub kubeconfig: PathBuf,
@@ -44,12 +73,14 @@ pub struct Controller {
 }
 
 impl Controller {
-    /// Starts `which` with only `controllers` enabled; `limits` = None leaves the client rate
+    /// Starts `which` with only `controllers` enabled (for the floor: the workload it writes for)
+    /// on the objects of run `run` (also their namespace); `limits` = None leaves the client rate
     /// limits at the implementation's own defaults.
     pub fn start(
         setup: &Setup,
         which: Impl,
         controllers: &str,
+        run: &str,
         limits: Option<(f32, u32)>,
         label: &str,
     ) -> anyhow::Result<Self> {
@@ -57,6 +88,15 @@ impl Controller {
         let out = std::fs::File::create(&log).with_context(|| format!("create {}", log.display()))?;
         let kubeconfig = format!("--kubeconfig={}", setup.kubeconfig.display());
         let mut cmd = match which {
+            Impl::Floor { concurrency } => {
+                let mut c = Command::new(&setup.bench_bin);
+                c.args(["floor", kubeconfig.as_str()])
+                    .arg(format!("--workload={controllers}"))
+                    .arg(format!("--namespace={run}"))
+                    .arg(format!("--run={run}"))
+                    .arg(format!("--concurrency={concurrency}"));
+                c
+            }
             Impl::Upstream => {
                 let mut c = Command::new(&setup.kcm_bin);
                 c.args([
@@ -132,20 +172,72 @@ impl Drop for Controller {
     }
 }
 
-/// The client limits (`--kube-api-qps`, `--kube-api-burst`) a stowage binary runs with when not
-/// given those flags, read from the shared flag definitions so they cannot drift.
-pub fn stowage_client_defaults(bin: &str) -> (f32, u32) {
+impl From<Limit> for Limits {
+    fn from(l: Limit) -> Self {
+        match l {
+            Limit::Unlimited => Limits::None,
+            Limit::Static { qps, burst } => Limits::Fixed { qps, burst },
+            // Its ceiling rate (the adaptive part may be a rate or a window of requests in
+            // flight; the ceiling is what the flags set).
+            adaptive @ Limit::Adaptive(_) => Limits::Adaptive {
+                max_qps: adaptive.nominal_qps(),
+            },
+        }
+    }
+}
+
+/// The client limit stowage-controller runs with when given no limit flags (the adaptive
+/// limiter), read from its own flag definitions so it cannot drift.
+pub fn stowage_controller_defaults() -> Limits {
+    use clap::Parser;
+    stowage_controller::Args::parse_from(["stowage-controller"])
+        .limit()
+        .into()
+}
+
+/// The same for stowage-agent (a fixed bucket when --kube-api-qps is not given).
+pub fn stowage_agent_defaults() -> Limits {
     use clap::Parser;
     #[derive(Parser)]
     struct Defaults {
         #[command(flatten)]
         api: stowage_common::client::ApiArgs,
     }
-    let d = Defaults::parse_from([bin]);
-    // Unset --kube-api-qps means the adaptive limiter; its ceiling stands for it here.
-    (d.api.kube_api_qps.unwrap_or(2000.0), d.api.kube_api_burst)
+    let d = Defaults::parse_from(["stowage-agent"]);
+    d.api
+        .limit_or(Limit::Static {
+            qps: stowage_common::client::AGENT_QPS,
+            burst: d.api.kube_api_burst,
+        })
+        .into()
 }
 
 pub fn default_bin(rel: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..").join(rel)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_read_from_the_binaries_flags() {
+        // Without --kube-api-qps the controller adapts up to --kube-api-max-qps (2000); the agent
+        // keeps a fixed bucket.
+        assert_eq!(
+            stowage_controller_defaults(),
+            Limits::Adaptive { max_qps: 2000.0 }
+        );
+        assert_eq!(stowage_controller_defaults().to_string(), "adaptive ≤2000");
+        assert!(matches!(stowage_agent_defaults(), Limits::Fixed { .. }));
+        assert_eq!(Limits::from(Limit::Unlimited).to_string(), "none");
+        assert_eq!(
+            Limits::from(Limit::Static {
+                qps: 100_000.0,
+                burst: 100_000
+            })
+            .to_string(),
+            "100000/100000"
+        );
+    }
 }

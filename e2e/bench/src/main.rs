@@ -6,6 +6,7 @@
 mod agent;
 mod apiserver;
 mod controller;
+mod floor;
 mod objects;
 mod procstat;
 mod report;
@@ -21,13 +22,17 @@ use anyhow::{Context, bail};
 use clap::Parser;
 use serde_json::json;
 
-use crate::controller::{Impl, Setup, default_bin};
+use crate::controller::{Impl, Limits, Setup, default_bin};
 use crate::objects::Objects;
 use crate::report::{Machine, Report, RunResult};
 use crate::workload::{Env, Spec, Workload};
 
 /// kube-controller-manager's `--kube-api-qps` / `--kube-api-burst` defaults.
 const UPSTREAM_DEFAULTS: (f32, u32) = (20.0, 30);
+
+/// Mode `lifted`: limits no workload here comes near. Not 0: client-go reads QPS 0 as "use the
+/// default" (5), not as "unlimited".
+const LIFTED: (f32, u32) = (100_000.0, 100_000);
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 enum Sizes {
@@ -41,13 +46,90 @@ enum Sizes {
 enum Mode {
     /// The same --kube-api-qps/--kube-api-burst for both.
     Equal,
+    /// Both limits lifted (--kube-api-qps=100000 --kube-api-burst=100000 for both).
+    Lifted,
     /// Each implementation with its own defaults.
     Defaults,
+}
+
+impl Mode {
+    fn name(self) -> &'static str {
+        match self {
+            Mode::Equal => "equal",
+            Mode::Lifted => "lifted",
+            Mode::Defaults => "defaults",
+        }
+    }
+}
+
+/// An implementation as named in `BENCH_IMPLS`; `floor` becomes one run per concurrency.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum ImplArg {
+    /// The apiserver's write floor: `stowage-bench floor`, no limit, no logic.
+    Floor,
+    Upstream,
+    Stowage,
+}
+
+/// One run of a workload: its mode's name, the implementation, the limit flags passed (None =
+/// its defaults) and the limits in effect.
+#[derive(Debug, Clone, PartialEq)]
+struct Planned {
+    mode: &'static str,
+    which: Impl,
+    flags: Option<(f32, u32)>,
+    effective: Limits,
+}
+
+/// The runs of one workload, in order: the floor sweep first (once: it has no client limit, so
+/// no mode changes it), then every mode with the controllers in `impls` order.
+fn plan(
+    impls: &[ImplArg],
+    modes: &[Mode],
+    floor_concurrency: &[usize],
+    equal: (f32, u32),
+    stowage_defaults: Limits,
+) -> Vec<Planned> {
+    let mut out = Vec::new();
+    if impls.contains(&ImplArg::Floor) {
+        out.extend(floor_concurrency.iter().map(|&c| Planned {
+            mode: "floor",
+            which: Impl::Floor {
+                concurrency: c.max(1),
+            },
+            flags: None,
+            effective: Limits::None,
+        }));
+    }
+    let fixed = |(qps, burst): (f32, u32)| Limits::Fixed { qps, burst };
+    for &mode in modes {
+        for &i in impls {
+            let (which, flags, effective) = match (mode, i) {
+                (_, ImplArg::Floor) => continue,
+                (Mode::Equal, ImplArg::Upstream) => (Impl::Upstream, Some(equal), fixed(equal)),
+                (Mode::Equal, ImplArg::Stowage) => (Impl::Stowage, Some(equal), fixed(equal)),
+                (Mode::Lifted, ImplArg::Upstream) => (Impl::Upstream, Some(LIFTED), fixed(LIFTED)),
+                (Mode::Lifted, ImplArg::Stowage) => (Impl::Stowage, Some(LIFTED), fixed(LIFTED)),
+                (Mode::Defaults, ImplArg::Upstream) => (Impl::Upstream, None, fixed(UPSTREAM_DEFAULTS)),
+                (Mode::Defaults, ImplArg::Stowage) => (Impl::Stowage, None, stowage_defaults),
+            };
+            out.push(Planned {
+                mode: mode.name(),
+                which,
+                flags,
+                effective,
+            });
+        }
+    }
+    out
 }
 
 #[derive(Debug, Parser)]
 #[command(about = "Side-by-side benchmark of stowage-controller and upstream kube-controller-manager.")]
 struct Args {
+    /// Without a subcommand: the benchmark.
+    #[command(subcommand)]
+    command: Option<Command>,
     /// Workloads to run: static, burst, attach, expand, agent (not in the default list: it needs
     /// root for loop devices and mounts, and has no upstream counterpart).
     #[arg(
@@ -57,15 +139,25 @@ struct Args {
         default_value = "static,burst,attach,expand,agent"
     )]
     workloads: Vec<String>,
-    /// Implementations to run, in this order.
+    /// Implementations to run, in this order (the floor first whatever its place: floor, upstream,
+    /// stowage).
     #[arg(
         long,
         env = "BENCH_IMPLS",
         value_delimiter = ',',
-        default_value = "upstream,stowage"
+        default_value = "floor,upstream,stowage"
     )]
-    impls: Vec<Impl>,
-    /// Rate-limit modes to run.
+    impls: Vec<ImplArg>,
+    /// Objects the floor writer keeps in flight: one floor row per value; the best is the floor.
+    #[arg(
+        long,
+        env = "BENCH_FLOOR_CONCURRENCY",
+        value_delimiter = ',',
+        default_value = "16,64,256"
+    )]
+    floor_concurrency: Vec<usize>,
+    /// Rate-limit modes to run: equal (BENCH_QPS/BENCH_BURST for both), lifted (100000/100000 for
+    /// both), defaults (each its own).
     #[arg(
         long,
         env = "BENCH_MODES",
@@ -79,8 +171,9 @@ struct Args {
     /// Pair counts of the static bind (the CPU scaling row compares the smallest and largest).
     #[arg(long, env = "BENCH_STATIC_SIZES", value_delimiter = ',')]
     static_sizes: Option<Vec<usize>>,
-    #[arg(long, env = "BENCH_BURST_SIZE")]
-    burst_size: Option<usize>,
+    /// Claim counts of the burst (one workload per value, e.g. the scale rows 10000,50000).
+    #[arg(long, env = "BENCH_BURST_SIZE", value_delimiter = ',')]
+    burst_size: Option<Vec<usize>>,
     #[arg(long, env = "BENCH_ATTACH_PODS")]
     attach_pods: Option<usize>,
     #[arg(long, env = "BENCH_ATTACH_NODES")]
@@ -117,6 +210,13 @@ struct Args {
     agent_bin: Option<PathBuf>,
 }
 
+#[derive(Debug, clap::Subcommand)]
+enum Command {
+    /// The floor writer (started by the benchmark for its floor rows): exactly the writes each
+    /// object of a workload needs, no client limit, no decisions.
+    Floor(floor::FloorArgs),
+}
+
 impl Args {
     fn workloads(&self) -> anyhow::Result<Vec<Workload>> {
         let small = self.sizes == Sizes::Small;
@@ -131,9 +231,13 @@ impl Args {
                         .unwrap_or_else(|| if small { vec![200] } else { vec![1_000, 10_000] });
                     out.extend(sizes.into_iter().map(|n| Workload::Static { n }));
                 }
-                "burst" => out.push(Workload::Burst {
-                    n: pick(self.burst_size, 10_000),
-                }),
+                "burst" => {
+                    let sizes = self
+                        .burst_size
+                        .clone()
+                        .unwrap_or_else(|| vec![pick(None, 10_000)]);
+                    out.extend(sizes.into_iter().map(|n| Workload::Burst { n }));
+                }
                 "attach" => out.push(Workload::Attach {
                     pods: pick(self.attach_pods, 1_000),
                     nodes: self.attach_nodes.unwrap_or(if small { 10 } else { 50 }),
@@ -152,7 +256,12 @@ impl Args {
 
 #[tokio::main]
 async fn main() {
-    if let Err(e) = run(Args::parse()).await {
+    let mut args = Args::parse();
+    let r = match args.command.take() {
+        Some(Command::Floor(f)) => floor::run(f).await,
+        None => run(args).await,
+    };
+    if let Err(e) = r {
         eprintln!("stowage-bench: {e:#}");
         std::process::exit(1);
     }
@@ -200,7 +309,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     }
     let machine = Machine::probe();
     // stowage-controller's own client defaults.
-    let sdef = controller::stowage_client_defaults("stowage-controller");
+    let sdef = controller::stowage_controller_defaults();
 
     eprintln!("stowage-bench: starting etcd + kube-apiserver");
     let cp = tokio::task::block_in_place(stowage_testkit::ControlPlane::start)?;
@@ -217,6 +326,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
             own_writes: Arc::default(),
         },
         setup: Setup {
+            bench_bin: std::env::current_exe().context("path of this binary")?,
             kcm_bin,
             stowage_bin,
             kubeconfig: cp.kubeconfig(),
@@ -227,79 +337,92 @@ async fn run(args: Args) -> anyhow::Result<()> {
         timeout: args.run_timeout,
     };
 
-    let mut results: Vec<RunResult> = Vec::new();
+    let mut report = Report {
+        started_unix: stamp,
+        machine,
+        settings: json!({
+            "equal_qps": args.qps, "equal_burst": args.burst, "lifted": LIFTED,
+            "upstream_defaults": UPSTREAM_DEFAULTS, "stowage_defaults": sdef.to_string(),
+            "floor_concurrency": args.floor_concurrency,
+            "concurrency": args.concurrency, "stall_timeout_s": args.stall_timeout.as_secs(),
+        }),
+        workloads: workloads.iter().map(|w| (w.name(), w.describe())).collect(),
+        results: Vec::new(),
+    };
     // Runs whose flags are identical (stowage's defaults may equal the `equal` limits) are run once.
-    let mut by_config: HashMap<(String, Impl, u32, u32), RunResult> = HashMap::new();
+    let mut by_config: HashMap<(String, Impl, String), RunResult> = HashMap::new();
+    let runs = plan(
+        &args.impls,
+        &args.modes,
+        &args.floor_concurrency,
+        (args.qps, args.burst),
+        sdef,
+    );
     for w in &workloads {
-        for mode in &args.modes {
-            for &which in &args.impls {
-                let (mode_name, limits, effective) = match (mode, which) {
-                    (Mode::Equal, _) => ("equal", Some((args.qps, args.burst)), (args.qps, args.burst)),
-                    (Mode::Defaults, Impl::Upstream) => ("defaults", None, UPSTREAM_DEFAULTS),
-                    (Mode::Defaults, Impl::Stowage) => ("defaults", None, sdef),
-                };
-                let key = (w.name(), which, effective.0.to_bits(), effective.1);
-                if let Some(prev) = by_config.get(&key) {
-                    let mut r = prev.clone();
-                    r.note = Some(format!(
-                        "same flags as mode {} ({}/{}); that run's numbers",
-                        prev.mode, effective.0, effective.1
-                    ));
-                    r.mode = mode_name.into();
-                    results.push(r);
-                    continue;
-                }
-                eprintln!("stowage-bench: {} / {mode_name} / {}", w.name(), which.name());
-                let spec = Spec {
-                    workload: w,
-                    which,
-                    mode: mode_name,
-                    limits,
-                    effective,
-                };
-                let r = workload::run_one(&env, &spec).await?;
-                eprintln!(
-                    "stowage-bench: {} / {mode_name} / {}: {}",
-                    w.name(),
-                    which.name(),
-                    outcome(&r, "")
-                );
-                by_config.insert(key, r.clone());
-                results.push(r);
+        for p in &runs {
+            let (mode_name, which) = (p.mode, p.which);
+            let key = (w.name(), which, p.effective.to_string());
+            if let Some(prev) = by_config.get(&key) {
+                let mut r = prev.clone();
+                r.note = Some(format!(
+                    "same limits as mode {} ({}); that run's numbers",
+                    prev.mode, p.effective
+                ));
+                r.mode = mode_name.into();
+                report.results.push(r);
+                continue;
             }
+            eprintln!("stowage-bench: {} / {mode_name} / {}", w.name(), which.name());
+            let spec = Spec {
+                workload: w,
+                which,
+                mode: mode_name,
+                limits: p.flags,
+                effective: p.effective,
+            };
+            let r = workload::run_one(&env, &spec).await?;
+            eprintln!(
+                "stowage-bench: {} / {mode_name} / {}: {}",
+                w.name(),
+                which.name(),
+                outcome(&r, "")
+            );
+            by_config.insert(key, r.clone());
+            report.results.push(r);
+            // Saved after every run, so a matrix cut short still leaves what it measured.
+            save(&report, &out_dir, stamp)?;
         }
     }
 
-    let mut described: Vec<(String, String)> = workloads.iter().map(|w| (w.name(), w.describe())).collect();
     if let Some(n) = agent_n {
         eprintln!("stowage-bench: {} / stowage-agent", agent::name(n));
         let r = agent::run(&env, n, &agent_bin).await?;
         let rss = format!(", peak RSS {:.0} MiB", r.peak_rss_mib);
         eprintln!("stowage-bench: {}: {}", r.workload, outcome(&r, &rss));
-        described.push((r.workload.clone(), agent::describe(n)));
-        results.push(r);
+        report.workloads.push((r.workload.clone(), agent::describe(n)));
+        report.results.push(r);
     }
 
-    let report = Report {
-        started_unix: stamp,
-        machine,
-        settings: json!({
-            "equal_qps": args.qps, "equal_burst": args.burst,
-            "upstream_defaults": UPSTREAM_DEFAULTS, "stowage_defaults": sdef,
-            "concurrency": args.concurrency, "stall_timeout_s": args.stall_timeout.as_secs(),
-        }),
-        workloads: described,
-        results,
-    };
-    let md = report.markdown();
+    let md = save(&report, &out_dir, stamp)?;
     println!("{md}");
-    let json_path = out_dir.join(format!("bench-{stamp}.json"));
-    std::fs::write(&json_path, serde_json::to_string_pretty(&report)?)?;
-    std::fs::write(out_dir.join(format!("bench-{stamp}.md")), &md)?;
-    eprintln!("stowage-bench: wrote {}", json_path.display());
+    eprintln!(
+        "stowage-bench: wrote {}",
+        out_dir.join(format!("bench-{stamp}.json")).display()
+    );
     drop(env);
     cp.stop();
     Ok(())
+}
+
+/// Writes the report so far as `bench-<stamp>.json` and `.md` into `out_dir`; returns the Markdown.
+fn save(report: &Report, out_dir: &std::path::Path, stamp: u64) -> anyhow::Result<String> {
+    let md = report.markdown();
+    std::fs::write(
+        out_dir.join(format!("bench-{stamp}.json")),
+        serde_json::to_string_pretty(report)?,
+    )?;
+    std::fs::write(out_dir.join(format!("bench-{stamp}.md")), &md)?;
+    Ok(md)
 }
 
 /// A finished run for the progress lines: done/objects, wall time and CPU, `extra`, its note.
@@ -319,4 +442,117 @@ fn tempfile_dir(parent: &std::path::Path) -> anyhow::Result<PathBuf> {
     let d = parent.join("images");
     std::fs::create_dir_all(&d)?;
     Ok(d)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::ValueEnum;
+
+    #[test]
+    fn modes_and_impls_parse_from_their_names() {
+        assert_eq!(Mode::from_str("lifted", false), Ok(Mode::Lifted));
+        assert_eq!(Mode::from_str("equal", false), Ok(Mode::Equal));
+        assert_eq!(Mode::from_str("defaults", false), Ok(Mode::Defaults));
+        assert!(Mode::from_str("unlimited", false).is_err());
+        assert_eq!(ImplArg::from_str("floor", false), Ok(ImplArg::Floor));
+        let a = Args::try_parse_from([
+            "stowage-bench",
+            "--modes=lifted,defaults",
+            "--impls=floor,upstream,stowage",
+            "--floor-concurrency=16,64",
+        ])
+        .unwrap();
+        assert_eq!(a.modes, [Mode::Lifted, Mode::Defaults]);
+        assert_eq!(a.impls, [ImplArg::Floor, ImplArg::Upstream, ImplArg::Stowage]);
+        assert_eq!(a.floor_concurrency, [16, 64]);
+    }
+
+    #[test]
+    fn scale_sizes_are_selectable() {
+        let a = Args::try_parse_from([
+            "stowage-bench",
+            "--workloads=static,burst",
+            "--static-sizes=10000,50000",
+            "--burst-size=10000,50000",
+        ])
+        .unwrap();
+        let names: Vec<String> = a.workloads().unwrap().iter().map(Workload::name).collect();
+        assert_eq!(
+            names,
+            ["static-10000", "static-50000", "burst-10000", "burst-50000"]
+        );
+        let a = Args::try_parse_from(["stowage-bench", "--workloads=burst", "--sizes=small"]).unwrap();
+        assert_eq!(a.workloads().unwrap(), [Workload::Burst { n: 200 }]);
+    }
+
+    #[test]
+    fn floor_subcommand_parses() {
+        let a = Args::try_parse_from([
+            "stowage-bench",
+            "floor",
+            "--workload=burst",
+            "--kubeconfig=/k",
+            "--namespace=b1",
+            "--run=b1",
+            "--concurrency=256",
+        ])
+        .unwrap();
+        let Some(Command::Floor(f)) = a.command else {
+            panic!("no floor subcommand: {a:?}");
+        };
+        assert_eq!(f.workload, floor::FloorWorkload::Burst);
+        assert_eq!(f.concurrency, 256);
+    }
+
+    #[test]
+    fn plan_runs_the_floor_sweep_once_then_each_mode() {
+        let sdef = Limits::Adaptive { max_qps: 2000.0 };
+        let p = plan(
+            &[ImplArg::Upstream, ImplArg::Floor, ImplArg::Stowage],
+            &[Mode::Lifted, Mode::Defaults],
+            &[16, 64, 256],
+            (50.0, 100),
+            sdef,
+        );
+        let names: Vec<(String, String)> = p.iter().map(|r| (r.mode.to_string(), r.which.name())).collect();
+        let want = [
+            ("floor", "floor@16"),
+            ("floor", "floor@64"),
+            ("floor", "floor@256"),
+            ("lifted", "upstream"),
+            ("lifted", "stowage"),
+            ("defaults", "upstream"),
+            ("defaults", "stowage"),
+        ];
+        assert_eq!(names, want.map(|(m, i)| (m.to_string(), i.to_string())).to_vec());
+        // The floor has no limit; lifted passes the same large limits to both (never 0, which
+        // client-go reads as its default of 5 QPS); defaults passes none.
+        assert!(
+            p[..3]
+                .iter()
+                .all(|r| r.flags.is_none() && r.effective == Limits::None)
+        );
+        for r in &p[3..5] {
+            assert_eq!(r.flags, Some((100_000.0, 100_000)));
+        }
+        assert_eq!(p[5].effective, Limits::Fixed { qps: 20.0, burst: 30 });
+        assert_eq!((p[6].flags, p[6].effective), (None, sdef));
+    }
+
+    #[test]
+    fn no_floor_rows_unless_asked() {
+        let p = plan(
+            &[ImplArg::Upstream, ImplArg::Stowage],
+            &[Mode::Equal],
+            &[16],
+            (50.0, 100),
+            Limits::Fixed {
+                qps: 50.0,
+                burst: 100,
+            },
+        );
+        assert_eq!(p.len(), 2);
+        assert!(p.iter().all(|r| r.flags == Some((50.0, 100))));
+    }
 }

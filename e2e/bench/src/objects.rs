@@ -37,6 +37,36 @@ pub fn label<K: Resource>(mut o: K, run: &str) -> K {
     o
 }
 
+/// Names of a run's objects, shared by the workloads that create them and the floor that pairs
+/// them: object `i` is `claim-<i>` / `pod-<i>` and its volume `<run>-pv-<i>`; the warm-up
+/// object's index is `warm`.
+pub fn pv_name(run: &str, i: usize) -> String {
+    format!("{run}-pv-{i:05}")
+}
+
+pub fn claim_name(i: usize) -> String {
+    format!("claim-{i:05}")
+}
+
+pub fn pod_name(i: usize) -> String {
+    format!("pod-{i:05}")
+}
+
+/// The attachable CSI driver of an attach run.
+pub fn attach_driver(run: &str) -> String {
+    format!("{run}.attach.bench.stowage.dev")
+}
+
+/// The volume made for claim or pod `name` (`claim-00012`, `pod-00012`, `warm`, `pod-warm`):
+/// pairing by index name, so the floor needs no matching logic.
+pub fn paired_volume(run: &str, name: &str) -> String {
+    let index = name
+        .strip_prefix("claim-")
+        .or_else(|| name.strip_prefix("pod-"))
+        .unwrap_or(name);
+    format!("{run}-pv-{index}")
+}
+
 fn already_exists(e: &kube::Error) -> bool {
     matches!(e, kube::Error::Api(s) if s.code == 409)
 }
@@ -287,4 +317,17 @@ pub fn pod(ns: &str, name: &str, claim: &str, node: &str, run: &str) -> Pod {
         builders::pod(ns, name).claim("data", claim).node(node).build(),
         run,
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn floor_pairs_objects_with_the_volumes_made_for_them() {
+        assert_eq!(paired_volume("b1", &claim_name(12)), pv_name("b1", 12));
+        assert_eq!(paired_volume("b1", &pod_name(7)), pv_name("b1", 7));
+        assert_eq!(paired_volume("b1", "warm"), "b1-pv-warm");
+        assert_eq!(paired_volume("b1", "pod-warm"), "b1-pv-warm");
+    }
 }

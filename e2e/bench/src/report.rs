@@ -6,14 +6,16 @@ use std::fmt::Write as _;
 
 use serde::Serialize;
 
+use crate::controller::Limits;
+
 #[derive(Debug, Clone, Serialize)]
 pub struct RunResult {
     pub workload: String,
     pub mode: String,
     pub implementation: String,
-    /// Client-side limits in effect (the implementation's defaults in mode `defaults`).
-    pub qps: f32,
-    pub burst: u32,
+    /// Client-side limits in effect (the implementation's defaults in mode `defaults`), e.g.
+    /// `50/100`, `none`, `adaptive ≤2000`.
+    pub limits: String,
     pub objects: usize,
     pub done: usize,
     pub converged: bool,
@@ -35,6 +37,8 @@ pub struct RunResult {
     pub writes: f64,
     pub writes_per_object: f64,
     pub conflicts: f64,
+    /// Writes answered 429 by API Priority and Fairness (and retried by the client).
+    pub throttled: f64,
     pub writes_by_resource: BTreeMap<String, f64>,
     pub controller_log: String,
 }
@@ -45,15 +49,14 @@ impl RunResult {
         workload: String,
         mode: &str,
         implementation: &str,
-        (qps, burst): (f32, u32),
+        limits: Limits,
         objects: usize,
     ) -> Self {
         Self {
             workload,
             mode: mode.into(),
             implementation: implementation.into(),
-            qps,
-            burst,
+            limits: limits.to_string(),
             objects,
             done: 0,
             converged: false,
@@ -69,6 +72,7 @@ impl RunResult {
             writes: 0.0,
             writes_per_object: 0.0,
             conflicts: 0.0,
+            throttled: 0.0,
             writes_by_resource: Default::default(),
             controller_log: String::new(),
         }
@@ -121,7 +125,23 @@ fn ratio(s: f64, u: f64) -> Option<f64> {
     (u > 0.0 && s.is_finite() && u.is_finite()).then(|| s / u)
 }
 
-const HEADER: &str = "| mode | implementation | QPS/burst | done | wall s | objects/s | p50 ms | p99 ms | CPU s | peak RSS MiB | writes/object | 409s |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+const HEADER: &str = "| mode | implementation | QPS/burst | done | wall s | objects/s | % of floor | p50 ms | p99 ms | CPU s | peak RSS MiB | writes/object | 409s | 429s |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+
+/// Prefix of the floor rows' implementation name (`floor@<concurrency>`).
+pub const FLOOR: &str = "floor@";
+
+/// The workload's floor: the best throughput of its floor rows that converged (one per
+/// concurrency of the sweep), and which row that was.
+pub fn best_floor<'a>(rows: impl IntoIterator<Item = &'a RunResult>) -> Option<&'a RunResult> {
+    rows.into_iter()
+        .filter(|r| r.implementation.starts_with(FLOOR) && r.converged && r.throughput_per_s > 0.0)
+        .max_by(|a, b| a.throughput_per_s.total_cmp(&b.throughput_per_s))
+}
+
+/// Throughput as a percentage of the floor's.
+pub fn percent_of_floor(throughput: f64, floor: Option<f64>) -> Option<f64> {
+    floor.and_then(|f| ratio(throughput, f)).map(|r| r * 100.0)
+}
 
 impl Report {
     pub fn markdown(&self) -> String {
@@ -132,6 +152,8 @@ impl Report {
                 continue;
             }
             let _ = write!(out, "### {name}\n\n{what}\n\n{HEADER}");
+            let floor = best_floor(rows.iter().copied());
+            let floor_tput = floor.map(|f| f.throughput_per_s);
             let mut notes = Vec::new();
             let mut modes: Vec<&str> = rows.iter().map(|r| r.mode.as_str()).collect();
             modes.dedup();
@@ -140,22 +162,28 @@ impl Report {
                 for r in rows.iter().filter(|r| r.mode == mode) {
                     let _ = writeln!(
                         out,
-                        "| {} | {} | {}/{} | {}/{}{} | {:.1} | {:.1} | {} | {} | {:.2} | {:.0} | {:.2} | {:.0} |",
+                        "| {} | {} | {} | {}/{}{} | {:.1} | {:.1} | {} | {} | {} | {:.2} | {:.0} | {:.2} | {:.0} | {:.0} |",
                         r.mode,
                         r.implementation,
-                        r.qps,
-                        r.burst,
+                        r.limits,
                         r.done,
                         r.objects,
                         if r.note.is_some() { " ¹" } else { "" },
                         r.wall_s,
                         r.throughput_per_s,
+                        opt(
+                            r.converged
+                                .then(|| percent_of_floor(r.throughput_per_s, floor_tput))
+                                .flatten(),
+                            0
+                        ),
                         opt(r.p50_ms, 0),
                         opt(r.p99_ms, 0),
                         r.cpu_s,
                         r.peak_rss_mib,
                         r.writes_per_object,
-                        r.conflicts
+                        r.conflicts,
+                        r.throttled
                     );
                     if let Some(n) = &r.note {
                         notes.push(format!("{} {}/{}: {n}", r.mode, r.implementation, r.workload));
@@ -168,7 +196,7 @@ impl Report {
                     let f = |v: Option<f64>| opt(v, 2);
                     let _ = writeln!(
                         out,
-                        "| {mode} | **stowage/upstream** | | | {} | {} | {} | {} | {} | {} | {} | |",
+                        "| {mode} | **stowage/upstream** | | | {} | {} | | {} | {} | {} | {} | {} | | |",
                         f(ratio(s.wall_s, u.wall_s)),
                         f(ratio(s.throughput_per_s, u.throughput_per_s)),
                         f(s.p50_ms.zip(u.p50_ms).and_then(|(a, b)| ratio(a, b))),
@@ -179,12 +207,91 @@ impl Report {
                     );
                 }
             }
+            if let Some(f) = floor {
+                let _ = writeln!(
+                    out,
+                    "\nFloor: {} at {:.1} objects/s (the best floor row; % of floor divides by it).",
+                    f.implementation, f.throughput_per_s
+                );
+            }
             for n in notes {
                 let _ = writeln!(out, "\n¹ {n}");
             }
             out.push('\n');
         }
+        out.push_str(&self.per_object());
         out.push_str(&self.scaling());
+        out
+    }
+
+    /// CPU and peak RSS per 1,000 objects of the bind workloads (static, burst), and the memory
+    /// a binder adds per 10,000 more objects where two sizes of one workload ran.
+    fn per_object(&self) -> String {
+        let kind = |w: &str| w.split('-').next().unwrap_or("").to_string();
+        let rows: Vec<&RunResult> = self
+            .results
+            .iter()
+            .filter(|r| {
+                matches!(kind(&r.workload).as_str(), "static" | "burst")
+                    && r.converged
+                    && r.done > 0
+                    && r.note.is_none()
+            })
+            .collect();
+        if rows.is_empty() {
+            return String::new();
+        }
+        let mut out = String::from(
+            "### Per object (bind workloads)\n\n| workload | mode | implementation | objects/s | % of floor | CPU s | CPU s per 1,000 | peak RSS MiB | peak RSS MiB per 1,000 |\n|---|---|---|---|---|---|---|---|---|\n",
+        );
+        for r in &rows {
+            let floor = best_floor(self.results.iter().filter(|x| x.workload == r.workload))
+                .map(|f| f.throughput_per_s);
+            let k = r.done as f64 / 1000.0;
+            let _ = writeln!(
+                out,
+                "| {} | {} | {} | {:.1} | {} | {:.2} | {:.3} | {:.0} | {:.1} |",
+                r.workload,
+                r.mode,
+                r.implementation,
+                r.throughput_per_s,
+                opt(percent_of_floor(r.throughput_per_s, floor), 0),
+                r.cpu_s,
+                r.cpu_s / k,
+                r.peak_rss_mib,
+                r.peak_rss_mib / k
+            );
+        }
+        let mut growth = Vec::new();
+        let mut keys: Vec<(String, &str, &str)> = rows
+            .iter()
+            .map(|r| (kind(&r.workload), r.mode.as_str(), r.implementation.as_str()))
+            .collect();
+        keys.sort();
+        keys.dedup();
+        for (k, mode, imp) in keys {
+            let mut rs: Vec<&&RunResult> = rows
+                .iter()
+                .filter(|r| kind(&r.workload) == k && r.mode == mode && r.implementation == imp)
+                .collect();
+            rs.sort_by_key(|r| r.done);
+            if let (Some(a), Some(b)) = (rs.first(), rs.last())
+                && let Some(per) = memory_per_10k(a.done, a.peak_rss_mib, b.done, b.peak_rss_mib)
+            {
+                growth.push(format!(
+                    "| {k} | {mode} | {imp} | {} → {} | {:.0} → {:.0} | {per:.1} |",
+                    a.done, b.done, a.peak_rss_mib, b.peak_rss_mib
+                ));
+            }
+        }
+        if !growth.is_empty() {
+            out.push_str(
+                "\nMemory per 10,000 more objects (peak RSS difference between the two sizes that ran):\n\n| workload | mode | implementation | objects | peak RSS MiB | MiB per 10,000 |\n|---|---|---|---|---|---|\n",
+            );
+            out.push_str(&growth.join("\n"));
+            out.push('\n');
+        }
+        out.push('\n');
         out
     }
 
@@ -233,5 +340,141 @@ impl Report {
             "### CPU scaling of the static bind\n\n| mode | implementation | pairs | CPU s | CPU ratio |\n|---|---|---|---|---|\n{}\n",
             lines.join("\n")
         )
+    }
+}
+
+/// Peak RSS added per 10,000 objects between a run of `n0` objects and one of `n1` (> `n0`).
+pub fn memory_per_10k(n0: usize, rss0: f64, n1: usize, rss1: f64) -> Option<f64> {
+    (n1 > n0).then(|| (rss1 - rss0) / (n1 - n0) as f64 * 10_000.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(workload: &str, mode: &str, imp: &str, done: usize, wall: f64, cpu: f64, rss: f64) -> RunResult {
+        let limits = if imp.starts_with(FLOOR) {
+            Limits::None
+        } else {
+            Limits::Fixed {
+                qps: 100_000.0,
+                burst: 100_000,
+            }
+        };
+        RunResult {
+            done,
+            converged: true,
+            wall_s: wall,
+            throughput_per_s: done as f64 / wall,
+            p50_ms: Some(100.0),
+            p99_ms: Some(200.0),
+            cpu_s: cpu,
+            peak_rss_mib: rss,
+            writes_per_object: 4.0,
+            ..RunResult::unmeasured(workload.into(), mode, imp, limits, done)
+        }
+    }
+
+    fn report(results: Vec<RunResult>, workloads: &[&str]) -> Report {
+        Report {
+            started_unix: 0,
+            machine: Machine {
+                cpus: 2,
+                mem_gib: 1.0,
+                kernel: String::new(),
+                load_at_start: String::new(),
+            },
+            settings: serde_json::Value::Null,
+            workloads: workloads
+                .iter()
+                .map(|w| (w.to_string(), format!("{w} caption")))
+                .collect(),
+            results,
+        }
+    }
+
+    #[test]
+    fn percent_of_floor_divides_by_the_best_converged_floor_row() {
+        let mut slow = row("static-100", "floor", "floor@256", 100, 2.0, 0.1, 10.0);
+        let fast = row("static-100", "floor", "floor@64", 100, 1.0, 0.1, 10.0);
+        let mut stalled = row("static-100", "floor", "floor@16", 50, 0.1, 0.1, 10.0);
+        stalled.converged = false;
+        let ctrl = row("static-100", "lifted", "stowage", 100, 1.25, 0.1, 10.0);
+        let rows = [slow.clone(), fast, stalled, ctrl];
+        let best = best_floor(&rows).unwrap();
+        assert_eq!(best.implementation, "floor@64");
+        assert_eq!(percent_of_floor(80.0, Some(best.throughput_per_s)), Some(80.0));
+        assert_eq!(percent_of_floor(80.0, None), None);
+        assert_eq!(percent_of_floor(80.0, Some(0.0)), None);
+        // Controllers are never the floor, however fast.
+        slow.implementation = "stowage".into();
+        assert!(best_floor(&[slow]).is_none());
+    }
+
+    #[test]
+    fn table_has_a_floor_row_and_percent_of_floor() {
+        let md = report(
+            vec![
+                row("burst-100", "floor", "floor@16", 100, 1.0, 0.05, 9.0),
+                row("burst-100", "floor", "floor@64", 100, 0.5, 0.05, 9.0),
+                row("burst-100", "lifted", "upstream", 100, 2.0, 1.0, 100.0),
+                row("burst-100", "lifted", "stowage", 100, 0.625, 0.25, 25.0),
+            ],
+            &["burst-100"],
+        )
+        .markdown();
+        let lines: Vec<&str> = md.lines().collect();
+        let find = |prefix: &str| {
+            *lines
+                .iter()
+                .find(|l| l.starts_with(prefix))
+                .unwrap_or_else(|| panic!("no row {prefix:?} in\n{md}"))
+        };
+        assert!(md.contains("| objects/s | % of floor |"), "{md}");
+        assert!(
+            find("| floor | floor@64 |")
+                .starts_with("| floor | floor@64 | none | 100/100 | 0.5 | 200.0 | 100 |")
+        );
+        assert!(find("| floor | floor@16 |").contains("| 100.0 | 50 |"));
+        assert!(find("| lifted | upstream |").contains("| 50.0 | 25 |"));
+        assert!(find("| lifted | stowage |").contains("| 160.0 | 80 |"));
+        assert!(find("| lifted | **stowage/upstream** |").contains("| 0.31 | 3.20 | |"));
+        assert!(md.contains("Floor: floor@64 at 200.0 objects/s"), "{md}");
+        // Per-object table: CPU and RSS per 1,000 objects.
+        assert!(
+            find("| burst-100 | lifted | stowage |").ends_with("| 160.0 | 80 | 0.25 | 2.500 | 25 | 250.0 |")
+        );
+    }
+
+    #[test]
+    fn no_floor_row_no_percentage() {
+        let md = report(
+            vec![row("attach-10x2", "equal", "stowage", 10, 1.0, 0.1, 5.0)],
+            &["attach-10x2"],
+        )
+        .markdown();
+        assert!(
+            md.contains("| equal | stowage | 100000/100000 | 10/10 | 1.0 | 10.0 | – |"),
+            "{md}"
+        );
+        assert!(!md.contains("Floor:"));
+    }
+
+    #[test]
+    fn memory_growth_between_two_sizes() {
+        assert_eq!(memory_per_10k(2_000, 40.0, 10_000, 120.0), Some(100.0));
+        assert_eq!(memory_per_10k(10_000, 120.0, 10_000, 120.0), None);
+        let md = report(
+            vec![
+                row("static-2000", "lifted", "stowage", 2_000, 10.0, 1.0, 40.0),
+                row("static-10000", "lifted", "stowage", 10_000, 50.0, 5.0, 120.0),
+            ],
+            &["static-2000", "static-10000"],
+        )
+        .markdown();
+        assert!(
+            md.contains("| static | lifted | stowage | 2000 → 10000 | 40 → 120 | 100.0 |"),
+            "{md}"
+        );
     }
 }

@@ -17,8 +17,8 @@ use stowage_testkit::builders;
 use tokio::task::JoinHandle;
 
 use crate::apiserver::Writes;
-use crate::controller::{Controller, Impl, Setup};
-use crate::objects::{Objects, RUN_LABEL, label, pairs, pod};
+use crate::controller::{Controller, Impl, Limits, Setup};
+use crate::objects::{Objects, RUN_LABEL, attach_driver, claim_name, label, pairs, pod, pod_name, pv_name};
 use crate::procstat;
 use crate::report::RunResult;
 use crate::tracker::{Tracker, percentile_ms, watch};
@@ -81,6 +81,10 @@ impl Workload {
 
     fn controllers(&self, which: Impl) -> &'static str {
         match (self, which) {
+            (Workload::Static { .. }, Impl::Floor { .. }) => "static",
+            (Workload::Burst { .. }, Impl::Floor { .. }) => "burst",
+            (Workload::Attach { .. }, Impl::Floor { .. }) => "attach",
+            (Workload::Expand { .. }, Impl::Floor { .. }) => "expand",
             (Workload::Static { .. } | Workload::Burst { .. }, Impl::Upstream) => {
                 "persistentvolume-binder-controller"
             }
@@ -107,7 +111,7 @@ pub struct Spec<'a> {
     /// Flags passed; None = the implementation's defaults.
     pub limits: Option<(f32, u32)>,
     /// Limits in effect.
-    pub effective: (f32, u32),
+    pub effective: Limits,
 }
 
 const WARM: &str = "warm";
@@ -200,6 +204,7 @@ impl WindowEnd {
             writes,
             writes_per_object: if done > 0 { writes / done as f64 } else { 0.0 },
             conflicts: self.delta.conflicts(),
+            throttled: self.delta.throttled(),
             writes_by_resource: self.delta.0,
             ..base
         }
@@ -211,8 +216,7 @@ async fn measure(env: &Env, spec: &Spec<'_>, run: &str, tag: &str) -> anyhow::Re
     let client = o.client.clone();
     let ns = run;
     let n = spec.workload.size();
-    let pv_name = |i: usize| format!("{run}-pv-{i:05}");
-    let claim_name = |i: usize| format!("claim-{i:05}");
+    let pv_name = |i: usize| pv_name(run, i);
     let by_label = watcher::Config::default().labels(&format!("{RUN_LABEL}={run}"));
     o.namespace(ns, run).await?;
     let pvcs: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), ns);
@@ -224,6 +228,7 @@ async fn measure(env: &Env, spec: &Spec<'_>, run: &str, tag: &str) -> anyhow::Re
             &env.setup,
             spec.which,
             spec.workload.controllers(spec.which),
+            run,
             spec.limits,
             tag,
         )
@@ -296,7 +301,7 @@ async fn measure(env: &Env, spec: &Spec<'_>, run: &str, tag: &str) -> anyhow::Re
         }
         Workload::Attach { pods, nodes } => {
             let (n, nodes) = (*pods, (*nodes).max(1));
-            let driver = format!("{run}.attach.bench.stowage.dev");
+            let driver = attach_driver(run);
             o.create_all(
                 &Api::all(client.clone()),
                 vec![label(builders::csi_driver(&driver, true), run)],
@@ -325,13 +330,7 @@ async fn measure(env: &Env, spec: &Spec<'_>, run: &str, tag: &str) -> anyhow::Re
                 .map(|i| {
                     (
                         pv_name(i),
-                        pod(
-                            ns,
-                            &format!("pod-{i:05}"),
-                            &claim_name(i),
-                            &node_names[i % nodes],
-                            run,
-                        ),
+                        pod(ns, &pod_name(i), &claim_name(i), &node_names[i % nodes], run),
                     )
                 })
                 .collect();
@@ -374,7 +373,7 @@ async fn measure(env: &Env, spec: &Spec<'_>, run: &str, tag: &str) -> anyhow::Re
     let mut base = RunResult::unmeasured(
         spec.workload.name(),
         spec.mode,
-        spec.which.name(),
+        &spec.which.name(),
         spec.effective,
         n,
     );
