@@ -285,10 +285,15 @@ async fn helm_install_upgrade_uninstall_on_a_real_apiserver() {
         format!("--leader-elect-resource-namespace={ns}"),
         "--leader-elect=true".into(),
         "--image-dir=/var/lib/stowage/images".into(),
-        "--kube-api-qps=50".into(),
+        "--kube-api-max-qps=2000".into(),
     ] {
         assert!(a.contains(&want), "controller args {a:?} lack {want}");
     }
+    // No fixed rate by default: the controller's adaptive limiter applies.
+    assert!(
+        !a.iter().any(|x| x.starts_with("--kube-api-qps")),
+        "controller args {a:?} set a fixed rate by default"
+    );
     let sc = c.security_context.as_ref().unwrap();
     assert_eq!(sc.read_only_root_filesystem, Some(true));
     assert_eq!(sc.allow_privilege_escalation, Some(false));

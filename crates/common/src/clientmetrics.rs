@@ -190,6 +190,11 @@ pub(crate) fn concurrency_limit_set(host: &str, n: f64) {
     FAMILIES.window.with_label_values(&[host]).set(n);
 }
 
+/// The cuts counter of `host` appears at zero (it is documented for every binary, adaptive or not).
+pub(crate) fn limit_cuts_start(host: &str) {
+    FAMILIES.cuts.with_label_values(&[host]);
+}
+
 /// The adaptive limiter cut its window after a 429.
 pub(crate) fn limit_cut(host: &str) {
     FAMILIES.cuts.with_label_values(&[host]).inc();

@@ -277,6 +277,7 @@ impl RateLimitLayer {
             }
         };
         crate::clientmetrics::limit_set(host, limiter.as_ref().map_or(0.0, |l| l.bucket.qps()));
+        crate::clientmetrics::limit_cuts_start(host);
         crate::clientmetrics::concurrency_limit_set(
             host,
             limiter
