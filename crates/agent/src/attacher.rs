@@ -266,7 +266,11 @@ async fn execute(ctx: &Ctx, va: &VolumeAttachment, action: VaAction) -> Option<S
         VaAction::Attach => {
             crate::owed::test_hook(
                 "attach",
-                va.spec.source.persistent_volume_name.as_deref().unwrap_or_default(),
+                va.spec
+                    .source
+                    .persistent_volume_name
+                    .as_deref()
+                    .unwrap_or_default(),
             );
             let started = std::time::Instant::now();
             let r = attach(ctx, va).await;
