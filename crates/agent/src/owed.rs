@@ -37,10 +37,10 @@ impl<T> Owed<T> {
 impl<T> Drop for Owed<T> {
     fn drop(&mut self) {
         if let Some(f) = self.failure.take() {
-            tracing::error!(
-                panicking = std::thread::panicking(),
-                "an operation task ended without reporting (a bug); its operation is retried with backoff"
-            );
+            if std::thread::panicking() {
+                tracing::error!("an operation task panicked (a bug); its operation is retried with backoff");
+            }
+            // Also when aborted at shutdown: harmless, nobody reads any more.
             let _ = self.tx.send(f);
         }
     }
