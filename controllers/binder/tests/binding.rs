@@ -214,6 +214,25 @@ async fn a_delete_volume_whose_image_is_already_gone_still_finishes() {
     h.claim_phase("app", "d", "Bound").await;
     h.delete_claim("app", "d").await;
     h.event("noimg", "VolumeImageMissing").await;
+    // And it finishes: the binder drops its deleter finalizer and deletes the object (which then
+    // waits only on the admission-added pv-protection finalizer, not under test here).
+    eventually(WAIT, || async {
+        let v = h.pvs().get_opt("noimg").await.map_err(|e| e.to_string())?;
+        match v {
+            None => Ok(()),
+            Some(v)
+                if v.metadata.deletion_timestamp.is_some()
+                    && !v.finalizers().iter().any(|f| f == "loop.stowage.dev/deleter") =>
+            {
+                Ok(())
+            }
+            Some(v) => Err(format!(
+                "volume not deleted: deletionTimestamp {:?}, finalizers {:?}",
+                v.metadata.deletion_timestamp, v.metadata.finalizers
+            )),
+        }
+    })
+    .await;
 }
 
 #[tokio::test]

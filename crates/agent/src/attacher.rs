@@ -2,6 +2,10 @@
 //! driver. A VolumeAttachment of this node gets our finalizer first, then its image is attached to
 //! a loop device and the status says where; on deletion the device is released (once nothing
 //! mounts it) and the finalizer dropped.
+//!
+//! Each operation runs as a task of its own and reports an `Outcome`, through `owed::Owed`, so a
+//! task that panics still reports a failure and its attachment is retried; why this loop keeps
+//! its own task set and `Tracker` instead of the shared queue and window is said in `owed.rs`.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -18,6 +22,7 @@ use tokio::time::Instant;
 
 use crate::ctx::{Ctx, is_ours};
 use crate::mountinfo;
+use crate::owed::Owed;
 use crate::paths::{DRIVER, VA_FINALIZER};
 use crate::sys;
 use crate::tracker::{OpKey, Tracker};
@@ -129,10 +134,18 @@ pub async fn run(ctx: Arc<Ctx>, mut stop: watch::Receiver<bool>) {
                 continue;
             }
             tracker.start(key.clone());
-            let (ctx, tx) = (ctx.clone(), tx.clone());
+            let owed = Owed::new(
+                &tx,
+                Outcome {
+                    key: key.clone(),
+                    kind: action.kind(),
+                    wrote: None,
+                },
+            );
+            let ctx = ctx.clone();
             tasks.spawn(async move {
                 let wrote = execute(&ctx, &va, action).await;
-                let _ = tx.send(Outcome {
+                owed.pay(Outcome {
                     key,
                     kind: action.kind(),
                     wrote,
@@ -251,6 +264,14 @@ async fn execute(ctx: &Ctx, va: &VolumeAttachment, action: VaAction) -> Option<S
             }
         }
         VaAction::Attach => {
+            crate::owed::test_hook(
+                "attach",
+                va.spec
+                    .source
+                    .persistent_volume_name
+                    .as_deref()
+                    .unwrap_or_default(),
+            );
             let started = std::time::Instant::now();
             let r = attach(ctx, va).await;
             ctx.metrics.record("attach", started, r.is_ok());

@@ -9,6 +9,7 @@ pub mod error;
 pub mod fsgroup;
 pub mod metrics;
 pub mod node;
+mod owed;
 pub mod paths;
 pub mod probe;
 pub mod state;
@@ -90,6 +91,11 @@ pub struct Args {
     /// Address for /metrics, /healthz and /readyz.
     #[arg(long, default_value = "0.0.0.0:8081")]
     pub metrics_bind_address: SocketAddr,
+    /// Debug builds only, for tests: `<operation>:<pv>` (attach, mount) panics that operation's
+    /// next task once (`owed.rs`).
+    #[cfg(debug_assertions)]
+    #[arg(long, hide = true)]
+    pub debug_panic_once: Vec<String>,
 }
 
 fn canonical_dir(p: &PathBuf, flag: &str) -> anyhow::Result<PathBuf> {
@@ -102,6 +108,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     if args.node_name.trim().is_empty() {
         bail!("--node-name must not be empty");
     }
+    #[cfg(debug_assertions)]
+    owed::arm(&args.debug_panic_once);
     let root = canonical_dir(&args.root_dir, "--root-dir")?;
     let image_dir = canonical_dir(&args.image_dir, "--image-dir")?;
     let endpoint = match (&args.csi_endpoint, &args.kubelet_dir) {

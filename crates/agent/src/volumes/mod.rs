@@ -2,6 +2,10 @@
 //! with `crate::core`, and starts operations (`exec`); each runs as a task of its own and reports
 //! an `Outcome` (`results`). The mount table is read on every pass, so the actual state is
 //! reconstructed at start and can never drift from the node's truth.
+//!
+//! A task reports through `owed::Owed`, so one that panics still reports a failed `Outcome` and
+//! its volume is retried with backoff; `owed.rs` says why this loop keeps its own task set and
+//! `Tracker` rather than the shared queue and window.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
@@ -15,6 +19,7 @@ use crate::core::{Op, reconcile, schedule};
 use stowage_common::errors::MetricLabel;
 
 use crate::ctx::Ctx;
+use crate::owed::Owed;
 use crate::paths::unique_name;
 use crate::probe::{Health, Prober};
 use crate::state::{Actual, Desired, DesiredVolume, PodInfo};
@@ -255,10 +260,16 @@ async fn pass(ctx: &Arc<Ctx>, link: &NodeLink, p: Pass<'_>) {
                 _ => None,
             },
         };
-        let tx = done_tx.clone();
+        let owed = Owed::new(
+            done_tx,
+            Outcome {
+                op: op.clone(),
+                ok: false,
+                expanded: None,
+            },
+        );
         tasks.spawn(async move {
-            let done = job.run(op).await;
-            let _ = tx.send(done);
+            owed.pay(job.run(op).await);
         });
     }
     known_pods

@@ -258,3 +258,36 @@ async fn full_file_system_mounts_and_bad_claims_get_failed_mount_events() {
     e.detach(&late.va, &node, &pv2).await;
     assert_eq!(loops_of(&image), "");
 }
+
+/// An attach task and a mount task that panic (a debug-build test hook makes each panic once)
+/// still report a failure, so both are retried with backoff and the volume ends up attached and
+/// mounted; without that report their keys stayed "running" and the volume was never
+/// reconciled again.
+#[tokio::test]
+async fn a_panicked_attach_and_a_panicked_mount_are_retried() {
+    let (e, _guard) = env("panic").await;
+    let node = unique("node-p");
+    let pv = unique("pv-panic");
+    let agent = e.agent_with(
+        &node,
+        "panic",
+        &[
+            format!("--debug-panic-once=attach:{pv}"),
+            format!("--debug-panic-once=mount:{pv}"),
+        ],
+    );
+    let image = e.image(&pv);
+    e.volume(&pv, "data").await;
+    let uid = e.pod("app", &node, "data").await;
+    let m = e.attach_and_mount(&pv, &node, &uid).await;
+    let log = agent.log_text();
+    for op in ["attach", "mount"] {
+        assert!(
+            log.contains(&format!("test hook: the {op} of {pv} panics")),
+            "the {op} hook fired:\n{log}"
+        );
+    }
+    std::fs::write(m.target.join("ok.txt"), b"written after the retries").unwrap();
+    e.release(&["app"], &[&m.target], &m.va, &node, &pv).await;
+    assert_eq!(loops_of(&image), "", "the device was released");
+}
