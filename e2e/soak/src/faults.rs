@@ -27,6 +27,9 @@ pub const KINDS: [&str; 6] = [
 pub const APF_NAME: &str = "soak-slow";
 
 pub struct Faults {
+    /// A client with the controller's own identity: during a squeeze it keeps the squeezed level
+    /// busy, as a noisy neighbour sharing the controller's flow would.
+    pub neighbour: kube::Client,
     pub ctx: Arc<Ctx>,
     pub cp: Arc<ControlPlane>,
     pub store: Arc<ImageStore>,
@@ -147,8 +150,34 @@ impl Faults {
                 match squeeze(&self.ctx.client).await {
                     Ok(()) => {
                         record.fault(kind, serde_json::json!({"for_ms": hold.as_millis() as u64, "priority_level": APF_NAME}));
+                        let before = apf_counts(&self.ctx.client).await;
+                        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+                        let noise: Vec<_> = (0..6)
+                            .map(|_| {
+                                let (c, stop) = (self.neighbour.clone(), stop.clone());
+                                tokio::spawn(async move {
+                                    let api: Api<k8s_openapi::api::events::v1::Event> = Api::all(c);
+                                    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                                        if api.list(&Default::default()).await.is_err() {
+                                            tokio::time::sleep(Duration::from_millis(50)).await;
+                                        }
+                                    }
+                                })
+                            })
+                            .collect();
                         tokio::time::sleep(hold).await;
+                        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+                        for n in noise {
+                            let _ = n.await;
+                        }
+                        let after = apf_counts(&self.ctx.client).await;
                         release(&self.ctx.client).await;
+                        if let (Some(b), Some(a)) = (before, after) {
+                            record.measured("dispatched", a.0.saturating_sub(b.0));
+                            record.measured("rejected_429", a.1.saturating_sub(b.1));
+                            record.measured("queued_ms", a.2.saturating_sub(b.2));
+                            record.log("api-slow-effect", serde_json::json!({"dispatched": a.0.saturating_sub(b.0), "rejected": a.1.saturating_sub(b.1), "queued_ms": a.2.saturating_sub(b.2)}));
+                        }
                         record.log("fault-end", serde_json::json!({"fault": kind}));
                     }
                     Err(e) => {
@@ -213,6 +242,26 @@ async fn squeeze(client: &kube::Client) -> anyhow::Result<()> {
         .create(&pp, &schema)
         .await?;
     Ok(())
+}
+
+/// The squeezed level's totals in the apiserver's metrics: requests dispatched, rejected, and
+/// milliseconds spent waiting in its queue.
+async fn apf_counts(client: &kube::Client) -> Option<(u64, u64, u64)> {
+    let req = http::Request::get("/metrics").body(Vec::new()).ok()?;
+    let text = client.request_text(req).await.ok()?;
+    let level = format!("priority_level=\"{APF_NAME}\"");
+    let (mut dispatched, mut rejected, mut waited) = (0.0, 0.0, 0.0);
+    for line in text.lines().filter(|l| l.contains(&level)) {
+        let value: f64 = line.rsplit(' ').next()?.parse().ok()?;
+        if line.starts_with("apiserver_flowcontrol_dispatched_requests_total{") {
+            dispatched += value;
+        } else if line.starts_with("apiserver_flowcontrol_rejected_requests_total{") {
+            rejected += value;
+        } else if line.starts_with("apiserver_flowcontrol_request_wait_duration_seconds_sum{") {
+            waited += value;
+        }
+    }
+    Some((dispatched as u64, rejected as u64, (waited * 1000.0) as u64))
 }
 
 fn gone<T>(r: &Result<T, kube::Error>) -> bool {

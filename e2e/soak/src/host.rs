@@ -3,6 +3,7 @@
 //! in their volumes. Everything is matched by this run's own paths: other tests on the machine use
 //! loop devices and mounts too.
 
+use std::collections::BTreeSet;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -124,6 +125,39 @@ impl ImageStore {
         let _ = Command::new("umount").arg("-l").arg(&self.dir).status();
         let _ = Command::new("losetup").arg("-d").arg(&self.device).status();
     }
+}
+
+/// What a node's power-off does to its share of the host: every mount under the node's root dir
+/// goes (pod mounts first, then device mounts), and the loop devices those device mounts were on
+/// are freed when nothing else mounts them: a shut-down kernel holds no device. (One kernel plays
+/// every node here, so without this a "shut down" node would keep writing to its images.)
+pub fn power_off(root: &Path) -> Vec<String> {
+    let mut done = Vec::new();
+    let mounts = mounts_under(root).unwrap_or_default();
+    let devices: BTreeSet<String> = mounts
+        .iter()
+        .filter(|m| m.source.starts_with("/dev/loop"))
+        .map(|m| m.source.clone())
+        .collect();
+    let mut points: Vec<PathBuf> = mounts.into_iter().map(|m| m.target).collect();
+    points.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
+    for p in points {
+        let ok = Command::new("umount").arg(&p).status().is_ok_and(|s| s.success());
+        if !ok {
+            let _ = Command::new("umount").arg("-l").arg(&p).status();
+        }
+        done.push(format!("umount {}", p.display()));
+    }
+    let still: BTreeSet<String> = mounts_under(Path::new("/"))
+        .unwrap_or_default()
+        .into_iter()
+        .map(|m| m.source)
+        .collect();
+    for dev in devices.difference(&still) {
+        let _ = Command::new("losetup").arg("-d").arg(dev).status();
+        done.push(format!("losetup -d {dev}"));
+    }
+    done
 }
 
 /// Lazily unmounts everything under `base`, deepest first, except `keep`.

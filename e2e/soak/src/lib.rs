@@ -88,7 +88,18 @@ pub async fn run(opts: Options) -> Summary {
         Err(e) => return failed_early(&opts, format!("timeline: {e}")),
     };
     let mut env = Env::default();
-    let outcome = drive(&opts, &dir, record.clone(), &mut env).await;
+    // Ctrl-C or SIGTERM ends the run early, through the same tear-down.
+    let interrupted = async {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending().await } } => {}
+        }
+    };
+    let outcome = tokio::select! {
+        r = drive(&opts, &dir, record.clone(), &mut env) => r,
+        _ = interrupted => Err(anyhow::anyhow!("interrupted")),
+    };
     // Tear down whatever happened: processes first, then the host state of this run only.
     if let Some(ctx) = &env.ctx {
         ctx.stopping.store(true, Ordering::Relaxed);
@@ -285,7 +296,12 @@ async fn drive(opts: &Options, dir: &Path, record: Arc<Record>, env: &mut Env) -
     // The churn.
     let root_rng = Rng::new(opts.seed);
     let until = tokio::time::Instant::now() + opts.duration;
+    let neighbour = {
+        let kc = kube::config::Kubeconfig::read_from(&sa_kubeconfig)?;
+        Client::try_from(kube::Config::from_custom_kubeconfig(kc, &Default::default()).await?)?
+    };
     let faults = Faults {
+        neighbour,
         ctx: ctx.clone(),
         cp: cp.clone(),
         store: store.clone(),

@@ -125,9 +125,15 @@ impl<T: Clone + PartialEq> Stream<T> {
                 h.push((last + 1, St::Unknown));
             }
         }
+        // An object first seen in this list may have existed, in other states, since the watch
+        // was lost: unknown from then until the version listed.
+        let gap_start = self.frontier + 1;
         for (key, (rv, snap)) in list {
             newest = newest.max(rv);
             let h = self.hist.entry(key).or_default();
+            if h.is_empty() && gap_start < rv {
+                h.push((gap_start, St::Unknown));
+            }
             let last = h.last().map(|(r, _)| *r).unwrap_or(0);
             if rv > last || h.is_empty() {
                 h.push((rv, St::Present(snap)));
@@ -529,9 +535,11 @@ impl Observer {
         for (uid, h) in &s.claims.hist {
             for (i, (from, st)) in h.iter().enumerate() {
                 let St::Present(c) = st else { continue };
-                let (Some("Bound"), Some(vol)) = (c.phase.as_deref(), c.volume.as_deref()) else {
-                    continue;
-                };
+                // A Bound claim needs its volume to point back; a claim that only names its
+                // volume (the bind's status writes still to come) needs it not to point at
+                // another claim: the binder writes the volume's claimRef first.
+                let Some(vol) = c.volume.as_deref() else { continue };
+                let bound = c.phase.as_deref() == Some("Bound");
                 if *from > limit {
                     break;
                 }
@@ -542,6 +550,9 @@ impl Observer {
                     continue;
                 }
                 let Some(ph) = s.pvs.hist.get(vol) else {
+                    if !bound {
+                        continue;
+                    }
                     checked += 1;
                     self.record.violation(
                         &format!("nopv:{uid}:{from}"),
@@ -569,17 +580,20 @@ impl Observer {
                     checked += 1;
                     let bad = match pst {
                         St::Unknown => None,
+                        St::Gone if !bound => None,
                         St::Gone => Some("does not exist".to_string()),
                         St::Present(p) if p.claim_uid.as_deref() == Some(uid.as_str()) => None,
+                        St::Present(p) if !bound && p.claim_uid.is_none() => None,
                         St::Present(p) => Some(format!("points at {:?} (uid {:?})", p.claim, p.claim_uid)),
                     };
                     if let Some(why) = bad {
                         self.record.violation(
                             &format!("elsewhere:{uid}:{vol}:{at}"),
-                            "bound claim's volume points elsewhere",
+                            "claim's volume points elsewhere",
                             format!(
-                                "{} (uid {uid}) is Bound to {vol} at revision {at}, but the volume {why}",
-                                c.name
+                                "{} (uid {uid}, {}) names {vol} at revision {at}, but the volume {why}",
+                                c.name,
+                                c.phase.as_deref().unwrap_or("no phase")
                             ),
                         );
                     }
@@ -732,6 +746,28 @@ mod tests {
     }
 
     #[test]
+    fn a_claim_naming_a_volume_of_another_claim_is_a_violation_even_before_bound() {
+        let (o, r, _d) = observer();
+        {
+            let mut s = o.lock();
+            s.pvs.apply("v", 3, pv(Some("u2")));
+            s.claims.apply("u1", 4, claim(Some("v"), "Pending"));
+            s.claims.apply(
+                "t",
+                5,
+                ClaimSnap {
+                    name: "t/t".into(),
+                    volume: None,
+                    phase: None,
+                },
+            );
+            s.pvs.apply("t", 6, pv(None));
+        }
+        o.judge();
+        assert_eq!(r.snapshot().violations.len(), 1);
+    }
+
+    #[test]
     fn a_lagging_stream_is_not_judged_past_its_frontier() {
         let (o, r, _d) = observer();
         {
@@ -837,5 +873,11 @@ mod tests {
         );
         assert_eq!(st.hist["b"], vec![(6, St::Present(1)), (7, St::Unknown)]);
         assert_eq!(st.frontier, 9);
+        // Created while the watch was away: unknown since the watch was lost.
+        st.begin_list();
+        st.apply("a", 9, 2);
+        st.apply("c", 12, 3);
+        st.end_list();
+        assert_eq!(st.hist["c"], vec![(10, St::Unknown), (12, St::Present(3))]);
     }
 }

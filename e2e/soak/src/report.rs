@@ -28,6 +28,9 @@ pub struct Counters {
     /// Things that went wrong in the soak's own driving (an API call that failed during a fault):
     /// reported, not counted as violations.
     pub notes: BTreeMap<String, u64>,
+    /// What the API squeezes did to the controller's requests, from the apiserver's own APF
+    /// metrics: requests dispatched and rejected (429) in the squeezed level, milliseconds queued.
+    pub squeeze: BTreeMap<String, u64>,
 }
 
 /// The shared record of a run: counters and the JSON-lines timeline (`timeline.jsonl`).
@@ -130,6 +133,10 @@ impl Record {
         });
     }
 
+    pub fn measured(&self, what: &str, n: u64) {
+        self.with(|c| *c.squeeze.entry(what.into()).or_default() += n);
+    }
+
     pub fn snapshot(&self) -> Counters {
         self.with(|c| c.clone())
     }
@@ -194,6 +201,16 @@ impl Summary {
         line(&mut s, format!("faults injected:  {}", map(&c.faults)));
         line(&mut s, format!("process restarts: {}", map(&c.restarts)));
         line(&mut s, format!("invariant checks: {}", map(&c.checks)));
+        if !c.squeeze.is_empty() {
+            let parts: Vec<String> = c.squeeze.iter().map(|(k, v)| format!("{k}={v}")).collect();
+            line(
+                &mut s,
+                format!(
+                    "squeezed API level, controller and noisy neighbour (apiserver APF metrics): {}",
+                    parts.join(", ")
+                ),
+            );
+        }
         if !c.notes.is_empty() {
             line(&mut s, format!("notes (not failures): {}", map(&c.notes)));
         }

@@ -252,10 +252,10 @@ fn choose(ctx: &Ctx, rng: &mut Rng, near_end: bool) -> Option<Op> {
     // return must happen before quiescence).
     if !near_end && schedulable.len() >= 2 && w.down.is_empty() {
         if let Some(n) = rng.pick(&schedulable) {
-            menu.push((2, Op::Drain(n.clone())));
+            menu.push((3, Op::Drain(n.clone())));
         }
         if let Some(n) = rng.pick(&schedulable) {
-            menu.push((1, Op::OutOfService(n.clone())));
+            menu.push((2, Op::OutOfService(n.clone())));
         }
     }
     let total: u64 = menu.iter().map(|(w, _)| *w).sum();
@@ -310,7 +310,11 @@ async fn create_claim(ctx: &Ctx, rng: &mut Rng) {
         .class(CLASSES[class].name)
         .request(&format!("{size_mi}Mi"))
         .build();
-    match ctx.claims().create(&PostParams::default(), &claim).await {
+    let created = match ctx.claims().create(&PostParams::default(), &claim).await {
+        Ok(made) => Ok(made),
+        Err(e) => adopt(&ctx.claims(), &name, e).await,
+    };
+    match created {
         Ok(made) => {
             ctx.world().claims.insert(
                 name.clone(),
@@ -334,6 +338,26 @@ async fn create_claim(ctx: &Ctx, rng: &mut Rng) {
         }
         Err(e) => ctx.api_failed("create claim", e),
     }
+}
+
+/// After a create failed without an answer from the apiserver (connection lost during a restart),
+/// the object may exist all the same: look it up until the apiserver answers, so the soak never
+/// loses track of a pod that holds a volume or a claim it must clean up.
+async fn adopt<K>(api: &Api<K>, name: &str, error: kube::Error) -> Result<K, kube::Error>
+where
+    K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    if matches!(error, kube::Error::Api(_)) {
+        return Err(error);
+    }
+    for _ in 0..120 {
+        match api.get(name).await {
+            Ok(o) => return Ok(o),
+            Err(kube::Error::Api(s)) if s.code == 404 => return Err(error),
+            Err(_) => tokio::time::sleep(Duration::from_millis(500)).await,
+        }
+    }
+    Err(error)
 }
 
 /// Creates a pod for claim `name` on `node` (setting selected-node first for a
@@ -369,7 +393,11 @@ async fn start_pod(ctx: &Arc<Ctx>, name: &str, node: &str) -> bool {
         format!("{name}-p{:04}", w.next_id)
     };
     let p = pod(NS, &pod_name).claim("data", name).node(node).build();
-    match ctx.pods().create(&PostParams::default(), &p).await {
+    let created = match ctx.pods().create(&PostParams::default(), &p).await {
+        Ok(made) => Ok(made),
+        Err(e) => adopt(&ctx.pods(), &pod_name, e).await,
+    };
+    match created {
         Ok(made) => {
             let r = PodRef {
                 name: pod_name.clone(),
@@ -597,7 +625,28 @@ async fn out_of_service(ctx: &Arc<Ctx>, rng: &mut Rng, node: &str) {
     }
     ctx.procs.hold(node, true);
     ctx.procs.kill(node, Duration::ZERO);
-    ctx.record.op("node-shutdown", serde_json::json!({"node": node}));
+    // The node's kernel goes too: no write of the soak's may be running on it then.
+    let locks: Vec<_> = {
+        let w = ctx.world();
+        w.claims
+            .values()
+            .filter(|c| c.pod.as_ref().is_some_and(|p| p.node == node))
+            .map(|c| c.io.clone())
+            .collect()
+    };
+    let mut held = Vec::new();
+    for l in &locks {
+        held.push(l.lock().await);
+    }
+    let root = ctx.roots[node].clone();
+    let powered_off = tokio::task::spawn_blocking(move || host::power_off(&root))
+        .await
+        .unwrap_or_default();
+    drop(held);
+    ctx.record.op(
+        "node-shutdown",
+        serde_json::json!({"node": node, "power_off": powered_off}),
+    );
     if !set_out_of_service(ctx, node, true).await {
         ctx.record.note("taint-failed", node);
     }
