@@ -60,7 +60,8 @@ impl Faults {
                     record.note("fault-skipped", "leader-kill: no leader");
                     return;
                 };
-                let back = Duration::from_millis(rng.range(500, 3000));
+                // Sometimes back before its Lease (4 s) ran out, sometimes after a standby took it.
+                let back = Duration::from_millis(rng.range(500, 8000));
                 if self.ctx.procs.kill(&holder, back) {
                     record.fault(
                         kind,

@@ -332,6 +332,13 @@ async fn drive(opts: &Options, dir: &Path, record: Arc<Record>, env: &mut Env) -
     .await;
     observer.judge();
     check_device_mounts(&record, &roots);
+    if let Ok(lease) = Api::<Lease>::namespaced(client.clone(), LEASE_NS)
+        .get(LEASE)
+        .await
+    {
+        let n = lease.spec.and_then(|s| s.lease_transitions).unwrap_or(0);
+        record.lease_transitions(u64::try_from(n).unwrap_or(0));
+    }
     scan_logs(&record, &[log_dir, dir.join("cp")]);
     Ok(())
 }

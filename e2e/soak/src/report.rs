@@ -31,6 +31,8 @@ pub struct Counters {
     /// What the API squeezes did to the controller's requests, from the apiserver's own APF
     /// metrics: requests dispatched and rejected (429) in the squeezed level, milliseconds queued.
     pub squeeze: BTreeMap<String, u64>,
+    /// `spec.leaseTransitions` of the controller's Lease at the end: handovers to another replica.
+    pub lease_transitions: u64,
 }
 
 /// The shared record of a run: counters and the JSON-lines timeline (`timeline.jsonl`).
@@ -137,6 +139,10 @@ impl Record {
         self.with(|c| *c.squeeze.entry(what.into()).or_default() += n);
     }
 
+    pub fn lease_transitions(&self, n: u64) {
+        self.with(|c| c.lease_transitions = n);
+    }
+
     pub fn snapshot(&self) -> Counters {
         self.with(|c| c.clone())
     }
@@ -200,6 +206,10 @@ impl Summary {
         line(&mut s, format!("operations:       {}", map(&c.operations)));
         line(&mut s, format!("faults injected:  {}", map(&c.faults)));
         line(&mut s, format!("process restarts: {}", map(&c.restarts)));
+        line(
+            &mut s,
+            format!("leader handovers (Lease transitions): {}", c.lease_transitions),
+        );
         line(&mut s, format!("invariant checks: {}", map(&c.checks)));
         if !c.squeeze.is_empty() {
             let parts: Vec<String> = c.squeeze.iter().map(|(k, v)| format!("{k}={v}")).collect();
