@@ -116,7 +116,9 @@ impl Procs {
             return false;
         };
         let pid = r.child.id();
-        r.sigkill();
+        // The whole tree, as a container runtime kills a container: a mount the process started
+        // must not complete after it died.
+        r.sigkill_tree();
         slot.killed = true;
         slot.restart_at = Some(Instant::now() + restart_after);
         self.record.log(
