@@ -76,6 +76,12 @@ realnode-down: ## Stop the real node and remove what it left behind
 demo-node: deps controlplane node-images ## The demo on a real kubelet: a claim and a pod with a mounted volume
 	./e2e/scripts/realnode.sh demo
 
+.PHONY: soak
+soak: deps controlplane ## Chaos soak: HA controller, agents, churn and faults; DURATION (default 30m) and SEED (default random); prints the summary
+	$(CARGO) build --workspace --bins
+	@# A failing run leaves its bundle (logs, object dumps, timeline) in e2e/results/soak-<seed>-<time>/.
+	$(TARGET_DIR)/debug/stowage-soak --duration $(or $(DURATION),30m) $(if $(SEED),--seed $(SEED)) --results e2e/results
+
 .PHONY: bench
 bench: deps controlplane ## Side-by-side benchmarks against upstream kube-controller-manager
 	$(CARGO) build --release --workspace --bins

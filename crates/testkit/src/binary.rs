@@ -74,6 +74,12 @@ impl Running {
         let _ = self.child.wait();
     }
 
+    /// SIGKILLs the process and everything it started (see [`crate::process::kill_tree`]).
+    pub fn sigkill_tree(&mut self) {
+        crate::process::kill_tree(self.child.id());
+        let _ = self.child.wait();
+    }
+
     /// Waits for exit (bounded), returning the exit code.
     pub fn wait_exit(&mut self, limit: Duration) -> Option<i32> {
         let deadline = std::time::Instant::now() + limit;

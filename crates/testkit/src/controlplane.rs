@@ -40,6 +40,7 @@ pub struct ControlPlane {
     etcd: Mutex<Option<Child>>,
     apiserver: Mutex<Option<Child>>,
     apiserver_cmd: Vec<String>,
+    etcd_cmd: Vec<String>,
 }
 
 impl ControlPlane {
@@ -59,22 +60,21 @@ impl ControlPlane {
 
         let etcd_dir = dir.join("etcd");
         let _ = std::fs::remove_dir_all(&etcd_dir);
-        let mut etcd_cmd = Command::new(&etcd_bin);
-        etcd_cmd
-            .args(["--name", "default", "--data-dir"])
-            .arg(&etcd_dir)
-            .arg(format!("--listen-client-urls=http://127.0.0.1:{client_port}"))
-            .arg(format!("--advertise-client-urls=http://127.0.0.1:{client_port}"))
-            .arg(format!("--listen-peer-urls=http://127.0.0.1:{peer_port}"))
-            .arg(format!(
-                "--initial-advertise-peer-urls=http://127.0.0.1:{peer_port}"
-            ))
-            .arg(format!("--initial-cluster=default=http://127.0.0.1:{peer_port}"))
-            // Test data is thrown away; fsync would only make every write wait on the disk.
-            .args(["--unsafe-no-fsync", "--log-level=warn"])
-            .stdout(Stdio::null())
-            .stderr(log_file(&dir, "etcd.log")?);
-        let etcd = spawn_tied(etcd_cmd).context("start etcd")?;
+        let etcd_cmd = vec![
+            etcd_bin.display().to_string(),
+            "--name=default".into(),
+            format!("--data-dir={}", etcd_dir.display()),
+            format!("--listen-client-urls=http://127.0.0.1:{client_port}"),
+            format!("--advertise-client-urls=http://127.0.0.1:{client_port}"),
+            format!("--listen-peer-urls=http://127.0.0.1:{peer_port}"),
+            format!("--initial-advertise-peer-urls=http://127.0.0.1:{peer_port}"),
+            format!("--initial-cluster=default=http://127.0.0.1:{peer_port}"),
+            // Test data is thrown away; fsync would only make every write wait on the disk (a
+            // killed etcd still finds its writes in the page cache when it starts again).
+            "--unsafe-no-fsync".into(),
+            "--log-level=warn".into(),
+        ];
+        let etcd = spawn_etcd(&etcd_cmd, &dir)?;
 
         write_pki(&dir)?;
         std::fs::write(
@@ -116,16 +116,23 @@ impl ControlPlane {
             etcd: Mutex::new(Some(etcd)),
             apiserver: Mutex::new(None),
             apiserver_cmd,
+            etcd_cmd,
         };
         cp.start_apiserver()?;
         Ok(cp)
     }
 
     fn start_apiserver(&self) -> anyhow::Result<()> {
+        // Appended to, so a restarted apiserver's log follows its predecessor's.
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.join("kube-apiserver.log"))
+            .context("open kube-apiserver.log")?;
         let mut cmd = Command::new(&self.apiserver_cmd[0]);
         cmd.args(&self.apiserver_cmd[1..])
             .stdout(Stdio::null())
-            .stderr(log_file(&self.dir, "kube-apiserver.log")?);
+            .stderr(log);
         let child = spawn_tied(cmd).context("start kube-apiserver")?;
         *self.apiserver.lock().unwrap_or_else(|p| p.into_inner()) = Some(child);
         self.wait_ready(Duration::from_secs(180))
@@ -135,6 +142,32 @@ impl ControlPlane {
     pub fn restart_apiserver(&self, down_for: Duration) -> anyhow::Result<()> {
         if let Some(mut c) = self.apiserver.lock().unwrap_or_else(|p| p.into_inner()).take() {
             stop(&mut c, Duration::from_secs(10));
+        }
+        std::thread::sleep(down_for);
+        self.start_apiserver()
+    }
+
+    /// SIGKILLs etcd and starts it again on the same ports and the same data dir after `down_for`
+    /// (the apiserver stays up and reconnects), then waits for the apiserver's `/readyz`, which
+    /// includes etcd. What etcd had accepted is still there.
+    pub fn restart_etcd(&self, down_for: Duration) -> anyhow::Result<()> {
+        {
+            let mut slot = self.etcd.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(mut c) = slot.take() {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+            std::thread::sleep(down_for);
+            *slot = Some(spawn_etcd(&self.etcd_cmd, &self.dir)?);
+        }
+        self.wait_ready(Duration::from_secs(180))
+    }
+
+    /// SIGKILLs kube-apiserver (no graceful shutdown) and starts it again after `down_for`.
+    pub fn kill_and_restart_apiserver(&self, down_for: Duration) -> anyhow::Result<()> {
+        if let Some(mut c) = self.apiserver.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            let _ = c.kill();
+            let _ = c.wait();
         }
         std::thread::sleep(down_for);
         self.start_apiserver()
@@ -269,6 +302,19 @@ async fn client_for(kubeconfig: &Path) -> anyhow::Result<Client> {
     let kc = kube::config::Kubeconfig::read_from(kubeconfig)?;
     let config = kube::Config::from_custom_kubeconfig(kc, &Default::default()).await?;
     stowage_common::client::build(config, stowage_common::ratelimit::Limit::Unlimited)
+}
+
+/// Starts etcd from its saved command line; its log is appended to, so a restart keeps the earlier
+/// lines.
+fn spawn_etcd(cmd_line: &[String], dir: &Path) -> anyhow::Result<Child> {
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(dir.join("etcd.log"))
+        .context("open etcd.log")?;
+    let mut cmd = Command::new(&cmd_line[0]);
+    cmd.args(&cmd_line[1..]).stdout(Stdio::null()).stderr(log);
+    spawn_tied(cmd).context("start etcd")
 }
 
 pub(crate) fn log_file(dir: &Path, name: &str) -> anyhow::Result<std::fs::File> {

@@ -58,6 +58,73 @@ pub fn signal(child: &Child, signal: i32) {
     }
 }
 
+/// The parent of every process, from `/proc/<pid>/stat`.
+fn parents() -> Vec<(u32, u32)> {
+    let Ok(rd) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    rd.flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter_map(|pid| {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+            // `pid (comm) state ppid ...`; comm may hold spaces and parentheses.
+            let rest = &stat[stat.rfind(')')? + 1..];
+            let ppid = rest.split_whitespace().nth(1)?.parse().ok()?;
+            Some((pid, ppid))
+        })
+        .collect()
+}
+
+/// SIGKILLs `root` and every process descended from it, as a container runtime kills a whole
+/// container: a killed agent's `mount` or `mkfs` must not finish after it. The tree is stopped
+/// (SIGSTOP) while it is read, so nothing forks away, then killed at once; returns when every
+/// process of it has ended (bounded). The caller reaps `root`.
+pub fn kill_tree(root: u32) {
+    let send = |pid: u32, sig: i32| {
+        if let Ok(p) = i32::try_from(pid) {
+            // SAFETY: plain syscall.
+            unsafe {
+                libc::kill(p, sig);
+            }
+        }
+    };
+    send(root, libc::SIGSTOP);
+    let mut tree = vec![root];
+    loop {
+        let known = tree.len();
+        for (pid, ppid) in parents() {
+            if tree.contains(&ppid) && !tree.contains(&pid) {
+                send(pid, libc::SIGSTOP);
+                tree.push(pid);
+            }
+        }
+        if tree.len() == known {
+            break;
+        }
+    }
+    for &pid in &tree {
+        send(pid, libc::SIGKILL);
+    }
+    // A system call in progress (a mount) completes before the signal takes effect: wait, bounded,
+    // until every process of the tree is gone or a zombie, so its work is over when this returns.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let over = |pid: u32| match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        Ok(stat) => stat
+            .rfind(')')
+            .and_then(|i| {
+                stat[i + 1..]
+                    .split_whitespace()
+                    .next()
+                    .map(|st| st == "Z" || st == "X")
+            })
+            .unwrap_or(true),
+    };
+    while std::time::Instant::now() < deadline && !tree.iter().all(|&p| over(p)) {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+}
+
 /// SIGTERM, a grace period, then SIGKILL; always reaps.
 pub fn stop(child: &mut Child, grace: std::time::Duration) {
     signal(child, libc::SIGTERM);
@@ -78,4 +145,39 @@ pub fn free_port() -> u16 {
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
         .expect("bind an ephemeral loopback port")
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn kill_tree_takes_the_grandchildren_too() {
+        // A shell that starts a long sleep and waits for it: the sleep is a grandchild of ours.
+        let mut child = std::process::Command::new("sh")
+            .args(["-c", "sleep 300 & echo $! ; wait"])
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        std::io::BufRead::read_line(
+            &mut std::io::BufReader::new(child.stdout.take().unwrap()),
+            &mut line,
+        )
+        .unwrap();
+        let grandchild: i32 = line.trim().parse().unwrap();
+        super::kill_tree(child.id());
+        let _ = child.wait();
+        // Reaped by init once killed; poll (bounded) until it is gone.
+        let gone = (0..100).any(|_| {
+            // SAFETY: signal 0 only checks existence.
+            let alive = unsafe { libc::kill(grandchild, 0) } == 0
+                && std::fs::read_to_string(format!("/proc/{grandchild}/stat"))
+                    .map(|s| !s.contains(") Z "))
+                    .unwrap_or(false);
+            if alive {
+                std::thread::sleep(std::time::Duration::from_millis(50));
+            }
+            !alive
+        });
+        assert!(gone, "the grandchild {grandchild} survived");
+    }
 }

@@ -64,3 +64,41 @@ async fn readyz_answers_ok() {
     .await;
     assert_eq!(body.trim(), "ok");
 }
+
+/// A killed etcd comes back on its data dir: what it had accepted is still there, and the
+/// apiserver serves again (the soak's etcd fault relies on both).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_killed_and_restarted_keeps_its_data() {
+    let cp = tokio::task::spawn_blocking(stowage_testkit::ControlPlane::start)
+        .await
+        .unwrap()
+        .unwrap();
+    let client = cp.client().await;
+    let ns = unique("etcd");
+    let (n, _) = builders::namespace(&ns);
+    let created = Api::<Namespace>::all(client.clone())
+        .create(&PostParams::default(), &n)
+        .await
+        .unwrap();
+    let cp = std::sync::Arc::new(cp);
+    let c2 = cp.clone();
+    tokio::task::spawn_blocking(move || c2.restart_etcd(Duration::from_millis(500)))
+        .await
+        .unwrap()
+        .unwrap();
+    let got = stowage_testkit::eventually(Duration::from_secs(60), || async {
+        Api::<Namespace>::all(client.clone())
+            .get(&ns)
+            .await
+            .map_err(|e| e.to_string())
+    })
+    .await;
+    assert_eq!(got.metadata.uid, created.metadata.uid);
+    let c3 = cp.clone();
+    tokio::task::spawn_blocking(move || c3.kill_and_restart_apiserver(Duration::from_millis(200)))
+        .await
+        .unwrap()
+        .unwrap();
+    let again = Api::<Namespace>::all(cp.client().await).get(&ns).await.unwrap();
+    assert_eq!(again.metadata.uid, created.metadata.uid);
+}

@@ -1,0 +1,247 @@
+//! What the soak reads and changes on the host: the mount table, loop devices, file-system UUIDs,
+//! the image store's own small file system (frozen to pause it), and the data pattern pods keep
+//! in their volumes. Everything is matched by this run's own paths: other tests on the machine use
+//! loop devices and mounts too.
+
+use std::collections::BTreeSet;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{Context, bail};
+use sha2::{Digest, Sha256};
+
+/// One line of `/proc/self/mountinfo` that matters here.
+#[derive(Clone, Debug)]
+pub struct Mount {
+    pub target: PathBuf,
+    pub source: String,
+}
+
+fn unescape(s: &str) -> String {
+    s.replace("\\040", " ")
+        .replace("\\011", "\t")
+        .replace("\\012", "\n")
+        .replace("\\134", "\\")
+}
+
+/// Mounts whose target is under `base`.
+pub fn mounts_under(base: &Path) -> anyhow::Result<Vec<Mount>> {
+    let table = std::fs::read_to_string("/proc/self/mountinfo").context("read mountinfo")?;
+    Ok(table
+        .lines()
+        .filter_map(|l| {
+            let fields: Vec<&str> = l.split(' ').collect();
+            let target = PathBuf::from(unescape(fields.get(4)?));
+            let sep = fields.iter().position(|f| *f == "-")?;
+            let source = unescape(fields.get(sep + 2)?);
+            target.starts_with(base).then_some(Mount { target, source })
+        })
+        .collect())
+}
+
+/// Loop devices (`/dev/loopN`) whose backing file is under `dir`, with that file.
+pub fn loops_backed_under(dir: &Path) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    let Ok(rd) = std::fs::read_dir("/sys/block") else {
+        return out;
+    };
+    let prefix = dir.display().to_string();
+    for e in rd.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if !name.starts_with("loop") {
+            continue;
+        }
+        if let Ok(b) = std::fs::read_to_string(e.path().join("loop/backing_file")) {
+            let b = b.trim().to_string();
+            if b.starts_with(&format!("{prefix}/")) {
+                out.push((format!("/dev/{name}"), b));
+            }
+        }
+    }
+    out
+}
+
+/// The file-system UUID `blkid` reads from `device` (probing the device itself, not the cache).
+pub fn fs_uuid(device: &str) -> anyhow::Result<String> {
+    let out = Command::new("blkid")
+        .args(["-p", "-o", "value", "-s", "UUID", device])
+        .output()
+        .context("run blkid")?;
+    let uuid = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    if uuid.is_empty() {
+        bail!("blkid found no UUID on {device} (exit {:?})", out.status.code());
+    }
+    Ok(uuid)
+}
+
+fn run(cmd: &mut Command) -> anyhow::Result<String> {
+    let out = cmd.output().with_context(|| format!("run {cmd:?}"))?;
+    if !out.status.success() {
+        bail!("{cmd:?} failed: {}", String::from_utf8_lossy(&out.stderr).trim());
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
+}
+
+/// The image store: a small ext4 file system of its own (a sparse file on a loop device) mounted
+/// at `<run>/images`, so it can be paused (frozen) without touching anything else on the host.
+pub struct ImageStore {
+    pub dir: PathBuf,
+    device: String,
+}
+
+impl ImageStore {
+    pub fn create(base: &Path, size: &str) -> anyhow::Result<Self> {
+        let file = base.join("image-store.fs");
+        let dir = base.join("images");
+        std::fs::create_dir_all(&dir)?;
+        run(Command::new("truncate").args(["-s", size]).arg(&file))?;
+        run(Command::new("mkfs.ext4").args(["-q", "-F"]).arg(&file))?;
+        let device = run(Command::new("losetup").args(["--find", "--show"]).arg(&file))?;
+        if let Err(e) = run(Command::new("mount").arg(&device).arg(&dir)) {
+            let _ = Command::new("losetup").arg("-d").arg(&device).status();
+            return Err(e);
+        }
+        Ok(Self { dir, device })
+    }
+
+    /// Freezes the file system: every write to an image (new images, writes through the volumes'
+    /// loop devices) blocks until [`thaw`](Self::thaw), as on a stalled network store.
+    pub fn freeze(&self) -> anyhow::Result<()> {
+        run(Command::new("fsfreeze").arg("-f").arg(&self.dir)).map(|_| ())
+    }
+
+    pub fn thaw(&self) -> anyhow::Result<()> {
+        run(Command::new("fsfreeze").arg("-u").arg(&self.dir)).map(|_| ())
+    }
+
+    /// Thaws (if frozen), detaches the loop devices of images still attached, unmounts and
+    /// detaches the store. Best effort: called on every exit path.
+    pub fn teardown(&self) {
+        let _ = Command::new("fsfreeze").arg("-u").arg(&self.dir).output();
+        for (dev, _) in loops_backed_under(&self.dir) {
+            let _ = Command::new("losetup").arg("-d").arg(&dev).status();
+        }
+        let _ = Command::new("umount").arg("-l").arg(&self.dir).status();
+        let _ = Command::new("losetup").arg("-d").arg(&self.device).status();
+    }
+}
+
+/// What a node's power-off does to its share of the host: every mount under the node's root dir
+/// goes (pod mounts first, then device mounts), and the loop devices those device mounts were on
+/// are freed when nothing else mounts them: a shut-down kernel holds no device. (One kernel plays
+/// every node here, so without this a "shut down" node would keep writing to its images.)
+pub fn power_off(root: &Path) -> Vec<String> {
+    let mut done = Vec::new();
+    let mounts = mounts_under(root).unwrap_or_default();
+    let devices: BTreeSet<String> = mounts
+        .iter()
+        .filter(|m| m.source.starts_with("/dev/loop"))
+        .map(|m| m.source.clone())
+        .collect();
+    let mut points: Vec<PathBuf> = mounts.into_iter().map(|m| m.target).collect();
+    points.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
+    for p in points {
+        let ok = Command::new("umount").arg(&p).status().is_ok_and(|s| s.success());
+        if !ok {
+            let _ = Command::new("umount").arg("-l").arg(&p).status();
+        }
+        done.push(format!("umount {}", p.display()));
+    }
+    let still: BTreeSet<String> = mounts_under(Path::new("/"))
+        .unwrap_or_default()
+        .into_iter()
+        .map(|m| m.source)
+        .collect();
+    for dev in devices.difference(&still) {
+        let _ = Command::new("losetup").arg("-d").arg(dev).status();
+        done.push(format!("losetup -d {dev}"));
+    }
+    done
+}
+
+/// Lazily unmounts everything under `base`, deepest first, except `keep`.
+pub fn unmount_all_under(base: &Path, keep: &Path) {
+    let mut points: Vec<PathBuf> = mounts_under(base)
+        .unwrap_or_default()
+        .into_iter()
+        .map(|m| m.target)
+        .filter(|t| t != keep)
+        .collect();
+    points.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
+    for p in points {
+        let _ = Command::new("umount").arg("-l").arg(&p).status();
+    }
+}
+
+/// The content generation `generation` of a claim's pattern file: 64 KiB derived from the seed,
+/// the claim's UID and the generation, so any lost, stale or foreign write is told apart.
+pub fn pattern(seed: u64, claim_uid: &str, generation: u64) -> Vec<u8> {
+    let mut out = Vec::with_capacity(64 * 1024);
+    let mut block = 0u64;
+    while out.len() < 64 * 1024 {
+        let mut h = Sha256::new();
+        h.update(seed.to_le_bytes());
+        h.update(claim_uid.as_bytes());
+        h.update(generation.to_le_bytes());
+        h.update(block.to_le_bytes());
+        out.extend_from_slice(&h.finalize());
+        block += 1;
+    }
+    out
+}
+
+pub const PATTERN_FILE: &str = "soak-pattern";
+
+/// Reads the pattern file in a mounted volume: `None` when absent.
+pub fn read_pattern(dir: &Path) -> std::io::Result<Option<Vec<u8>>> {
+    match std::fs::read(dir.join(PATTERN_FILE)) {
+        Ok(b) => Ok(Some(b)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// Replaces the pattern file atomically and durably (temp file, fsync, rename, fsync of the
+/// directory), so a reader later sees the old or the new generation, never a torn one.
+pub fn write_pattern(dir: &Path, data: &[u8]) -> std::io::Result<()> {
+    let tmp = dir.join(format!("{PATTERN_FILE}.tmp"));
+    {
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(data)?;
+        f.sync_all()?;
+    }
+    std::fs::rename(&tmp, dir.join(PATTERN_FILE))?;
+    std::fs::File::open(dir)?.sync_all()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn patterns_differ_by_claim_and_generation() {
+        let a = pattern(1, "u1", 1);
+        assert_eq!(a.len(), 64 * 1024);
+        assert_eq!(a, pattern(1, "u1", 1));
+        assert_ne!(a, pattern(1, "u1", 2));
+        assert_ne!(a, pattern(1, "u2", 1));
+        assert_ne!(a, pattern(2, "u1", 1));
+    }
+
+    #[test]
+    fn pattern_files_round_trip() {
+        let d = tempfile::tempdir().unwrap();
+        assert_eq!(read_pattern(d.path()).unwrap(), None);
+        write_pattern(d.path(), b"one").unwrap();
+        write_pattern(d.path(), b"two").unwrap();
+        assert_eq!(read_pattern(d.path()).unwrap().as_deref(), Some(&b"two"[..]));
+    }
+
+    #[test]
+    fn mounts_are_matched_by_path() {
+        let all = mounts_under(Path::new("/")).unwrap();
+        assert!(all.iter().any(|m| m.target == Path::new("/")));
+        assert!(mounts_under(Path::new("/no/such/soak/dir")).unwrap().is_empty());
+    }
+}
