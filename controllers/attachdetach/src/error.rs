@@ -51,11 +51,7 @@ mod tests {
 
     #[test]
     fn labels_are_the_shared_vocabulary() {
-        let api = |code| {
-            Error::Api(kube::Error::Api(
-                kube::core::Status::failure("x", "y").with_code(code).boxed(),
-            ))
-        };
+        let api = |code| Error::Api(stowage_common::errors::api_error(code));
         assert_eq!(api(409).metric_label(), "conflict");
         assert!(api(409).is_conflict() && !api(404).is_conflict());
         assert!(api(404).is_not_found());

@@ -57,9 +57,7 @@ mod tests {
 
     #[test]
     fn labels_are_the_shared_vocabulary() {
-        let conflict = Error::Api(kube::Error::Api(
-            kube::core::Status::failure("x", "y").with_code(409).boxed(),
-        ));
+        let conflict = Error::Api(stowage_common::errors::api_error(409));
         assert_eq!(conflict.metric_label(), "conflict");
         let io = || ImageError::Io {
             path: "x".into(),

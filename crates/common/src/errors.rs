@@ -55,12 +55,21 @@ pub fn is_not_found(e: &kube::Error) -> bool {
     code_is(e, 404)
 }
 
+/// An apiserver answer with status `code`, as tests of every crate's error labels need one.
+pub fn api_error(code: u16) -> kube::Error {
+    kube::Error::Api(
+        kube::core::Status::failure("refused", "Test")
+            .with_code(code)
+            .boxed(),
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn api(code: u16) -> kube::Error {
-        kube::Error::Api(kube::core::Status::failure("x", "y").with_code(code).boxed())
+        api_error(code)
     }
 
     #[test]
