@@ -8,13 +8,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use k8s_openapi::api::authentication::v1::TokenRequest;
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::ServiceAccount;
-use k8s_openapi::api::rbac::v1::ClusterRoleBinding;
 use kube::Client;
-use kube::api::{Api, PostParams};
-use stowage_testkit::ControlPlane;
+use kube::api::Api;
 use stowage_testkit::binary::Running;
 
 use crate::report::Record;
@@ -201,57 +197,6 @@ pub async fn leader(client: &Client) -> Option<String> {
         .and_then(|l| l.spec)
         .and_then(|s| s.holder_identity)
         .filter(|h| !h.is_empty())
-}
-
-/// A kubeconfig for a cluster-admin service account: a TokenRequest for it, written into a copy
-/// of the admin kubeconfig in place of the admin token.
-pub async fn service_account_kubeconfig(
-    cp: &ControlPlane,
-    client: &Client,
-    (namespace, name): (&str, &str),
-) -> anyhow::Result<PathBuf> {
-    let pp = PostParams::default();
-    let sas: Api<ServiceAccount> = Api::namespaced(client.clone(), namespace);
-    sas.create(
-        &pp,
-        &serde_json::from_value(serde_json::json!({"metadata": {"name": name}}))?,
-    )
-    .await
-    .context("create the controller's ServiceAccount")?;
-    let binding: ClusterRoleBinding = serde_json::from_value(serde_json::json!({
-        "metadata": {"name": format!("soak-{name}")},
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "cluster-admin"},
-        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}],
-    }))?;
-    Api::<ClusterRoleBinding>::all(client.clone())
-        .create(&pp, &binding)
-        .await
-        .context("bind the controller to cluster-admin")?;
-    let request: TokenRequest =
-        serde_json::from_value(serde_json::json!({"spec": {"expirationSeconds": 86400, "audiences": []}}))?;
-    let granted: TokenRequest = sas
-        .create_subresource("token", name, &pp, &request)
-        .await
-        .context("request a token")?;
-    let token = granted
-        .status
-        .and_then(|s| s.token)
-        .filter(|t| !t.is_empty())
-        .context("token request answered without a token")?;
-    let admin = std::fs::read_to_string(cp.kubeconfig())?;
-    let text: Vec<String> = admin
-        .lines()
-        .map(|l| {
-            if l.trim_start().starts_with("token:") {
-                format!("    token: {token}")
-            } else {
-                l.to_string()
-            }
-        })
-        .collect();
-    let path = cp.dir().join(format!("kubeconfig-{namespace}-{name}"));
-    std::fs::write(&path, text.join("\n") + "\n")?;
-    Ok(path)
 }
 
 /// Where the stowage binaries are: `$STOWAGE_SOAK_BIN_DIR`, else next to this executable (a

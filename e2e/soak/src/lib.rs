@@ -186,7 +186,9 @@ async fn drive(opts: &Options, dir: &Path, record: Arc<Record>, env: &mut Env) -
     .await?;
 
     setup_objects(&client).await?;
-    let sa_kubeconfig = cluster::service_account_kubeconfig(&cp, &client, CONTROLLER_SA).await?;
+    let sa_kubeconfig = cp
+        .service_account_kubeconfig(CONTROLLER_SA.0, CONTROLLER_SA.1)
+        .await?;
 
     let log_dir = dir.join("logs");
     std::fs::create_dir_all(&log_dir)?;
