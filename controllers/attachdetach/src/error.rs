@@ -18,6 +18,11 @@ pub enum Error {
     /// The live Node could not be read, so the detach could not be proven safe.
     #[error("could not read node {node} to check that the volume is unmounted: {error}")]
     NodeUnreadable { node: String, error: String },
+    /// The live Node exists without the out-of-service taint: the node came back since the
+    /// informer's copy, so its own agent detaches the volume; releasing the attachment for it
+    /// could leave the volume attached and mounted there.
+    #[error("node {0} is back in service; its attachment is left to its own detach")]
+    NodeBack(String),
     /// The write task panicked (a bug); its work is retried with backoff like any failure.
     #[error("the write task panicked")]
     Panicked,
@@ -40,6 +45,7 @@ impl MetricLabel for Error {
             Error::NodeStatus(_) => "node_status_not_updated",
             Error::StillInUse(_) => "volume_in_use",
             Error::NodeUnreadable { .. } => "node_unreadable",
+            Error::NodeBack(_) => "node_back",
             Error::Panicked => "panic",
         }
     }

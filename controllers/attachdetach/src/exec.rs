@@ -345,6 +345,17 @@ impl Controller {
         );
         self.tasks.spawn(async move {
             let _guard = owed.guard();
+            // The informer's word that the node is dead is not enough: one that came back (its
+            // taint removed, or deleted and registered again) uses its volumes again.
+            let live = w.nodes.get_opt(&node).await.map_err(|e| e.to_string());
+            if let Err(e) = release_is_safe(&node, &live) {
+                owed.send(Outcome::Release {
+                    volume,
+                    node,
+                    result: Err(e),
+                });
+                return;
+            }
             let patch = serde_json::json!({
                 "metadata": { "finalizers": fins, "resourceVersion": rv }
             });
@@ -500,6 +511,30 @@ impl Controller {
     }
 }
 
+/// Whether the live Node still allows releasing a dead node's attachment: it is gone, or it
+/// still carries the out-of-service taint.
+pub(crate) fn release_is_safe(node: &str, live: &Result<Option<Node>, String>) -> Result<(), Error> {
+    match live {
+        Err(e) => Err(Error::NodeUnreadable {
+            node: node.to_string(),
+            error: e.clone(),
+        }),
+        Ok(None) => Ok(()),
+        Ok(Some(n)) => {
+            let out_of_service = n
+                .spec
+                .as_ref()
+                .and_then(|s| s.taints.as_ref())
+                .is_some_and(|t| t.iter().any(|t| t.key == crate::objects::TAINT_OUT_OF_SERVICE));
+            if out_of_service {
+                Ok(())
+            } else {
+                Err(Error::NodeBack(node.to_string()))
+            }
+        }
+    }
+}
+
 pub(crate) struct DetachJob {
     pub(crate) volume: String,
     pub(crate) va_name: String,
@@ -577,6 +612,34 @@ mod live_check_tests {
 
     fn names(jobs: &[DetachJob]) -> Vec<&str> {
         jobs.iter().map(|j| j.volume.as_str()).collect()
+    }
+
+    #[test]
+    fn a_dead_nodes_attachment_is_released_only_while_the_live_node_is_gone_or_out_of_service() {
+        use k8s_openapi::api::core::v1::{NodeSpec, Taint};
+        let tainted = Node {
+            spec: Some(NodeSpec {
+                taints: Some(vec![Taint {
+                    key: crate::objects::TAINT_OUT_OF_SERVICE.into(),
+                    effect: "NoExecute".into(),
+                    ..Default::default()
+                }]),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        assert!(release_is_safe("n1", &Ok(None)).is_ok(), "gone");
+        assert!(
+            release_is_safe("n1", &Ok(Some(tainted))).is_ok(),
+            "out of service"
+        );
+        // Back in service since the informer's copy (the soak's seed 31 caught this race): the
+        // node's own agent detaches.
+        let back = release_is_safe("n1", &Ok(Some(Node::default()))).unwrap_err();
+        assert!(matches!(&back, Error::NodeBack(n) if n == "n1"));
+        assert_eq!(back.metric_label(), "node_back");
+        let unreadable = release_is_safe("n1", &Err("timeout".into())).unwrap_err();
+        assert_eq!(unreadable.metric_label(), "node_unreadable");
     }
 
     #[test]
