@@ -89,13 +89,15 @@ pub fn reconcile(desired: &Desired, actual: &Actual) -> Vec<Op> {
     }
 
     // 2. Mounts wanted. Only once the attachment is done and the node status lists the volume
-    // as in use (so the controller cannot detach it in the middle of the mount).
+    // both as in use (so the controller cannot detach it in the middle of the mount) and as
+    // attached (so the controller is not already detaching it: it takes the volume out of
+    // volumesAttached before it deletes the attachment).
     for (pv, dv) in &desired.volumes {
         let av = actual.volumes.get(pv);
         let Attachment::Attached { .. } = dv.attachment else {
             continue;
         };
-        if !dv.reported_in_use {
+        if !dv.reported_in_use || !dv.listed_attached {
             continue;
         }
         let device = av.and_then(|a| a.device.as_ref());
@@ -203,6 +205,7 @@ mod tests {
         }
     }
 
+    /// `attached`: the attachment is done and the node status lists it in volumesAttached.
     fn dv(pv: &str, uids: &[&str], attached: bool, reported: bool) -> DesiredVolume {
         DesiredVolume {
             pv: pv.into(),
@@ -223,6 +226,7 @@ mod tests {
                 Attachment::Pending { error: None }
             },
             reported_in_use: reported,
+            listed_attached: attached,
             resize_to: None,
             pods: uids.iter().map(|u| (u.to_string(), use_(u))).collect(),
         }
@@ -278,6 +282,16 @@ mod tests {
             let d = desired(vec![dv("v", &["a"], att, rep)], &[]);
             assert!(reconcile(&d, &Actual::default()).is_empty());
         }
+    }
+
+    /// The attachment says attached, but the node status no longer lists it (the controller
+    /// took it out before deleting the attachment) or does not list it yet: nothing is mounted.
+    #[test]
+    fn waits_until_the_node_status_lists_the_volume_attached() {
+        let mut v = dv("v", &["a"], true, true);
+        v.listed_attached = false;
+        let d = desired(vec![v], &[]);
+        assert!(reconcile(&d, &Actual::default()).is_empty());
     }
 
     #[test]
@@ -481,6 +495,7 @@ mod tests {
                 any::<bool>(),
                 any::<bool>(),
                 any::<bool>(),
+                any::<bool>(),
             ),
             0..4,
         );
@@ -495,10 +510,11 @@ mod tests {
         let extra_live = proptest::collection::btree_set(0..4usize, 0..4);
         (dvs, avs, extra_live).prop_map(|(dvs, avs, extra)| {
             let mut vols = BTreeMap::new();
-            for (p, uids, att, rep, block) in dvs {
+            for (p, uids, att, rep, block, listed) in dvs {
                 let uids: Vec<&str> = uids.iter().map(|i| UIDS[*i]).collect();
                 let mut v = dv(PVS[p], &uids, att, rep);
                 v.block = block;
+                v.listed_attached = att && listed;
                 vols.insert(PVS[p].to_string(), v);
             }
             let extra: Vec<&str> = extra.iter().map(|i| UIDS[*i]).collect();
@@ -545,6 +561,7 @@ mod tests {
                     Op::Mount { pv, uid, mount_device } => {
                         let dv = &d.volumes[pv];
                         prop_assert!(dv.reported_in_use);
+                        prop_assert!(dv.listed_attached);
                         let attached = matches!(dv.attachment, Attachment::Attached { .. });
                         prop_assert!(attached);
                         prop_assert!(dv.pods.contains_key(uid));

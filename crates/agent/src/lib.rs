@@ -28,7 +28,7 @@ use std::sync::atomic::Ordering;
 
 use anyhow::{Context, bail};
 use clap::Parser;
-use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
+use k8s_openapi::api::core::v1::{Node, PersistentVolume, PersistentVolumeClaim, Pod};
 use k8s_openapi::api::storage::v1::VolumeAttachment;
 use kube::Api;
 use kube::runtime::watcher;
@@ -204,11 +204,19 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             reported_tx,
             stop_rx.clone(),
         ));
+        // Its own Node: the volume manager mounts only what `status.volumesAttached` lists.
+        let node = Informer::spawn(
+            Api::<Node>::all(client.clone()),
+            watcher::Config::default().fields(&format!("metadata.name={}", args.node_name)),
+            strip_managed_fields,
+            &mut watches,
+        );
         loops.spawn(volumes::run(
             ctx.clone(),
             volumes::NodeLink {
                 in_use: in_use_tx,
                 reported: reported_rx,
+                node,
             },
             stop_rx,
         ));

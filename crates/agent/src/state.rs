@@ -86,6 +86,11 @@ pub struct DesiredVolume {
     pub attachment: Attachment,
     /// Listed in `node.status.volumesInUse` already (the controller will not detach it).
     pub reported_in_use: bool,
+    /// Listed in `node.status.volumesAttached`: the attach/detach controller publishes an
+    /// attachment there, and takes it away before it detaches. A kubelet mounts nothing the node
+    /// status does not list (its verifyControllerAttachedVolume); an attached VolumeAttachment
+    /// alone is not enough, since the controller may be about to delete it.
+    pub listed_attached: bool,
     /// The size a pending node-side expansion should reach.
     pub resize_to: Option<String>,
     pub pods: BTreeMap<String, PodUse>,
@@ -124,6 +129,8 @@ pub struct View<'a> {
     pub va: &'a dyn Fn(&str, &str) -> Option<Arc<VolumeAttachment>>,
     /// Unique names the node status lists in `volumesInUse`.
     pub reported: &'a BTreeSet<String>,
+    /// Unique names the node status lists in `volumesAttached`.
+    pub attached: &'a BTreeSet<String>,
     /// Claims whose node expansion this agent finished: uid → resourceVersion it wrote.
     pub expanded: &'a BTreeMap<String, String>,
     pub now: Timestamp,
@@ -362,6 +369,7 @@ pub fn desired<'p>(pods: impl IntoIterator<Item = &'p Pod>, view: &View) -> Desi
                 DesiredVolume {
                     attachment: attachment_of((view.va)(&pv_name, &handle).as_deref()),
                     reported_in_use: view.reported.contains(&unique_name(&handle)),
+                    listed_attached: view.attached.contains(&unique_name(&handle)),
                     pv: pv_name.clone(),
                     handle,
                     block,
@@ -561,6 +569,7 @@ mod tests {
             pv: &|n| pvs.get(n).cloned(),
             va: &|_, _| None,
             reported: &reported,
+            attached: &reported,
             expanded: &expanded,
             now: Timestamp::UNIX_EPOCH,
         };

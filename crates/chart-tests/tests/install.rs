@@ -445,6 +445,8 @@ async fn helm_install_upgrade_uninstall_on_a_real_apiserver() {
     agent_before.extend([
         // Without --register-node: no Node creation, no kube-node-lease.
         ("create nodes".to_string(), false),
+        // Beside a kubelet (csi mode) the kubelet checks volumesAttached: no Node reads.
+        ("watch nodes".to_string(), false),
         ("create leases -n kube-node-lease".to_string(), false),
     ]);
     check(AGENT, agent_before).await;
@@ -531,6 +533,8 @@ async fn helm_install_upgrade_uninstall_on_a_real_apiserver() {
         // --register-node: the agent keeps its Node and heartbeat Lease, and nothing more.
         ("create nodes".to_string(), true),
         ("get nodes --subresource=status".to_string(), true),
+        // Standalone: it watches its Node for status.volumesAttached.
+        ("watch nodes".to_string(), true),
         ("create leases -n kube-node-lease".to_string(), true),
         ("patch leases -n kube-node-lease".to_string(), true),
         ("delete leases -n kube-node-lease".to_string(), false),

@@ -31,6 +31,31 @@ pub(crate) struct StepError {
     pub(crate) message: String,
 }
 
+/// The live Node lists `unique` both as attached and as in use, or the mount must wait.
+async fn verify_listed_attached(ctx: &Ctx, unique: &str) -> Result<(), StepError> {
+    const STEP: &str = "VerifyControllerAttachedVolume";
+    let node = kube::Api::<k8s_openapi::api::core::v1::Node>::all(ctx.client.clone())
+        .get(&ctx.node)
+        .await
+        .map_err(step(STEP))?;
+    let status = node.status.unwrap_or_default();
+    let attached = status.volumes_attached.iter().flatten().any(|v| v.name == unique);
+    let in_use = status.volumes_in_use.iter().flatten().any(|v| v == unique);
+    match (attached, in_use) {
+        (true, true) => Ok(()),
+        (false, _) => Err(StepError {
+            step: STEP,
+            message: format!(
+                "volume {unique} is not attached according to the node status (volumesAttached)"
+            ),
+        }),
+        (true, false) => Err(StepError {
+            step: STEP,
+            message: format!("volume {unique} is not yet listed in the node status as in use (volumesInUse)"),
+        }),
+    }
+}
+
 pub(crate) fn step<E: std::fmt::Display>(step: &'static str) -> impl FnOnce(E) -> StepError {
     move |e| StepError {
         step,
@@ -137,6 +162,15 @@ impl Executor {
                 message: "volume is not attached".into(),
             });
         };
+        // Nothing of this volume in place here yet: ask the live Node, as a kubelet does
+        // (verifyControllerAttachedVolume). This read comes after our volumesInUse write, so either
+        // the controller saw the volume in use and will not detach it, or its removal from
+        // volumesAttached (made before any detach) is visible here and nothing is mounted.
+        let in_place = self.actual.device.as_ref().is_some_and(Mounted::ok)
+            || self.actual.pods.values().any(|p| p.state.ok());
+        if !in_place {
+            verify_listed_attached(ctx, &dv.unique_name()).await?;
+        }
         let image = ctx.images.path(&dv.handle).ok().ok_or_else(|| StepError {
             step: "WaitForAttach",
             message: format!("volume handle {:?} is not a plain file name", dv.handle),

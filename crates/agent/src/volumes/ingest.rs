@@ -6,7 +6,9 @@ use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::Path;
 
 use futures::future::join_all;
+use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::jiff::Timestamp;
+use kube::runtime::reflector::ObjectRef;
 
 use super::*;
 use crate::ctx::Ctx;
@@ -26,6 +28,12 @@ pub(crate) async fn observe_and_decide(
     // The node first: without it nothing can be decided safely.
     let a = observe(ctx, prober).await?;
     let reported = link.reported.borrow().clone();
+    let attached = link
+        .node
+        .store()
+        .get(&ObjectRef::new(&ctx.node))
+        .map(|n| volumes_attached(&n))
+        .unwrap_or_default();
     let pods = ctx.pods.store().state();
     let d = {
         let view = View {
@@ -33,12 +41,22 @@ pub(crate) async fn observe_and_decide(
             pv: &|n| ctx.pv(n),
             va: &|pv, h| ctx.va_for(pv, h),
             reported: &reported,
+            attached: &attached,
             expanded,
             now: Timestamp::now(),
         };
         desired(pods.iter().map(|p| p.as_ref()), &view)
     };
     Ok((d, a))
+}
+
+/// The unique names a Node's status lists in `volumesAttached`.
+pub(crate) fn volumes_attached(node: &Node) -> BTreeSet<String> {
+    node.status
+        .iter()
+        .flat_map(|s| s.volumes_attached.iter().flatten())
+        .map(|v| v.name.clone())
+        .collect()
 }
 
 /// The actual state: mounts under the root dir from the mount table, plus leftover directories

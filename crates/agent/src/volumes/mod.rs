@@ -11,6 +11,8 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
+use k8s_openapi::api::core::v1::Node;
+use stowage_common::informer::Informer;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
@@ -45,6 +47,8 @@ pub struct NodeLink {
     pub in_use: watch::Sender<Option<BTreeSet<String>>>,
     /// Unique names the node status lists now.
     pub reported: watch::Receiver<BTreeSet<String>>,
+    /// This node's Node object (`status.volumesAttached`).
+    pub node: Informer<Node>,
 }
 
 pub async fn run(ctx: Arc<Ctx>, mut link: NodeLink, mut stop: watch::Receiver<bool>) {
@@ -52,8 +56,10 @@ pub async fn run(ctx: Arc<Ctx>, mut link: NodeLink, mut stop: watch::Receiver<bo
         ctx.pods.ready(),
         ctx.pvcs.ready(),
         ctx.pvs.ready(),
-        ctx.vas.ready()
+        ctx.vas.ready(),
+        link.node.ready()
     );
+    let mut node_rx = link.node.subscribe();
     let mut pods_rx = ctx.pods.subscribe();
     let mut pvcs_rx = ctx.pvcs.subscribe();
     let mut pvs_rx = ctx.pvs.subscribe();
@@ -124,6 +130,7 @@ pub async fn run(ctx: Arc<Ctx>, mut link: NodeLink, mut stop: watch::Receiver<bo
             _ = pvcs_rx.recv() => {}
             _ = pvs_rx.recv() => {}
             _ = vas_rx.recv() => {}
+            _ = node_rx.recv() => {}
             _ = link.reported.changed() => {}
             Some(done) = done_rx.recv() => finish(&mut tracker, &mut expanded, done),
             _ = tokio::time::sleep_until(wake) => {}
@@ -137,6 +144,7 @@ pub async fn run(ctx: Arc<Ctx>, mut link: NodeLink, mut stop: watch::Receiver<bo
         drain(&mut pvcs_rx);
         drain(&mut pvs_rx);
         drain(&mut vas_rx);
+        drain(&mut node_rx);
         // Let a burst of changes settle before the next full pass.
         tokio::time::sleep(Duration::from_millis(20)).await;
     }

@@ -193,7 +193,16 @@ impl Env {
         name
     }
 
+    /// Waits until the attachment is attached, then lists it in the node's
+    /// `status.volumesAttached` as the controller does (the agent mounts nothing before).
     pub(crate) async fn wait_attached(&self, va: &str) -> String {
+        let (node, pv, dev) = self.wait_va_attached(va).await;
+        self.list_attached(&node, &pv, Some(&dev)).await;
+        dev
+    }
+
+    /// Waits until the attachment is attached; returns its (node, PV, device path).
+    pub(crate) async fn wait_va_attached(&self, va: &str) -> (String, String, String) {
         let api: Api<VolumeAttachment> = Api::all(self.client.clone());
         eventually(LIMIT, || async {
             let v = api.get(va).await.map_err(|e| e.to_string())?;
@@ -201,17 +210,53 @@ impl Env {
             if !st.attached {
                 return Err(format!("not attached: {:?}", st.attach_error));
             }
-            st.attachment_metadata
+            let dev = st
+                .attachment_metadata
                 .and_then(|m| m.get("devicePath").cloned())
-                .ok_or("no devicePath".to_string())
+                .ok_or("no devicePath".to_string())?;
+            let pv = v.spec.source.persistent_volume_name.unwrap_or_default();
+            Ok((v.spec.node_name, pv, dev))
+        })
+        .await
+    }
+
+    /// Sets (`Some(device)`) or removes (`None`) the volume's entry in the node's
+    /// `status.volumesAttached` (an atomic list: read, change, write with its resourceVersion).
+    pub(crate) async fn list_attached(&self, node: &str, pv: &str, device: Option<&str>) {
+        let name = unique_name(pv);
+        let nodes: Api<Node> = Api::all(self.client.clone());
+        eventually(LIMIT, || async {
+            let n = nodes.get_status(node).await.map_err(|e| e.to_string())?;
+            let mut list: Vec<serde_json::Value> = n
+                .status
+                .and_then(|s| s.volumes_attached)
+                .unwrap_or_default()
+                .into_iter()
+                .filter(|v| v.name != name)
+                .map(|v| serde_json::json!({"name": v.name, "devicePath": v.device_path}))
+                .collect();
+            if let Some(dev) = device {
+                list.push(serde_json::json!({"name": name, "devicePath": dev}));
+            }
+            let patch = serde_json::json!({
+                "metadata": {"resourceVersion": n.metadata.resource_version},
+                "status": {"volumesAttached": list},
+            });
+            nodes
+                .patch_status(node, &PatchParams::default(), &Patch::Merge(&patch))
+                .await
+                .map(|_| ())
+                .map_err(|e| e.to_string())
         })
         .await
     }
 
     /// Deletes the attachment the way the controller does: once the node no longer lists the
-    /// volume as in use; then waits until the agent released it.
+    /// volume as in use, and after taking it out of `volumesAttached`; then waits until the
+    /// agent released it.
     pub(crate) async fn detach(&self, va: &str, node: &str, pv: &str) {
         self.wait_not_in_use(node, pv).await;
+        self.list_attached(node, pv, None).await;
         let api: Api<VolumeAttachment> = Api::all(self.client.clone());
         api.delete(va, &DeleteParams::default()).await.unwrap();
         eventually(LIMIT, || async {

@@ -145,6 +145,45 @@ async fn missing_image_reports_attach_error_then_recovers() {
     e.release(&["app"], &[&target], &va, &node, &pv).await;
 }
 
+/// The controller lists an attachment in `status.volumesAttached` once it is attached and takes
+/// it out before it deletes the attachment: an attached VolumeAttachment the node status does not
+/// list may be on its way out, so nothing is mounted from it (a kubelet's
+/// verifyControllerAttachedVolume). Found by the soak: a pod that arrived while its volume's
+/// detach was being decided was mounted from the attachment being deleted.
+#[tokio::test]
+async fn nothing_is_mounted_that_the_node_status_does_not_list_as_attached() {
+    let (e, _guard) = env("unlisted").await;
+    let node = unique("node-u");
+    let agent = e.agent(&node, "unlisted");
+    let pv = unique("pv-unlisted");
+    e.image(&pv);
+    e.volume(&pv, "data").await;
+    let uid = e.pod("app", &node, "data").await;
+    let va = e.attach(&pv, &node).await;
+    let (_, _, dev) = e.wait_va_attached(&va).await;
+    e.wait_in_use(&node, &pv).await;
+    let target = e.layout(&node).pod_mount(&uid, &pv);
+
+    // Several passes that saw the attachment attached and the volume in use: still nothing.
+    let passes = |a: &Running| counter(a, "stowage_agent_reconcile_passes_total", &[("loop", "volumes")]);
+    let from = passes(&agent);
+    eventually(LIMIT, || async {
+        let n = passes(&agent);
+        (n >= from + 3.0).then_some(()).ok_or(format!("{n} passes"))
+    })
+    .await;
+    assert!(mounts_at(&target).is_empty(), "mounted without volumesAttached");
+    assert!(
+        mounts_at(&e.layout(&node).global_mount(&pv)).is_empty(),
+        "device mounted without volumesAttached"
+    );
+
+    // Listed: mounted.
+    e.list_attached(&node, &pv, Some(&dev)).await;
+    wait_mounted(&target).await;
+    e.release(&["app"], &[&target], &va, &node, &pv).await;
+}
+
 #[tokio::test]
 async fn two_pods_share_one_device_mount() {
     let (e, _guard) = env("shared").await;
