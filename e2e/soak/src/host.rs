@@ -128,17 +128,34 @@ impl ImageStore {
 }
 
 /// What a node's power-off does to its share of the host: every mount under the node's root dir
-/// goes (pod mounts first, then device mounts), and the loop devices those device mounts were on
-/// are freed when nothing else mounts them: a shut-down kernel holds no device. (One kernel plays
-/// every node here, so without this a "shut down" node would keep writing to its images.)
-pub fn power_off(root: &Path) -> Vec<String> {
+/// goes (pod mounts first, then device mounts), and its loop devices are freed when nothing else
+/// mounts them: a shut-down kernel holds no device. Its devices are those its mounts were on and
+/// those its attachments name (`attached`: device and volume handle; attached but not mounted
+/// yet, or no longer), minus any another node's attachment names (`others`). (One kernel plays
+/// every node here, so without this a "shut down" node would keep writing to its images, and
+/// devices no mount named would outlive it.)
+pub fn power_off(root: &Path, attached: &[(String, String)], others: &BTreeSet<String>) -> Vec<String> {
     let mut done = Vec::new();
     let mounts = mounts_under(root).unwrap_or_default();
-    let devices: BTreeSet<String> = mounts
+    let mut devices: BTreeSet<String> = mounts
         .iter()
         .filter(|m| m.source.starts_with("/dev/loop"))
         .map(|m| m.source.clone())
         .collect();
+    // Only while the device still backs that volume's image (a freed device may be reused).
+    for (dev, handle) in attached {
+        let name = Path::new(dev)
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or_default();
+        let backing =
+            std::fs::read_to_string(format!("/sys/block/{name}/loop/backing_file")).unwrap_or_default();
+        let image = format!("/{handle}.img");
+        let backing = backing.trim().trim_end_matches(" (deleted)");
+        if backing.ends_with(&image) && !others.contains(dev) {
+            devices.insert(dev.clone());
+        }
+    }
     let mut points: Vec<PathBuf> = mounts.into_iter().map(|m| m.target).collect();
     points.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
     for p in points {

@@ -11,6 +11,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
+use k8s_openapi::api::storage::v1::VolumeAttachment;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use stowage_testkit::builders::{pod, pvc};
@@ -639,7 +640,10 @@ async fn out_of_service(ctx: &Arc<Ctx>, rng: &mut Rng, node: &str) {
         held.push(l.lock().await);
     }
     let root = ctx.roots[node].clone();
-    let powered_off = tokio::task::spawn_blocking(move || host::power_off(&root))
+    // Its kernel's loop devices include attached ones nothing mounts yet (or any more): the
+    // agent (now dead) named each in its attachment's status. Those of other nodes stay.
+    let (own, others) = node_devices(ctx, node).await;
+    let powered_off = tokio::task::spawn_blocking(move || host::power_off(&root, &own, &others))
         .await
         .unwrap_or_default();
     drop(held);
@@ -691,6 +695,62 @@ async fn out_of_service(ctx: &Arc<Ctx>, rng: &mut Rng, node: &str) {
             .op("out-of-service-untaint", serde_json::json!({"node": node2}));
     });
     ctx.followups.lock().unwrap_or_else(|p| p.into_inner()).push(t);
+}
+
+/// Loop devices named by the attachments of `node` (with their images), and those named by the
+/// attachments of every other node. Read until it succeeds: the API may be down or squeezed.
+async fn node_devices(ctx: &Arc<Ctx>, node: &str) -> (Vec<(String, String)>, BTreeSet<String>) {
+    let vas: Api<VolumeAttachment> = Api::all(ctx.client.clone());
+    let pvs: Api<PersistentVolume> = Api::all(ctx.client.clone());
+    for _ in 0..120 {
+        let (list, volumes) = match (
+            vas.list(&ListParams::default()).await,
+            pvs.list(&ListParams::default()).await,
+        ) {
+            (Ok(l), Ok(p)) => (l, p),
+            (Err(e), _) | (_, Err(e)) => {
+                ctx.api_failed("list attachments for power-off", e);
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                continue;
+            }
+        };
+        let handle = |pv: &str| {
+            volumes
+                .items
+                .iter()
+                .find(|p| p.name_any() == pv)
+                .and_then(|p| p.spec.as_ref()?.csi.as_ref())
+                .map(|c| c.volume_handle.clone())
+        };
+        let mut own = Vec::new();
+        let mut others = BTreeSet::new();
+        for va in &list.items {
+            let Some(dev) = va
+                .status
+                .as_ref()
+                .and_then(|s| s.attachment_metadata.as_ref())
+                .and_then(|m| m.get("devicePath"))
+            else {
+                continue;
+            };
+            if va.spec.node_name != node {
+                others.insert(dev.clone());
+                continue;
+            }
+            // The handle is in the status too (a PV may be gone already).
+            let h = va
+                .status
+                .as_ref()
+                .and_then(|s| s.attachment_metadata.as_ref())
+                .and_then(|m| m.get("volumeHandle").cloned())
+                .or_else(|| handle(va.spec.source.persistent_volume_name.as_deref()?));
+            if let Some(h) = h {
+                own.push((dev.clone(), h));
+            }
+        }
+        return (own, others);
+    }
+    (Vec::new(), BTreeSet::new())
 }
 
 /// Waits until the agent has mounted the pod's volume, then checks the data the previous pod
