@@ -69,6 +69,11 @@ pub struct Stream<T> {
     listing: Option<HashMap<String, (u64, T)>>,
     /// The first list is complete.
     pub synced: bool,
+    /// Revision ranges the watch did not see (lost, then relisted): an object created and deleted
+    /// inside one is in no history at all.
+    gaps: Vec<(u64, u64)>,
+    /// A gap still open: from here until the first change after the relist.
+    open_gap: Option<u64>,
 }
 
 impl<T: Clone + PartialEq> Default for Stream<T> {
@@ -78,6 +83,8 @@ impl<T: Clone + PartialEq> Default for Stream<T> {
             frontier: 0,
             listing: None,
             synced: false,
+            gaps: Vec::new(),
+            open_gap: None,
         }
     }
 }
@@ -96,17 +103,50 @@ impl<T: Clone + PartialEq> Stream<T> {
             list.insert(key.to_string(), (rv, snap));
             return;
         }
+        self.close_gap(rv);
         self.push(key, rv, St::Present(snap));
         self.frontier = self.frontier.max(rv);
     }
 
     pub fn delete(&mut self, key: &str, rv: u64) {
+        self.close_gap(rv);
         self.push(key, rv, St::Gone);
         self.frontier = self.frontier.max(rv);
     }
 
+    /// The first change after a relist: the watch saw everything from its list on, so nothing
+    /// between the list and this change was missed (the list's own revision is not known here).
+    fn close_gap(&mut self, rv: u64) {
+        if let Some(g) = self.open_gap.take() {
+            self.gaps.push((g, rv.saturating_sub(1)));
+        }
+    }
+
+    /// Whether every revision in `[from, until)` fell in a gap (nothing can be said of them).
+    pub fn unseen(&self, from: u64, until: u64) -> bool {
+        let mut x = from;
+        while x < until {
+            if self.open_gap.is_some_and(|g| g <= x) {
+                return true;
+            }
+            match self
+                .gaps
+                .iter()
+                .filter(|(a, b)| *a <= x && x <= *b)
+                .map(|(_, b)| *b)
+                .max()
+            {
+                Some(end) => x = end.saturating_add(1),
+                None => return false,
+            }
+        }
+        true
+    }
+
     pub fn begin_list(&mut self) {
         self.listing = Some(HashMap::new());
+        // Changes after the last one seen may be missing until the relist is followed.
+        self.open_gap.get_or_insert(self.frontier + 1);
     }
 
     /// A fresh list replaces what is known: objects that changed or vanished while the watch was
@@ -550,7 +590,9 @@ impl Observer {
                     continue;
                 }
                 let Some(ph) = s.pvs.hist.get(vol) else {
-                    if !bound {
+                    // A volume made and deleted while the volume watch was lost is in no
+                    // history: nothing can be said of it then.
+                    if !bound || s.pvs.unseen(*from, until) {
                         continue;
                     }
                     checked += 1;
@@ -778,6 +820,44 @@ mod tests {
         }
         o.judge();
         assert!(r.snapshot().violations.is_empty());
+    }
+
+    /// The volume watch was lost and relisted; a volume created and deleted meanwhile is in no
+    /// history. A claim bound to it then is not judged; one bound to an unknown volume while the
+    /// watch saw everything is a violation.
+    #[test]
+    fn a_volume_unseen_in_a_watch_gap_is_not_judged() {
+        let (o, r, _d) = observer();
+        {
+            let mut s = o.lock();
+            s.pvs.apply("v", 3, pv(None));
+            s.pvs.begin_list();
+            s.pvs.apply("v", 3, pv(None));
+            s.pvs.end_list();
+            s.pvs.apply("v", 30, pv(None));
+            s.claims.apply("u1", 11, claim(Some("gone"), "Bound"));
+            s.claims.apply("u1", 25, claim(None, "Pending"));
+            s.claims.apply("u1", 31, claim(Some("never"), "Bound"));
+            s.claims.apply("u1", 32, claim(None, "Pending"));
+            s.pvs.apply("v", 40, pv(None));
+        }
+        o.judge();
+        let v = r.snapshot().violations;
+        assert_eq!(v.len(), 1, "{v:?}");
+        assert!(format!("{v:?}").contains("never"), "{v:?}");
+    }
+
+    #[test]
+    fn gaps_cover_only_what_was_missed() {
+        let mut st: Stream<PvSnap> = Stream::default();
+        st.apply("v", 5, pv(None));
+        st.begin_list();
+        st.end_list();
+        assert!(st.unseen(6, 100), "open until the first change after the list");
+        st.apply("v", 20, pv(None));
+        assert!(st.unseen(6, 20));
+        assert!(!st.unseen(6, 21));
+        assert!(!st.unseen(3, 10));
     }
 
     #[test]
