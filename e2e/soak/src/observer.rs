@@ -58,6 +58,8 @@ pub struct VaSnap {
 #[derive(Clone, Debug, PartialEq)]
 pub struct NodeSnap {
     pub in_use: BTreeSet<String>,
+    /// `status.volumesAttached` names (written by the attach/detach controller).
+    pub attached: BTreeSet<String>,
     pub out_of_service: bool,
 }
 
@@ -194,6 +196,27 @@ impl<T: Clone + PartialEq> Stream<T> {
     }
 }
 
+/// Whether the run of node revisions up to `rv` that list `volume` in `volumesInUse` began at
+/// one that also listed it in `volumesAttached` (or cannot be told apart: an unknown stretch, or
+/// the history's start, count as listed).
+fn in_use_while_listed(h: &[(u64, St<NodeSnap>)], rv: u64, volume: &str) -> bool {
+    let mut start: Option<&NodeSnap> = None;
+    for (_, st) in h
+        .iter()
+        .take_while(|(r, _)| *r <= rv)
+        .collect::<Vec<_>>()
+        .into_iter()
+        .rev()
+    {
+        match st {
+            St::Present(n) if n.in_use.contains(volume) => start = Some(n),
+            St::Present(_) => break,
+            St::Gone | St::Unknown => return true,
+        }
+    }
+    start.is_none_or(|n| n.attached.contains(volume))
+}
+
 /// The state of history `h` at revision `rv`: `None` when nothing was known then.
 pub fn state_at<T>(h: &[(u64, St<T>)], rv: u64) -> Option<&St<T>> {
     h.iter().take_while(|(r, _)| *r <= rv).last().map(|(_, s)| s)
@@ -277,6 +300,12 @@ fn node_snap(n: &Node) -> NodeSnap {
             .and_then(|s| s.volumes_in_use.clone())
             .unwrap_or_default()
             .into_iter()
+            .collect(),
+        attached: n
+            .status
+            .iter()
+            .flat_map(|s| s.volumes_attached.iter().flatten())
+            .map(|v| v.name.clone())
             .collect(),
         out_of_service: n
             .spec
@@ -480,7 +509,7 @@ impl Observer {
                 if changed && !s.nodes.listing() && !n.name_any().starts_with("soak-ticker") {
                     self.record.log(
                         "node",
-                        serde_json::json!({"rv": rv, "name": n.name_any(), "volumesInUse": snap.in_use, "outOfService": snap.out_of_service}),
+                        serde_json::json!({"rv": rv, "name": n.name_any(), "volumesInUse": snap.in_use, "volumesAttached": snap.attached, "outOfService": snap.out_of_service}),
                     );
                 }
                 s.nodes.apply(&n.name_any(), rv, snap);
@@ -647,7 +676,12 @@ impl Observer {
 
     /// An attachment is deleted (deletionTimestamp set, or removed outright) only when its node no
     /// longer lists the volume in `volumesInUse`, unless the node has the out-of-service taint
-    /// then (the documented forced detach).
+    /// then (the documented forced detach). The protocol (upstream's, and stowage's) leaves one
+    /// race: the controller takes the volume out of `volumesAttached`, reads `volumesInUse`, then
+    /// deletes; a pod arriving after that read makes the node list the volume in use before the
+    /// delete lands. A node then must not mount it (it is no longer in `volumesAttached`), so
+    /// that is no violation: the in-use listing must have begun while `volumesAttached` still
+    /// listed the volume, and lasted until the delete, for the controller to have been wrong.
     fn judge_detaches(&self, s: &mut Seen) -> u64 {
         let limit = s.vas.frontier.min(s.nodes.frontier);
         let mut decided = Vec::new();
@@ -693,10 +727,14 @@ impl Observer {
             });
             let Some(unique) = unique else { continue };
             let name = format!("kubernetes.io/csi/{unique}");
-            let node = s.nodes.hist.get(&va.node).and_then(|h| state_at(h, rv));
+            let Some(nh) = s.nodes.hist.get(&va.node) else {
+                continue;
+            };
+            let node = state_at(nh, rv);
             if let Some(St::Present(n)) = node
                 && n.in_use.contains(&name)
                 && !n.out_of_service
+                && in_use_while_listed(nh, rv, &name)
             {
                 self.record.violation(
                     &format!("inuse:{uid}"),
@@ -887,10 +925,44 @@ mod tests {
         }
     }
 
+    /// A node listing `in_use` as in use and as attached.
     fn node(in_use: &[&str], oos: bool) -> NodeSnap {
         NodeSnap {
             in_use: in_use.iter().map(|s| s.to_string()).collect(),
+            attached: in_use.iter().map(|s| s.to_string()).collect(),
             out_of_service: oos,
+        }
+    }
+
+    /// A pod that arrives after the controller took the volume out of `volumesAttached` (and read
+    /// `volumesInUse`) lists it in use before the delete lands: the protocol's race, not a
+    /// violation. In use since before it left `volumesAttached`: a violation.
+    #[test]
+    fn in_use_that_began_after_volumes_attached_dropped_it_is_the_protocols_race() {
+        let name = "kubernetes.io/csi/loop.stowage.dev^h";
+        for (listed_when_in_use_began, want) in [(false, 0), (true, 1)] {
+            let (o, r, _d) = observer();
+            {
+                let mut s = o.lock();
+                s.pvs.apply("v", 1, pv(Some("u1")));
+                s.vas.apply("x", 2, va("a", true, false));
+                s.nodes.apply("a", 3, node(&[], false));
+                let mut began = node(&[name], false);
+                if !listed_when_in_use_began {
+                    began.attached.clear();
+                }
+                s.nodes.apply("a", 4, began.clone());
+                began.attached.clear();
+                s.nodes.apply("a", 5, began);
+                s.vas.apply("x", 6, va("a", true, true));
+                s.nodes.apply("a", 7, node(&[], false));
+            }
+            o.judge();
+            assert_eq!(
+                r.snapshot().violations.len(),
+                want,
+                "volumesAttached listed it when in use began: {listed_when_in_use_began}"
+            );
         }
     }
 
