@@ -413,9 +413,15 @@ async fn standalone_agent_renders_the_kubelet_less_node() {
         assert_entry(a, "volumeMounts", "dev", &["mountPath: /dev"]);
         assert_eq!(a.matches("mountPropagation:").count(), 1, "{a}");
 
-        // --register-node, and only it, brings the Node and kube-node-lease rights.
+        // The standalone agent watches its Node (volumesAttached) and reads it before a first
+        // mount; --register-node, and only it, brings Node creation and kube-node-lease rights.
         let r = doc(&m, "ClusterRole", "st-stowage-agent");
-        assert_eq!(r.contains(r#""get", "create", "patch""#), register, "{r}");
+        let verbs = if register {
+            r#"verbs: ["get", "list", "watch", "create", "patch"]"#
+        } else {
+            r#"verbs: ["get", "list", "watch", "patch"]"#
+        };
+        assert!(r.contains(verbs), "{set}: {verbs}\n{r}");
         assert_eq!(
             document(&m, "Role", "st-stowage-agent-node-lease").is_some(),
             register,
