@@ -52,14 +52,20 @@ pub fn loops_backed_under(dir: &Path) -> Vec<(String, String)> {
         if !name.starts_with("loop") {
             continue;
         }
-        if let Ok(b) = std::fs::read_to_string(e.path().join("loop/backing_file")) {
-            let b = b.trim().to_string();
-            if b.starts_with(&format!("{prefix}/")) {
-                out.push((format!("/dev/{name}"), b));
-            }
+        if let Some(b) = backing_file(&name)
+            && b.starts_with(&format!("{prefix}/"))
+        {
+            out.push((format!("/dev/{name}"), b));
         }
     }
     out
+}
+
+/// What loop device `name` (`loopN`) is backed by, as the kernel shows it.
+fn backing_file(name: &str) -> Option<String> {
+    std::fs::read_to_string(format!("/sys/block/{name}/loop/backing_file"))
+        .ok()
+        .map(|b| b.trim().to_string())
 }
 
 /// The file-system UUID `blkid` reads from `device` (probing the device itself, not the cache).
@@ -148,11 +154,9 @@ pub fn power_off(root: &Path, attached: &[(String, String)], others: &BTreeSet<S
             .file_name()
             .and_then(|n| n.to_str())
             .unwrap_or_default();
-        let backing =
-            std::fs::read_to_string(format!("/sys/block/{name}/loop/backing_file")).unwrap_or_default();
+        let backing = backing_file(name).unwrap_or_default();
         let image = format!("/{handle}.img");
-        let backing = backing.trim().trim_end_matches(" (deleted)");
-        if backing.ends_with(&image) && !others.contains(dev) {
+        if backing.trim_end_matches(" (deleted)").ends_with(&image) && !others.contains(dev) {
             devices.insert(dev.clone());
         }
     }

@@ -697,55 +697,31 @@ async fn out_of_service(ctx: &Arc<Ctx>, rng: &mut Rng, node: &str) {
     ctx.followups.lock().unwrap_or_else(|p| p.into_inner()).push(t);
 }
 
-/// Loop devices named by the attachments of `node` (with their images), and those named by the
-/// attachments of every other node. Read until it succeeds: the API may be down or squeezed.
+/// Loop devices named by the attachments of `node` (with their volume handles, which the agent
+/// writes into the status beside the device), and those named by the attachments of every other
+/// node. Read until it succeeds: the API may be down or squeezed.
 async fn node_devices(ctx: &Arc<Ctx>, node: &str) -> (Vec<(String, String)>, BTreeSet<String>) {
     let vas: Api<VolumeAttachment> = Api::all(ctx.client.clone());
-    let pvs: Api<PersistentVolume> = Api::all(ctx.client.clone());
     for _ in 0..120 {
-        let (list, volumes) = match (
-            vas.list(&ListParams::default()).await,
-            pvs.list(&ListParams::default()).await,
-        ) {
-            (Ok(l), Ok(p)) => (l, p),
-            (Err(e), _) | (_, Err(e)) => {
+        let list = match vas.list(&ListParams::default()).await {
+            Ok(l) => l,
+            Err(e) => {
                 ctx.api_failed("list attachments for power-off", e);
                 tokio::time::sleep(Duration::from_millis(500)).await;
                 continue;
             }
         };
-        let handle = |pv: &str| {
-            volumes
-                .items
-                .iter()
-                .find(|p| p.name_any() == pv)
-                .and_then(|p| p.spec.as_ref()?.csi.as_ref())
-                .map(|c| c.volume_handle.clone())
-        };
         let mut own = Vec::new();
         let mut others = BTreeSet::new();
         for va in &list.items {
-            let Some(dev) = va
-                .status
-                .as_ref()
-                .and_then(|s| s.attachment_metadata.as_ref())
-                .and_then(|m| m.get("devicePath"))
-            else {
+            let meta = va.status.as_ref().and_then(|s| s.attachment_metadata.as_ref());
+            let Some(dev) = meta.and_then(|m| m.get("devicePath")) else {
                 continue;
             };
             if va.spec.node_name != node {
                 others.insert(dev.clone());
-                continue;
-            }
-            // The handle is in the status too (a PV may be gone already).
-            let h = va
-                .status
-                .as_ref()
-                .and_then(|s| s.attachment_metadata.as_ref())
-                .and_then(|m| m.get("volumeHandle").cloned())
-                .or_else(|| handle(va.spec.source.persistent_volume_name.as_deref()?));
-            if let Some(h) = h {
-                own.push((dev.clone(), h));
+            } else if let Some(h) = meta.and_then(|m| m.get("volumeHandle")) {
+                own.push((dev.clone(), h.clone()));
             }
         }
         return (own, others);

@@ -38,9 +38,12 @@ async fn verify_listed_attached(ctx: &Ctx, unique: &str) -> Result<(), StepError
         .get(&ctx.node)
         .await
         .map_err(step(STEP))?;
-    let status = node.status.unwrap_or_default();
-    let attached = status.volumes_attached.iter().flatten().any(|v| v.name == unique);
-    let in_use = status.volumes_in_use.iter().flatten().any(|v| v == unique);
+    let attached = super::ingest::volumes_attached(&node).contains(unique);
+    let in_use = node
+        .status
+        .iter()
+        .flat_map(|s| s.volumes_in_use.iter().flatten())
+        .any(|v| v == unique);
     match (attached, in_use) {
         (true, true) => Ok(()),
         (false, _) => Err(StepError {
