@@ -193,7 +193,6 @@ fn world() -> impl Strategy<Value = World> {
 
 /// The invariants that must hold in every state the model passes through.
 fn check_invariants(w: &World) -> Result<(), TestCaseError> {
-    let env = env();
     let mut holders: BTreeMap<&str, &str> = BTreeMap::new();
     for (key, c) in &w.claims {
         if claim_phase(c) != "Bound" {
@@ -230,7 +229,7 @@ fn check_invariants(w: &World) -> Result<(), TestCaseError> {
             (false, true) => core::Scope::Prebound,
             (false, false) => core::Scope::Any,
         };
-        if let Err(m) = core::check(v, c, &env, None, scope) {
+        if let Err(m) = core::check(v, c, scope) {
             prop_assert!(false, "{} bound to {} which does not satisfy it: {}", key, vol, m);
         }
     }

@@ -1,8 +1,8 @@
-//! Label selectors (claim → volume labels) and node selectors (volume node affinity → node).
+//! Label selectors (claim → volume labels). Node affinity is not the binder's to check (upstream's
+//! controller path leaves it to the scheduler).
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::api::core::v1::{NodeSelector, NodeSelectorRequirement};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use kube::core::labels::{Selector, SelectorExt};
 
@@ -15,48 +15,9 @@ pub fn labels_match(sel: &LabelSelector, labels: &Labels) -> bool {
     Selector::try_from(sel.clone()).is_ok_and(|s| s.matches(labels))
 }
 
-// Node selectors stay hand-written: kube-core's `Selector` has no Gt/Lt and no matchFields.
-fn requirement_matches(r: &NodeSelectorRequirement, value: Option<&String>) -> bool {
-    let values = r.values.as_deref().unwrap_or_default();
-    match r.operator.as_str() {
-        "In" => value.is_some_and(|v| values.contains(v)),
-        "NotIn" => value.is_none_or(|v| !values.contains(v)),
-        "Exists" => value.is_some(),
-        "DoesNotExist" => value.is_none(),
-        "Gt" | "Lt" => {
-            let (Some(v), Some(bound)) = (value.and_then(|v| v.parse::<i64>().ok()), values.first()) else {
-                return false;
-            };
-            let Ok(bound) = bound.parse::<i64>() else {
-                return false;
-            };
-            if r.operator == "Gt" { v > bound } else { v < bound }
-        }
-        _ => false,
-    }
-}
-
-/// Whether a node (name + labels) satisfies a required node selector: terms are ORed, the
-/// requirements of a term ANDed; a term with no requirements matches nothing (upstream rule).
-pub fn node_matches(sel: &NodeSelector, node_name: &str, labels: &Labels) -> bool {
-    sel.node_selector_terms.iter().any(|term| {
-        let exprs = term.match_expressions.as_deref().unwrap_or_default();
-        let fields = term.match_fields.as_deref().unwrap_or_default();
-        if exprs.is_empty() && fields.is_empty() {
-            return false;
-        }
-        let name = node_name.to_string();
-        exprs.iter().all(|r| requirement_matches(r, labels.get(&r.key)))
-            && fields
-                .iter()
-                .all(|r| r.key == "metadata.name" && requirement_matches(r, Some(&name)))
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use k8s_openapi::api::core::v1::NodeSelectorTerm;
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelectorRequirement;
 
     fn labels(kv: &[(&str, &str)]) -> Labels {
@@ -96,33 +57,5 @@ mod tests {
         // What the apiserver would refuse matches nothing.
         assert!(!labels_match(&expr("Gt", Some(vec!["1"])), &a));
         assert!(!labels_match(&expr("In", None), &a));
-    }
-
-    #[test]
-    fn node_selector_terms_are_ored() {
-        let req = |k: &str, op: &str, v: &[&str]| NodeSelectorRequirement {
-            key: k.into(),
-            operator: op.into(),
-            values: Some(v.iter().map(|s| s.to_string()).collect()),
-        };
-        let sel = NodeSelector {
-            node_selector_terms: vec![
-                NodeSelectorTerm {
-                    match_expressions: Some(vec![req("h", "In", &["n1"])]),
-                    ..Default::default()
-                },
-                NodeSelectorTerm {
-                    match_expressions: Some(vec![req("cpu", "Gt", &["4"])]),
-                    ..Default::default()
-                },
-            ],
-        };
-        assert!(node_matches(&sel, "x", &labels(&[("h", "n1")])));
-        assert!(node_matches(&sel, "x", &labels(&[("cpu", "8")])));
-        assert!(!node_matches(&sel, "x", &labels(&[("cpu", "2"), ("h", "n2")])));
-        let empty = NodeSelector {
-            node_selector_terms: vec![NodeSelectorTerm::default()],
-        };
-        assert!(!node_matches(&empty, "x", &labels(&[])));
     }
 }

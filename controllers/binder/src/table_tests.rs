@@ -570,11 +570,11 @@ fn rows() -> Vec<Row> {
         .pods(&[("web-0", false)])
         .want(vec![], vec![n("WaitForPodScheduled")]),
         row(
-            "5-3 delayed binding with a selected node: the volume reachable from that node",
+            "5-3 delayed binding with a selected node: free volumes are the scheduler's to bind, the claim goes to the provisioner",
             vec![on_node("va", "1Gi", "node-b"), on_node("vb", "2Gi", "node-a")],
             vec![ann(claim(c().class("wffc").build()), ANN_SELECTED_NODE, "node-a")],
         )
-        .want(vec![bind("vb")], vec![]),
+        .want(vec![provisioner("example.com/csi")], vec![n("ExternalProvisioning")]),
         row(
             "5-4 delayed binding honours a pre-bound volume before any node is chosen",
             vec![free(pv("p").driver("example.com/csi", "p").class("wffc").claim_ref(NS, "c", "").build())],

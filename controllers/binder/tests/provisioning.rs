@@ -173,8 +173,12 @@ async fn a_missing_class_is_reported_and_the_claim_waits() {
     h.claim_phase("app", "m", "Bound").await;
 }
 
+/// Delayed binding as upstream's controller does it: no free volume is taken, before or after
+/// the scheduler selects a node. A volume the scheduler chose (its claimRef written, as the
+/// volume-binding plugin does) is bound; a selected node means the scheduler chose provisioning,
+/// so the built-in provisioner makes a volume even though a free one would fit.
 #[tokio::test]
-async fn wait_for_first_consumer_binds_only_after_a_node_is_selected() {
+async fn wait_for_first_consumer_leaves_free_volumes_to_the_scheduler() {
     let h = Harness::start().await;
     h.namespace("app").await;
     h.create::<StorageClass>(
@@ -183,25 +187,44 @@ async fn wait_for_first_consumer_binds_only_after_a_node_is_selected() {
             .build(),
     )
     .await;
-    h.create_pv(pv("far").class("late").node_affinity_hostname("node-b").build())
+    h.create_pv(pv("free").class("late").capacity("2Gi").build())
         .await;
-    h.create_pv(
-        pv("near")
-            .class("late")
-            .capacity("2Gi")
-            .node_affinity_hostname("node-a")
-            .build(),
-    )
-    .await;
     h.create::<k8s_openapi::api::core::v1::Node>(
         stowage_testkit::builders::node("node-a")
             .label("kubernetes.io/hostname", "node-a")
             .build(),
     )
     .await;
-    h.create_pvc(pvc("app", "w").class("late").build()).await;
+    h.volume_phase("free", "Available").await;
+
+    // The scheduler picks the free volume for claim "s": it writes the volume's claimRef.
+    let s = h.create_pvc(pvc("app", "s").class("late").build()).await;
+    h.event("s", "WaitForFirstConsumer").await;
+    let chosen = serde_json::json!({
+        "metadata": {"annotations": {"pv.kubernetes.io/bound-by-controller": "yes"}},
+        "spec": {"claimRef": {"kind": "PersistentVolumeClaim", "apiVersion": "v1", "namespace": "app",
+                              "name": "s", "uid": s.metadata.uid.clone().unwrap()}},
+    });
+    h.pvs()
+        .patch(
+            "free",
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(&chosen),
+        )
+        .await
+        .unwrap();
+    let bound = h.claim_phase("app", "s", "Bound").await;
+    assert_eq!(bound.spec.unwrap().volume_name.as_deref(), Some("free"));
+
+    // Another free volume that would fit stays free once a node is selected for claim "w":
+    // the claim gets a volume of its own.
+    h.create_pv(pv("spare").class("late").capacity("2Gi").build())
+        .await;
+    h.volume_phase("spare", "Available").await;
+    let w = h
+        .create_pvc(pvc("app", "w").class("late").request("16Mi").build())
+        .await;
     h.event("w", "WaitForFirstConsumer").await;
-    h.claim_phase("app", "w", "Pending").await;
     let patch =
         serde_json::json!({"metadata": {"annotations": {"volume.kubernetes.io/selected-node": "node-a"}}});
     h.pvcs("app")
@@ -213,8 +236,14 @@ async fn wait_for_first_consumer_binds_only_after_a_node_is_selected() {
         .await
         .unwrap();
     let c = h.claim_phase("app", "w", "Bound").await;
-    // The smaller volume is on the wrong node: node affinity against the selected node decides.
-    assert_eq!(c.spec.unwrap().volume_name.as_deref(), Some("near"));
+    let provisioned = format!("pvc-{}", w.metadata.uid.unwrap());
+    assert_eq!(c.spec.unwrap().volume_name.as_deref(), Some(provisioned.as_str()));
+    let spare = h.pvs().get("spare").await.unwrap();
+    assert_eq!(
+        spare.spec.unwrap().claim_ref,
+        None,
+        "the free volume was not taken"
+    );
 }
 
 #[tokio::test]

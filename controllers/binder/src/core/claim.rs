@@ -113,7 +113,7 @@ pub(super) fn sync_claim_phase(claim: &PersistentVolumeClaim, cache: &Cache, env
             }
             // Selector and node affinity are not checked for volumes asked for by name (upstream).
             if claim_ref(pv).is_none()
-                && let Err(why) = check(pv, claim, env, None, Scope::Named)
+                && let Err(why) = check(pv, claim, Scope::Named)
             {
                 out.extend(claim_phase_action(claim, "Pending"));
                 out.push(ev(
@@ -152,7 +152,7 @@ pub(super) fn sync_claim_phase(claim: &PersistentVolumeClaim, cache: &Cache, env
     let class_name = claim_class(claim);
     let class = class_name.filter(|c| !c.is_empty()).and_then(|c| (env.class)(c));
     let delay = class.as_deref().is_some_and(is_wffc);
-    match find_best(claim, cache, env, delay) {
+    match find_best(claim, cache, delay) {
         Found::Volume(pv) => {
             out.push(Action::Bind {
                 pv: pv.name_any(),
@@ -160,7 +160,9 @@ pub(super) fn sync_claim_phase(claim: &PersistentVolumeClaim, cache: &Cache, env
             });
             return out;
         }
-        Found::WaitForConsumer => {
+        // Upstream's IsDelayBindingProvisioning: once the scheduler selected a node it chose
+        // provisioning, which goes on below.
+        Found::Delayed if chosen_node(claim, delay).is_none() => {
             out.extend(claim_phase_action(claim, "Pending"));
             // A consumer exists but is not scheduled yet: say which pod(s) it waits for.
             let waiting: Vec<String> = (env.pods_of)(&key)
@@ -190,7 +192,7 @@ pub(super) fn sync_claim_phase(claim: &PersistentVolumeClaim, cache: &Cache, env
             });
             return out;
         }
-        Found::None => {}
+        Found::Delayed | Found::None => {}
     }
     if class_name.is_none()
         && let Some(default) = &env.default_class
@@ -222,7 +224,7 @@ pub(super) fn sync_claim_phase(claim: &PersistentVolumeClaim, cache: &Cache, env
                 format!(
                     "no volume plugin matched name: {}; waiting for a volume to be created manually ({})",
                     class.provisioner,
-                    explain(claim, cache, env)
+                    explain(claim, cache)
                 ),
             ))
         }
@@ -274,7 +276,7 @@ pub(super) fn sync_claim_phase(claim: &PersistentVolumeClaim, cache: &Cache, env
             "FailedBinding",
             format!(
                 "no persistent volumes available for this claim and no storage class is set ({})",
-                explain(claim, cache, env)
+                explain(claim, cache)
             ),
         )),
     }

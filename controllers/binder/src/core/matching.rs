@@ -11,7 +11,6 @@ pub enum Mismatch {
     AccessModes { have: Vec<String>, want: Vec<String> },
     VolumeMode,
     Selector,
-    NodeAffinity { node: String },
     AttributesClass { have: String, want: String },
     Reserved,
     ImagePending,
@@ -33,7 +32,6 @@ impl std::fmt::Display for Mismatch {
             }
             Self::VolumeMode => write!(f, "volumeMode differs"),
             Self::Selector => write!(f, "labels do not match the claim's selector"),
-            Self::NodeAffinity { node } => write!(f, "node affinity excludes node {node:?}"),
             Self::AttributesClass { have, want } => {
                 write!(f, "volume attributes class {have:?}, claim wants {want:?}")
             }
@@ -61,7 +59,7 @@ pub fn human(b: u128) -> String {
 /// Which rules a candidate is held to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Scope {
-    /// A volume pre-bound to the claim: size, modes, volume mode (and attributes class, node).
+    /// A volume pre-bound to the claim: size, modes, volume mode and attributes class.
     Prebound,
     /// A volume the claim asked for by name (upstream's checkVolumeSatisfyClaim): adds the class.
     Named,
@@ -69,15 +67,9 @@ pub enum Scope {
     Any,
 }
 
-/// The checks of one candidate, in upstream's order. `node` is set when a node has been chosen
-/// for the claim (selected-node), to evaluate the volume's node affinity.
-pub fn check(
-    pv: &PersistentVolume,
-    claim: &PersistentVolumeClaim,
-    env: &Env,
-    node: Option<&str>,
-    scope: Scope,
-) -> Result<(), Mismatch> {
+/// The checks of one candidate, in upstream's order (its controller path: node affinity is the
+/// scheduler's to check).
+pub fn check(pv: &PersistentVolume, claim: &PersistentVolumeClaim, scope: Scope) -> Result<(), Mismatch> {
     if being_deleted(pv) {
         return Err(Mismatch::BeingDeleted);
     }
@@ -117,18 +109,6 @@ pub fn check(
             want: claim_vac(claim).into(),
         });
     }
-    if let (Some(node), Some(req)) = (
-        node,
-        pv.spec
-            .as_ref()
-            .and_then(|s| s.node_affinity.as_ref())
-            .and_then(|a| a.required.as_ref()),
-    ) {
-        let labels = (env.node_labels)(node).unwrap_or_default();
-        if !selector::node_matches(req, node, &labels) {
-            return Err(Mismatch::NodeAffinity { node: node.into() });
-        }
-    }
     if has_ann(pv, ANN_IMAGE_PENDING) {
         return Err(Mismatch::ImagePending);
     }
@@ -139,29 +119,36 @@ pub fn check(
 #[derive(Debug, Clone, PartialEq)]
 pub enum Found<'a> {
     Volume(&'a PersistentVolume),
-    /// Nothing (yet); the claim waits for a consumer before taking an unnamed volume.
-    WaitForConsumer,
+    /// Binding is delayed (WaitForFirstConsumer) and nothing is pre-bound to the claim: free
+    /// volumes are the scheduler's to choose, so the claim waits for a consumer, or for the
+    /// provisioner once a node is selected.
+    Delayed,
     None,
 }
 
 /// The smallest volume that satisfies the claim: first a volume pre-bound to it, then, unless
-/// binding is delayed without a chosen node, the free volumes of its class through the index.
-pub fn find_best<'a>(claim: &PersistentVolumeClaim, cache: &'a Cache, env: &Env, delay: bool) -> Found<'a> {
+/// binding is delayed, the free volumes of its class through the index.
+///
+/// As upstream's controller path (`FindMatchingVolume` with no node): node affinity is never
+/// evaluated here, and a delayed claim never takes a free volume, even once the scheduler has
+/// selected a node. The scheduler's volume-binding plugin binds free volumes to delayed claims
+/// (it writes the volume's claimRef, which makes it pre-bound here); it selects a node only when
+/// it chose dynamic provisioning, and taking a free volume then would race the provisioner.
+pub fn find_best<'a>(claim: &PersistentVolumeClaim, cache: &'a Cache, delay: bool) -> Found<'a> {
     let key = claim_key(claim);
-    let node = chosen_node(claim, delay);
     let mut prebound: Vec<&PersistentVolume> = cache
         .index
         .prebound_to(&key)
         .filter_map(|n| cache.pvs.get(n).map(Arc::as_ref))
         .filter(|pv| refers_to(pv, claim) && !cache.reserved_for_other(&pv.name_any(), &key))
-        .filter(|pv| check(pv, claim, env, node, Scope::Prebound).is_ok())
+        .filter(|pv| check(pv, claim, Scope::Prebound).is_ok())
         .collect();
     prebound.sort_by_key(|pv| (pv_capacity(pv), pv.name_any()));
     if let Some(pv) = prebound.first() {
         return Found::Volume(pv);
     }
-    if delay && node.is_none() {
-        return Found::WaitForConsumer;
+    if delay {
+        return Found::Delayed;
     }
     let (Some(want), class) = (claim_request(claim), claim_class(claim).unwrap_or("")) else {
         return Found::None;
@@ -172,7 +159,7 @@ pub fn find_best<'a>(claim: &PersistentVolumeClaim, cache: &'a Cache, env: &Env,
                 continue;
             }
             let Some(pv) = cache.pvs.get(name) else { continue };
-            if check(pv, claim, env, node, Scope::Any).is_ok() {
+            if check(pv, claim, Scope::Any).is_ok() {
                 return Found::Volume(pv);
             }
         }
@@ -180,22 +167,17 @@ pub fn find_best<'a>(claim: &PersistentVolumeClaim, cache: &'a Cache, env: &Env,
     Found::None
 }
 
-/// The node a volume's node affinity is checked against: the scheduler's choice, and only for
-/// delayed binding. Upstream never checks node affinity for an Immediate claim (its volume
-/// decides where the pod can go), even if some tool annotated a node on it.
+/// The node the scheduler selected for a delayed claim's provisioning. Upstream never reads it
+/// for an Immediate claim (its volume decides where the pod can go), even if some tool
+/// annotated a node on it.
 pub(super) fn chosen_node(claim: &PersistentVolumeClaim, delay: bool) -> Option<&str> {
     ann(claim, ANN_SELECTED_NODE).filter(|_| delay)
 }
 
 /// Names the rule that ruled out the nearest free volumes of the claim's class (by size).
-pub fn explain(claim: &PersistentVolumeClaim, cache: &Cache, env: &Env) -> String {
+pub fn explain(claim: &PersistentVolumeClaim, cache: &Cache) -> String {
     let class = claim_class(claim).unwrap_or("");
     let want = claim_request(claim).unwrap_or(0);
-    let delay = claim_class(claim)
-        .filter(|c| !c.is_empty())
-        .and_then(|c| (env.class)(c))
-        .is_some_and(|c| is_wffc(&c));
-    let node = chosen_node(claim, delay);
     let key = claim_key(claim);
     // Bounded work whatever the number of volumes: only the neighbours of the requested size.
     let (total, candidates) = cache.index.near(class, want, 4);
@@ -209,7 +191,7 @@ pub fn explain(claim: &PersistentVolumeClaim, cache: &Cache, env: &Env) -> Strin
             let why = if cache.reserved_for_other(name, &key) {
                 Mismatch::Reserved
             } else {
-                check(pv, claim, env, node, Scope::Any).err()?
+                check(pv, claim, Scope::Any).err()?
             };
             Some((size.abs_diff(want), name, why))
         })
