@@ -13,9 +13,11 @@
 //! Scenarios whose upstream test needs a mocked in-tree plugin (a deleter or recycler that
 //! succeeds or fails on cue) run with no such plugin, as on a real cluster: both controllers
 //! then find no deleter/recycler. Not replayed: scenarios about the upstream controller's cache
-//! internals (4-11, 4-12) or its mocked operations' timing (8-4..8-7, 6-3..6-8: a plugin that
-//! fails or an object that changes between two of its calls), and 6-10, whose "Unknown" reclaim
-//! policy the real apiserver refuses to store.
+//! internals (4-11, 4-12) or its mocked operations' timing (8-4..8-7, 9-1, 6-3..6-8: a plugin
+//! that fails or an object that changes between two of its calls), and 6-10, whose "Unknown"
+//! reclaim policy the real apiserver refuses to store. From provision_test.go, 11-23 (a selected
+//! node: the free volume is left to the scheduler) is replayed; the rest of that table needs a
+//! mocked in-tree provisioner.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -320,10 +322,22 @@ async fn upstream_scenarios_settle_where_kube_controller_manager_does() {
         volume_binding_mode: Some("WaitForFirstConsumer".into()),
         ..Default::default()
     };
-    Api::<StorageClass>::all(client.clone())
-        .create(&PostParams::default(), &wait_class)
-        .await
-        .unwrap();
+    // provision_test.go's classExternalWait: a delayed class of an external provisioner.
+    let external_wait = StorageClass {
+        metadata: ObjectMeta {
+            name: Some("external-wait".into()),
+            ..Default::default()
+        },
+        provisioner: "vendor.com/my-volume".into(),
+        volume_binding_mode: Some("WaitForFirstConsumer".into()),
+        ..Default::default()
+    };
+    for class in [&wait_class, &external_wait] {
+        Api::<StorageClass>::all(client.clone())
+            .create(&PostParams::default(), class)
+            .await
+            .unwrap();
+    }
     let golden_path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(GOLDEN);
     let bless = std::env::var_os("STOWAGE_BLESS_UPSTREAM").is_some();
     let runner = if bless {
@@ -331,20 +345,34 @@ async fn upstream_scenarios_settle_where_kube_controller_manager_does() {
     } else {
         Runner::Stowage
     };
-    let golden: BTreeMap<String, Value> = if bless {
-        BTreeMap::new()
-    } else {
-        let text = std::fs::read_to_string(&golden_path).unwrap_or_else(|e| {
-            panic!(
-                "{}: {e} (record it with STOWAGE_BLESS_UPSTREAM=1)",
-                golden_path.display()
-            )
-        });
-        serde_json::from_str(&text).expect("golden JSON")
+    // STOWAGE_REPLAY_ONLY=<id prefix>,...: run (or re-record) only those scenarios; a partial
+    // recording is merged into the file, so adding a scenario needs only its own oracle run.
+    let only: Vec<String> = std::env::var("STOWAGE_REPLAY_ONLY")
+        .map(|v| {
+            v.split(',')
+                .map(|s| s.trim().to_string())
+                .filter(|s| !s.is_empty())
+                .collect()
+        })
+        .unwrap_or_default();
+    let golden: BTreeMap<String, Value> = match std::fs::read_to_string(&golden_path) {
+        Ok(text) => serde_json::from_str(&text).expect("golden JSON"),
+        Err(_) if bless => BTreeMap::new(),
+        Err(e) => panic!(
+            "{}: {e} (record it with STOWAGE_BLESS_UPSTREAM=1)",
+            golden_path.display()
+        ),
     };
-    let mut recorded = BTreeMap::new();
+    let mut recorded = if bless && !only.is_empty() {
+        golden.clone()
+    } else {
+        BTreeMap::new()
+    };
     let mut failures = Vec::new();
-    let cases = cases();
+    let cases: Vec<Case> = cases()
+        .into_iter()
+        .filter(|c| only.is_empty() || only.iter().any(|o| c.id.starts_with(o.as_str())))
+        .collect();
     for case in &cases {
         let (state, seen) = run_case(&runner, &cp, &client, case).await;
         if bless {

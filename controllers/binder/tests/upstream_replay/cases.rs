@@ -124,6 +124,17 @@ pub(super) fn cases() -> Vec<Case> {
                     .ann(("volume.kubernetes.io/selected-node", "node1")),
             ],
         ),
+        // provision_test.go 11-23: a selected node means the scheduler chose provisioning, so
+        // the controller leaves a free volume alone (free volumes of a delayed claim are the
+        // scheduler's to bind).
+        case(
+            "11-23 free volume skipped for a claim with a selected node",
+            vec![v("volume11-23", "1Gi", "", "", AV, DELETE, "external-wait")],
+            vec![
+                c("claim11-23", "uid11-23", "1Gi", "", PE, Some("external-wait"))
+                    .ann(("volume.kubernetes.io/selected-node", "node1")),
+            ],
+        ),
         // [2] claims that name a volume
         case(
             "2-1 claim prebound to non-existing volume",
@@ -549,6 +560,18 @@ pub(super) fn cases() -> Vec<Case> {
                 v("volume8-11-2", "1Gi", "uid8-11", "claim8-11", BO, DELETE, "").ann(DYN),
             ],
             vec![c("claim8-11", "uid8-11", "10Gi", "volume8-11-2", BO, None)],
+        ),
+        case(
+            "8-12 two PVs externally provisioned for a single claim",
+            vec![
+                v("volume8-12-1", "1Gi", "uid8-12", "claim8-12", BO, DELETE, "")
+                    .ann(("pv.kubernetes.io/provisioned-by", "pd.csi.storage.gke.io"))
+                    .csi("pd.csi.storage.gke.io"),
+                v("volume8-12-2", "1Gi", "uid8-12", "claim8-12", BO, DELETE, "")
+                    .ann(("pv.kubernetes.io/provisioned-by", "pd.csi.storage.gke.io"))
+                    .csi("pd.csi.storage.gke.io"),
+            ],
+            vec![c("claim8-12", "uid8-12", "10Gi", "volume8-12-2", BO, None)],
         ),
         case(
             "8-13 in-tree protected volume of a deleted claim",
