@@ -230,6 +230,8 @@ async fn a_claim_too_big_for_the_image_dir_fails_for_good_and_cleans_up() {
         1,
         "one Event object, not one per retry: {events:#?}"
     );
+    // A repeat would not be a second object: the sender folds it into the first one's series.
+    assert_eq!(events[0].series, None, "the event was repeated");
 
     h.delete_claim("app", "huge").await;
     released_by_binder(&h, &name).await;
@@ -343,6 +345,7 @@ async fn a_volume_with_an_unsafe_handle_is_refused_with_one_event() {
     .await;
     let refused = h.events(None, "unsafe", "VolumeDeleteRefused").await;
     assert_eq!(refused.len(), 1, "{refused:#?}");
+    assert_eq!(refused[0].series, None, "the event was repeated");
     assert!(h.events(None, "unsafe", "VolumeFailedDelete").await.is_empty());
 }
 
@@ -412,4 +415,5 @@ async fn a_failing_image_creation_backs_off_across_resyncs() {
     assert!((2.0..=7.0).contains(&attempts), "{attempts} attempts");
     let events = h.events(Some("app"), "slow", "ProvisioningFailed").await;
     assert_eq!(events.len(), 1, "{events:#?}");
+    assert_eq!(events[0].series, None, "the event was repeated");
 }

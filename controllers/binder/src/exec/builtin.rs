@@ -227,14 +227,17 @@ impl Executor {
             Err(e) => {
                 self.metrics.deletions.with_label_values(&[ERROR]).inc();
                 let msg = format!("cannot delete the image of volume {pv}: {e}");
-                done.events
-                    .push(volume_event(&v, true, "VolumeFailedDelete", msg.clone()));
+                // As upstream's updateVolumePhaseWithEvent: the Warning goes with the change to
+                // Failed, not with every retry (the phase is in the object, so a restarted or
+                // new leader stays quiet too); the retries are counted in the metrics.
                 if pv_phase(&v) != "Failed" {
                     done.pvs.push(
                         self.writes()
                             .replace_pv_status(&core::with_pv_phase(&v, "Failed", &msg), "volume_phase")
                             .await?,
                     );
+                    done.events
+                        .push(volume_event(&v, true, "VolumeFailedDelete", msg));
                 }
                 return Err(e.into());
             }

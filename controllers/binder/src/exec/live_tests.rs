@@ -169,3 +169,43 @@ async fn the_deletion_reads_the_claim_live_before_removing_its_image() {
     exec.apply(&action, &snap, &mut done).await.unwrap();
     assert!(!img.exists(), "deleted once no claim names it");
 }
+
+/// A deletion that keeps failing says so with the change to `Failed` (upstream's
+/// updateVolumePhaseWithEvent), not with every retry: the phase is in the object, so a second
+/// attempt — by this leader or a new one — adds no Warning. Still an error, so it is retried.
+#[tokio::test]
+async fn a_failing_image_removal_warns_once_with_the_change_to_failed() {
+    let h = InProcess::new().await;
+    let (cached, img) = released_volume(&h, "stuck", "uid-gone").await;
+    // An image path that cannot be unlinked: a directory with something in it.
+    std::fs::remove_file(&img).unwrap();
+    std::fs::create_dir(&img).unwrap();
+    std::fs::write(img.join("keep"), b"data").unwrap();
+    let mut cache = Cache::default();
+    cache.put_pv(Arc::new(cached));
+    let action = Action::DeleteLoopVolume { pv: "stuck".into() };
+    let snap = Snapshot::of(&cache, std::slice::from_ref(&action));
+    let exec = executor(&h);
+    let failed_delete = |done: &Outcome| {
+        done.events
+            .iter()
+            .filter(|(e, _)| e.reason == "VolumeFailedDelete")
+            .count()
+    };
+
+    let mut first = Outcome::empty(Key::Volume("stuck".into()), None);
+    exec.apply(&action, &snap, &mut first)
+        .await
+        .expect_err("the image cannot be removed");
+    assert_eq!(failed_delete(&first), 1, "{:?}", first.events);
+    let live = h.pvs().get("stuck").await.unwrap();
+    assert_eq!(pv_phase(&live), "Failed");
+
+    let mut again = Outcome::empty(Key::Volume("stuck".into()), None);
+    exec.apply(&action, &snap, &mut again)
+        .await
+        .expect_err("still cannot be removed");
+    assert_eq!(failed_delete(&again), 0, "repeated: {:?}", again.events);
+    assert_eq!(std::fs::read(img.join("keep")).unwrap(), b"data");
+    assert!(h.pvs().get_opt("stuck").await.unwrap().is_some(), "not deleted");
+}
