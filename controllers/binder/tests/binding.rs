@@ -400,3 +400,38 @@ async fn a_released_hand_made_delete_volume_nobody_can_delete_is_failed() {
         "the reason is on the volume too"
     );
 }
+
+/// A released Recycle volume waits while a pod still uses its old claim (upstream: Released,
+/// Normal VolumeFailedRecycle naming the pods), and is refused (Failed) once the pod is gone:
+/// the pod's deletion wakes the volume, with no resync in between (15 s here).
+#[tokio::test]
+async fn a_recycle_volume_waits_for_the_pods_of_its_old_claim_then_fails() {
+    use k8s_openapi::api::core::v1::Pod;
+    let h = Harness::start().await;
+    h.namespace("app").await;
+    h.create_pv(pv("rc").reclaim("Recycle").class("manual").build())
+        .await;
+    h.create_pvc(pvc("app", "old").class("manual").build()).await;
+    h.claim_phase("app", "old", "Bound").await;
+    let pods: kube::Api<Pod> = kube::Api::namespaced(h.client.clone(), "app");
+    pods.create(
+        &Default::default(),
+        &stowage_testkit::builders::pod("app", "user")
+            .claim("data", "old")
+            .build(),
+    )
+    .await
+    .unwrap();
+    h.delete_claim("app", "old").await;
+    let note = h.event("rc", "VolumeFailedRecycle").await;
+    assert!(note.contains("app/user"), "{note}");
+    let v = h.volume_phase("rc", "Released").await;
+    assert_eq!(v.status.unwrap().phase.as_deref(), Some("Released"));
+
+    pods.delete("user", &kube::api::DeleteParams::default().grace_period(0))
+        .await
+        .unwrap();
+    let v = h.volume_phase("rc", "Failed").await;
+    let msg = v.status.unwrap().message.unwrap_or_default();
+    assert!(msg.contains("recycling is not supported"), "{msg}");
+}

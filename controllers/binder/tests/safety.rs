@@ -417,3 +417,43 @@ async fn a_failing_image_creation_backs_off_across_resyncs() {
     assert_eq!(events.len(), 1, "{events:#?}");
     assert_eq!(events[0].series, None, "the event was repeated");
 }
+
+/// A clone or restore claim (a data source) and a claim with a selector are refused by the
+/// built-in provisioner with the reason, as external-provisioner refuses what its driver cannot
+/// do: no PV and no image, rather than an empty volume where a copy was expected.
+#[tokio::test]
+async fn data_source_and_selector_claims_are_refused_not_given_empty_volumes() {
+    let h = Harness::start().await;
+    h.namespace("app").await;
+    h.create::<StorageClass>(storage_class("loop", "loop.stowage.dev").build())
+        .await;
+    let mut clone = pvc("app", "clone").request("16Mi").class("loop").build();
+    clone.spec.as_mut().unwrap().data_source = Some(k8s_openapi::api::core::v1::TypedLocalObjectReference {
+        api_group: None,
+        kind: "PersistentVolumeClaim".into(),
+        name: "origin".into(),
+    });
+    let clone = h.create_pvc(clone).await;
+    let picky = h
+        .create_pvc(
+            pvc("app", "picky")
+                .request("16Mi")
+                .class("loop")
+                .selector("tier", "gold")
+                .build(),
+        )
+        .await;
+    let msg = pending_because(&h, "app", "clone", "ProvisioningFailed").await;
+    assert!(msg.contains("origin"), "{msg}");
+    let msg = pending_because(&h, "app", "picky", "ProvisioningFailed").await;
+    assert!(msg.contains("selector"), "{msg}");
+    for c in [clone, picky] {
+        let name = format!("pvc-{}", c.metadata.uid.unwrap());
+        assert!(
+            h.pvs().get_opt(&name).await.unwrap().is_none(),
+            "{name} was provisioned"
+        );
+    }
+    let images: Vec<_> = std::fs::read_dir(h.images.path()).unwrap().collect();
+    assert!(images.is_empty(), "{images:?}");
+}
