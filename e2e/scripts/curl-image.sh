@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds localhost/curl:stowage, the image the chart's `helm test` checker runs on the real node
-# (crates/chart-tests/tests/realnode.rs; the chart's default is docker.io/curlimages/curl): sh,
+# (crates/chart-tests/tests/realnode/main.rs; the chart's default is docker.io/curlimages/curl): sh,
 # sed, date and curl from Debian, no registry needed. busybox's wget cannot be used instead: its
 # TLS client sends no signature_algorithms, which Go's TLS (1.25 and later, so kube-apiserver
 # 1.35 and later) refuses ("missing signature_algorithms from TLS 1.2 peer").

@@ -228,12 +228,11 @@ impl Controller {
             },
         };
         timer.observe_duration();
-        self.executor
-            .metrics
-            .reconciles
-            .with_label_values(&[key.kind()])
-            .inc();
+        let kind = key.kind();
         self.execute(key, actions);
+        // Counted once its writes have started, so whoever sees the count also sees those writes
+        // in `in_flight` until they land.
+        self.executor.metrics.reconciles.with_label_values(&[kind]).inc();
     }
 
     /// Handles the in-memory actions here and hands the API writes to a task of their own.

@@ -133,5 +133,5 @@ impl Controller {
 pub fn failure_backoff(n: u32) -> Duration {
     const START: Duration = Duration::from_secs(1);
     const MAX: Duration = Duration::from_secs(300);
-    START.saturating_mul(1u32 << n.min(16)).min(MAX)
+    stowage_common::backoff::exponential(START, MAX, n.saturating_add(1))
 }

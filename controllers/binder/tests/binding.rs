@@ -335,9 +335,12 @@ async fn fifty_claims_race_for_ten_volumes() {
     })
     .await;
     // Nothing more may bind, and every binding is one-to-one, even after the binder has looked
-    // at every claim again (a full resync syncs all 50 claims and 10 volumes once more).
+    // at every claim again (a full resync syncs all 50 claims and 10 volumes once more) and what
+    // it decided has landed: a sync is counted once its writes have started, and the in-flight
+    // gauge is back at 0 only when every started write has finished.
     h.until_counter_grows_by("stowage_binder_reconcile_total", 60.0)
         .await;
+    h.until_gauge_is("stowage_binder_in_flight", 0.0).await;
     let claims = h.pvcs("race").list(&Default::default()).await.unwrap().items;
     let pending = claims
         .iter()

@@ -144,6 +144,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         }))
         .await?;
 
+    // The informers' watch tasks, held so shutdown can abort them: supervision, not a bound on
+    // concurrent writes (each loop bounds its own operations).
     let mut watches = JoinSet::new();
     let pods = Informer::spawn(
         Api::<Pod>::all(client.clone()),
@@ -193,6 +195,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let (stop_tx, stop_rx) = watch::channel(false);
     let (in_use_tx, in_use_rx) = watch::channel(None);
     let (reported_tx, reported_rx) = watch::channel(BTreeSet::new());
+    // Supervision, not write concurrency: one task per long-lived loop; one ending is fatal.
     let mut loops = JoinSet::new();
     loops.spawn(attacher::run(ctx.clone(), stop_rx.clone()));
     if args.kubelet_dir.is_none() {
@@ -221,6 +224,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             stop_rx,
         ));
     }
+    // Supervision too: the CSI server and the kubelet registration; one ending is fatal.
     let mut csi_task = JoinSet::new();
     if let Some(endpoint) = csi {
         let mut stop = stop_tx.subscribe();

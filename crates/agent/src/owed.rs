@@ -1,13 +1,14 @@
 //! Every operation task of the agent's loops reports back, also when it panics.
 //!
-//! The loops keep their own task set rather than `stowage_common::inflight::Window` (decided in
-//! issue 17): the window runs one task per key with keys compared for equality, while the
-//! volume manager's keys nest (a key without a pod stands for the whole volume and excludes every
-//! pod's operation on it, `tracker::OpKey::conflicts`), its backoff is per key *and* kind of
-//! operation, and it decides every volume in one pass over the mount table rather than per
-//! queued key. What the window would give is kept here: an operation's key is freed only by its
-//! `Outcome`, and `Owed` makes sure a task that dies without one (a panic) still sends a failed
-//! one, so the key is retried with backoff instead of staying "running" for good.
+//! The volume manager keeps its own task set rather than `stowage_common::inflight::Window`
+//! (decided in issue 17; the attacher's own reason is at the top of `attacher/mod.rs`): the window
+//! runs one task per key with keys compared for equality, while the volume manager's keys nest (a
+//! key without a pod stands for the whole volume and excludes every pod's operation on it,
+//! `tracker::OpKey::conflicts`), its backoff is per key *and* kind of operation, and it decides
+//! every volume in one pass over the mount table rather than per queued key. What the window
+//! would give is kept here: an operation's key is freed only by its `Outcome`, and `Owed` makes
+//! sure a task that dies without one (a panic) still sends a failed one, so the key is retried
+//! with backoff instead of staying "running" for good.
 
 use tokio::sync::mpsc;
 

@@ -14,6 +14,7 @@ use k8s_openapi::jiff::Timestamp;
 use crate::mountinfo::DevNo;
 use crate::paths::{DRIVER, plain_component, unique_name};
 pub use crate::probe::Health;
+use stowage_common::objects::{PodClaim, pod_claims};
 
 /// The pod annotation-free facts the agent needs to talk about a pod.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -221,33 +222,15 @@ fn attachment_of(va: Option<&VolumeAttachment>) -> Attachment {
 /// A resolved claim: the claim, its volume, and whether the pod asks for read-only.
 type Resolved = (Arc<PersistentVolumeClaim>, Arc<PersistentVolume>, bool);
 
-/// The volume a pod's claim leads to, or why it leads nowhere. `Ok(None)`: not our driver.
-fn resolve(
-    info: &PodInfo,
-    vol: &k8s_openapi::api::core::v1::Volume,
-    view: &View,
-) -> Result<Option<Resolved>, String> {
-    let (claim_name, pod_read_only, ephemeral) = if let Some(src) = &vol.persistent_volume_claim {
-        (src.claim_name.clone(), src.read_only.unwrap_or(false), false)
-    } else if vol.ephemeral.is_some() {
-        (format!("{}-{}", info.name, vol.name), false, true)
-    } else {
-        return Ok(None);
-    };
-    let pvc = (view.pvc)(&info.namespace, &claim_name)
+/// The volume a claim of a pod leads to, or why it leads nowhere. `Ok(None)`: not our driver.
+fn resolve(info: &PodInfo, pod: &Pod, pod_claim: &PodClaim, view: &View) -> Result<Option<Resolved>, String> {
+    let claim_name = &pod_claim.claim;
+    let pvc = (view.pvc)(&info.namespace, claim_name)
         .ok_or_else(|| format!("persistentvolumeclaim \"{claim_name}\" not found"))?;
-    if ephemeral {
-        let owned = pvc
-            .metadata
-            .owner_references
-            .iter()
-            .flatten()
-            .any(|o| o.uid == info.uid);
-        if !owned {
-            return Err(format!(
-                "persistentvolumeclaim \"{claim_name}\" was not created for this pod"
-            ));
-        }
+    if !pod_claim.usable(pod, &pvc) {
+        return Err(format!(
+            "persistentvolumeclaim \"{claim_name}\" was not created for this pod"
+        ));
     }
     let pv_name = pvc
         .spec
@@ -281,7 +264,7 @@ fn resolve(
             "persistentvolume name {pv_name:?} cannot be used as a path"
         ));
     }
-    Ok(Some((pvc, pv, pod_read_only)))
+    Ok(Some((pvc, pv, pod_claim.read_only)))
 }
 
 /// A PV whose access modes are all `ReadOnlyMany`: several nodes may have it, so no node may
@@ -304,18 +287,18 @@ pub fn desired<'p>(pods: impl IntoIterator<Item = &'p Pod>, view: &View) -> Desi
         let sc = spec.and_then(|s| s.security_context.as_ref());
         let fs_group = sc.and_then(|s| s.fs_group).and_then(|g| u32::try_from(g).ok());
         let on_root_mismatch = sc.and_then(|s| s.fs_group_change_policy.as_deref()) == Some("OnRootMismatch");
-        for vol in spec.and_then(|s| s.volumes.as_ref()).into_iter().flatten() {
-            let (fs_use, block_use) = usage(pod, &vol.name);
+        for pod_claim in pod_claims(pod) {
+            let (fs_use, block_use) = usage(pod, &pod_claim.volume);
             if !fs_use && !block_use {
                 continue;
             }
             let err = |message: String| PodError {
                 pod: info.clone(),
-                volume: vol.name.clone(),
+                volume: pod_claim.volume.clone(),
                 reason: "FailedMount",
                 message,
             };
-            let (pvc, pv, pod_ro) = match resolve(&info, vol, view) {
+            let (pvc, pv, pod_ro) = match resolve(&info, pod, &pod_claim, view) {
                 Ok(Some(x)) => x,
                 Ok(None) => continue,
                 Err(m) => {
@@ -388,7 +371,7 @@ pub fn desired<'p>(pods: impl IntoIterator<Item = &'p Pod>, view: &View) -> Desi
             if let Attachment::Pending { error: Some(e) } = &entry.attachment {
                 d.errors.push(PodError {
                     pod: info.clone(),
-                    volume: vol.name.clone(),
+                    volume: pod_claim.volume.clone(),
                     reason: "FailedAttachVolume",
                     message: format!("AttachVolume.Attach failed for volume \"{pv_name}\": {e}"),
                 });
@@ -397,7 +380,7 @@ pub fn desired<'p>(pods: impl IntoIterator<Item = &'p Pod>, view: &View) -> Desi
                 info.uid.clone(),
                 PodUse {
                     pod: info.clone(),
-                    spec_name: vol.name.clone(),
+                    spec_name: pod_claim.volume.clone(),
                     read_only,
                     fs_group,
                     fs_group_on_root_mismatch: on_root_mismatch,
@@ -633,6 +616,44 @@ mod tests {
             );
             assert!(!d.volumes["v1"].pv_read_only, "{modes:?}");
             assert!(!d.volumes["v1"].pods["a"].read_only, "{modes:?}");
+        }
+    }
+
+    /// A generic ephemeral volume uses the claim `<pod>-<volume>`, and only while the pod
+    /// controls it: a claim of that name someone else made is refused, not mounted.
+    #[test]
+    fn an_ephemeral_volume_uses_only_the_claim_its_pod_controls() {
+        use k8s_openapi::api::core::v1::EphemeralVolumeSource;
+        use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
+        let mut p = pod("a", "unused");
+        p.spec.as_mut().unwrap().volumes = Some(vec![Volume {
+            name: "data".into(),
+            ephemeral: Some(EphemeralVolumeSource::default()),
+            ..Default::default()
+        }]);
+        let owned_by = |uid: &str, controller: bool| {
+            let mut c = (*pvc("p-a-data", Some("v1"))).clone();
+            c.metadata.owner_references = Some(vec![OwnerReference {
+                kind: "Pod".into(),
+                name: "p-a".into(),
+                uid: uid.into(),
+                controller: Some(controller),
+                ..Default::default()
+            }]);
+            Arc::new(c)
+        };
+        let d = run(&[p.clone()], &[owned_by("a", true)], &[pv("v1", "p-a-data")]);
+        assert!(d.errors.is_empty(), "{:?}", d.errors);
+        assert_eq!(d.volumes["v1"].pods["a"].spec_name, "data");
+        for foreign in [owned_by("b", true), owned_by("a", false)] {
+            let d = run(&[p.clone()], &[foreign], &[pv("v1", "p-a-data")]);
+            assert!(d.volumes.is_empty());
+            assert_eq!(d.errors.len(), 1);
+            assert!(
+                d.errors[0].message.contains("was not created for this pod"),
+                "{:?}",
+                d.errors
+            );
         }
     }
 

@@ -1,7 +1,9 @@
 //! A real `helm install`, `helm upgrade` and `helm uninstall` of charts/stowage into the test
 //! kit's kube-apiserver, which validates every object. No kubelet or scheduler runs, so no pod
 //! starts; the test checks the objects, and the service accounts' rights with
-//! `kubectl auth can-i`. Timeouts are bounds, not speeds.
+//! `kubectl auth can-i`. Timeouts are bounds, not speeds. (Over 600 lines: one story whose steps
+//! build on each other on one control plane, install then upgrade then uninstall, and the few
+//! helpers only it uses.)
 
 use std::path::Path;
 use std::time::Duration;

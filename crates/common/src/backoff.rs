@@ -46,9 +46,16 @@ impl Backoff {
 
 /// The wait after `failures` failures in a row (`INITIAL` for 0 or 1).
 pub fn delay(failures: u32) -> Duration {
-    // 2^8 × 500 ms is past the cap already; a larger exponent would only overflow.
-    let exp = failures.saturating_sub(1).min(8);
-    (INITIAL * 2u32.pow(exp)).min(MAX)
+    exponential(INITIAL, MAX, failures)
+}
+
+/// The wait after `failures` failures in a row when waits start at `first` and double up to
+/// `max` (`first` for 0 or 1): the one doubling rule, also for the work queue's and the binder's
+/// own bounds.
+pub fn exponential(first: Duration, max: Duration, failures: u32) -> Duration {
+    // 2^31 is the largest power of two a u32 holds; the product saturates long before.
+    let exp = failures.saturating_sub(1).min(31);
+    first.saturating_mul(1u32 << exp).min(max)
 }
 
 #[cfg(test)]
@@ -79,6 +86,20 @@ mod tests {
             let next = delay(n.saturating_add(1));
             prop_assert!(next >= d, "never shorter after one more failure");
             prop_assert!(next == (d * 2).min(MAX) || n == u32::MAX);
+        }
+
+        #[test]
+        fn any_bounds_double_from_first_to_max(
+            first_ms in 1u64..10_000,
+            max_ms in 1u64..1_000_000,
+            n in 1u32..=u32::MAX,
+        ) {
+            let (first, max) = (Duration::from_millis(first_ms), Duration::from_millis(max_ms));
+            let d = exponential(first, max, n);
+            prop_assert_eq!(exponential(first, max, 1), first.min(max));
+            prop_assert!(d <= max);
+            let next = exponential(first, max, n.saturating_add(1));
+            prop_assert!(next == (d * 2).min(max) || n == u32::MAX);
         }
 
         #[test]

@@ -217,8 +217,8 @@ impl<K: Clone + Eq + Hash + Ord> WorkQueue<K> {
     /// Queues `key` after its next backoff step.
     pub fn retry(&mut self, key: K, now: Instant) -> Duration {
         let n = self.failures.entry(key.clone()).or_insert(0);
-        let delay = self.base.saturating_mul(1u32 << (*n).min(20)).min(self.cap);
         *n = n.saturating_add(1);
+        let delay = crate::backoff::exponential(self.base, self.cap, *n);
         self.retry_at(key, now, now + delay);
         delay
     }

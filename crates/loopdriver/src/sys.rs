@@ -128,13 +128,15 @@ pub async fn loop_attach(image: &Path, read_only: bool) -> Result<String> {
 /// "Detached" must mean free — the controller may attach the image elsewhere next — so this waits
 /// up to `DETACH_SETTLE` and otherwise fails, for the caller to retry.
 pub async fn loop_detach(dev: &str) -> Result<()> {
-    loop_detach_within(dev, DETACH_SETTLE).await
+    loop_detach_within(dev, DETACH_SETTLE, || {}).await
 }
 
 /// How long a detach waits for the last holder of a device to close it.
 const DETACH_SETTLE: Duration = Duration::from_secs(10);
 
-pub async fn loop_detach_within(dev: &str, settle: Duration) -> Result<()> {
+/// `loop_detach` waiting up to `settle`; `still_held` is called after each look that finds the
+/// device still this image's, so a test can tell the wait went on.
+pub async fn loop_detach_within(dev: &str, settle: Duration, mut still_held: impl FnMut()) -> Result<()> {
     let Some(before) = backing_file(dev).await else {
         return Ok(());
     };
@@ -146,6 +148,7 @@ pub async fn loop_detach_within(dev: &str, settle: Duration) -> Result<()> {
     let deadline = tokio::time::Instant::now() + settle;
     // Free, or already reused for another file: either way no longer this image's device.
     while backing_file(dev).await.is_some_and(|f| f == before) {
+        still_held();
         if tokio::time::Instant::now() >= deadline {
             return Err(SysError::Io(format!(
                 "loop device {dev} is still open elsewhere after {}s; the kernel frees it at the \

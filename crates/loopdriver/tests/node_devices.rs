@@ -506,18 +506,26 @@ async fn a_detach_returns_only_once_the_kernel_has_freed_a_device_held_open() {
 
     // Another opener (as udev's probe after an unmount is): the kernel only defers the clear.
     let holder = std::fs::File::open(&dev).unwrap();
-    let e = loop_detach_within(&dev, std::time::Duration::from_millis(300))
+    let e = loop_detach_within(&dev, std::time::Duration::from_millis(300), || {})
         .await
         .expect_err("a device still open elsewhere is not detached");
     assert!(e.to_string().contains("still open"), "{e}");
     assert!(backing_file(&dev).await.is_some(), "still this image's device");
 
-    // The retry succeeds once the holder closes, and the device is free when it returns.
+    // The retry succeeds once the holder closes, and the device is free when it returns. Until
+    // then it keeps looking: after ten looks that found the device held it has not returned.
+    let (looked, mut looks) = tokio::sync::watch::channel(0u32);
     let detach = tokio::spawn({
         let dev = dev.clone();
-        async move { loop_detach_within(&dev, std::time::Duration::from_secs(60)).await }
+        async move {
+            let count = move || looked.send_modify(|n| *n += 1);
+            loop_detach_within(&dev, std::time::Duration::from_secs(60), count).await
+        }
     });
-    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    tokio::time::timeout(std::time::Duration::from_secs(30), looks.wait_for(|n| *n >= 10))
+        .await
+        .expect("the detach looks at the held device again")
+        .expect("the detach is still running");
     assert!(!detach.is_finished(), "waits while the device is held");
     drop(holder);
     detach.await.unwrap().unwrap();

@@ -224,6 +224,20 @@ impl InProcess {
         .await
     }
 
+    /// Waits until the gauge family `name` (summed over its series) reads `value`: an in-flight
+    /// gauge back at 0 says every write started before has landed.
+    pub async fn until_gauge_is(&self, name: &str, value: f64) {
+        eventually(WAIT, || async {
+            let now = self.metric_sum(name);
+            if now == value {
+                Ok(())
+            } else {
+                Err(format!("{name} is {now}, not {value}"))
+            }
+        })
+        .await
+    }
+
     pub fn metrics_text(&self) -> String {
         stowage_common::metrics::encode(&self.registry)
     }

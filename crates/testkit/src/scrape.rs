@@ -39,9 +39,19 @@ impl Metrics {
 
     /// Sum over every series of `name`.
     pub fn sum(&self, name: &str) -> f64 {
+        self.sum_where(name, &[])
+    }
+
+    /// Sum over the series of `name` that carry every one of `labels`.
+    pub fn sum_where(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
+        let matches = |l: &BTreeMap<String, String>| {
+            labels
+                .iter()
+                .all(|(k, v)| l.get(*k).is_some_and(|have| have == v))
+        };
         self.samples
             .get(name)
-            .map(|v| v.iter().map(|(_, x)| x).sum())
+            .map(|v| v.iter().filter(|(l, _)| matches(l)).map(|(_, x)| x).sum())
             .unwrap_or(0.0)
     }
 }
@@ -163,6 +173,8 @@ mod tests {
         assert_eq!(m.value("a_total"), Some(3.0));
         assert_eq!(m.samples["a_total"][0].0["q"], "a\"b");
         assert_eq!(m.value("h_count"), Some(1.0));
+        assert_eq!(m.sum_where("a_total", &[("k", "v")]), 3.0);
+        assert_eq!(m.sum_where("a_total", &[("k", "w")]), 0.0);
         assert!(super::parse("no_type 1\n").is_err());
         assert!(super::parse("# TYPE x gauge\nx{a=1} 2\n").is_err());
         assert!(super::parse("# TYPE x gauge\nx one\n").is_err());

@@ -28,7 +28,8 @@ use crate::objects::{label, pairs, pod};
 use crate::procstat;
 use crate::report::RunResult;
 use crate::tracker::Tracker;
-use crate::workload::{Env, Watched, WindowStart, wait_for};
+use crate::window::{Watched, WindowStart, wait_for};
+use crate::workload::Env;
 
 const DRIVER: &str = "loop.stowage.dev";
 const WARM: &str = "warm";

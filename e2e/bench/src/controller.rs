@@ -9,7 +9,7 @@ use stowage_common::ratelimit::Limit;
 use stowage_testkit::process::{free_port, spawn_tied, stop};
 
 use crate::procstat;
-use crate::workload::Watched;
+use crate::window::Watched;
 
 /// What runs against a workload: one of the two controllers, or the floor writer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

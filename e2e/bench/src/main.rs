@@ -11,6 +11,7 @@ mod objects;
 mod procstat;
 mod report;
 mod tracker;
+mod window;
 mod workload;
 
 use std::collections::HashMap;

@@ -5,19 +5,28 @@
 //! for Block volumes, the device node) at the pod's target. The mount table is the record of
 //! what is mounted; the only other record is a small file per staged volume naming its device
 //! and whether stage attached it, so unstage frees exactly what stage took, across restarts.
+//!
+//! Here: the service, its RPC table and the lookups every RPC shares. Per RPC: `stage.rs`
+//! (stage, unstage), `publish.rs` (publish, unpublish), `usage.rs` (expand, stats); the stage
+//! record in `staged.rs`.
 
-use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use tonic::{Request, Response, Status};
 
-use super::caps::{self, Access, Requested};
 use super::v1::node_server::Node;
 use super::v1::node_service_capability::{self, rpc};
 use super::v1::*;
-use super::{VolumeLocks, image_status, required, sys_status};
-use crate::sys::{self, Probe};
-use crate::{ImageStore, PUBLISH_DEVICE_KEY};
+use super::{VolumeLocks, sys_status};
+use crate::ImageStore;
+use crate::sys;
+
+mod publish;
+mod stage;
+mod staged;
+mod usage;
+
+pub use staged::Staged;
 
 #[derive(Debug, Clone)]
 pub struct NodeService {
@@ -30,74 +39,11 @@ pub struct NodeService {
     pub locks: VolumeLocks,
 }
 
-/// What stage did for a volume.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Staged {
-    pub device: String,
-    /// Stage made the loop device itself (no attacher in front); unstage frees it.
-    pub attached_here: bool,
-}
-
-impl Staged {
-    fn encode(&self) -> String {
-        format!("device={}\nattached_here={}\n", self.device, self.attached_here)
-    }
-
-    fn decode(s: &str) -> Option<Self> {
-        let mut device = None;
-        let mut attached_here = None;
-        for line in s.lines() {
-            match line.split_once('=') {
-                Some(("device", d)) if d.starts_with("/dev/") => device = Some(d.to_string()),
-                Some(("attached_here", b)) => attached_here = b.parse().ok(),
-                _ => {}
-            }
-        }
-        Some(Self {
-            device: device?,
-            attached_here: attached_here?,
-        })
-    }
-}
-
 fn io_status(what: &str, path: &Path, e: std::io::Error) -> Status {
     Status::internal(format!("{what} {}: {e}", path.display()))
 }
 
 impl NodeService {
-    fn record_path(&self, id: &str) -> PathBuf {
-        // `id` passed the handle rules: a plain file name.
-        self.state_dir.join("staged").join(id)
-    }
-
-    async fn record(&self, id: &str) -> Option<Staged> {
-        let s = tokio::fs::read_to_string(self.record_path(id)).await.ok()?;
-        Staged::decode(&s)
-    }
-
-    async fn save(&self, id: &str, staged: &Staged) -> Result<(), Status> {
-        let path = self.record_path(id);
-        let dir = path.parent().expect("record has a parent");
-        tokio::fs::create_dir_all(dir)
-            .await
-            .map_err(|e| io_status("cannot create", dir, e))?;
-        let tmp = path.with_extension("tmp");
-        tokio::fs::write(&tmp, staged.encode())
-            .await
-            .map_err(|e| io_status("cannot write", &tmp, e))?;
-        tokio::fs::rename(&tmp, &path)
-            .await
-            .map_err(|e| io_status("cannot write", &path, e))
-    }
-
-    async fn forget(&self, id: &str) -> Result<(), Status> {
-        let path = self.record_path(id);
-        match tokio::fs::remove_file(&path).await {
-            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(io_status("cannot remove", &path, e)),
-            _ => Ok(()),
-        }
-    }
-
     /// The image of an existing volume; NotFound for an id no image has (a bad handle included).
     async fn image(&self, id: &str) -> Result<PathBuf, Status> {
         let not_found = || {
@@ -114,386 +60,12 @@ impl NodeService {
         }
     }
 
-    /// The loop device that stage should use, and whether stage makes it.
-    async fn device_for(
-        &self,
-        id: &str,
-        image: &Path,
-        publish_context: &HashMap<String, String>,
-        read_only: bool,
-    ) -> Result<Staged, Status> {
-        if let Some(dev) = publish_context.get(PUBLISH_DEVICE_KEY) {
-            // A device path from an attachment can go stale (freed, reused for another image):
-            // mounting it unchecked could expose or format someone else's data.
-            if sys::backs(dev, image).await {
-                return Ok(Staged {
-                    device: dev.clone(),
-                    attached_here: false,
-                });
-            }
-            return Err(Status::failed_precondition(format!(
-                "device {dev} of the attachment no longer backs volume {id}; waiting for the attacher to attach it again"
-            )));
-        }
-        if let Some(prev) = self.record(id).await
-            && sys::backs(&prev.device, image).await
-        {
-            return Ok(prev);
-        }
-        // No attacher in front of this node plugin: the node attaches the image itself.
-        let loops = sys::loops_of(image)
-            .await
-            .map_err(|e| sys_status("losetup -j", e))?;
-        if let Some(dev) = loops.into_iter().next() {
-            return Ok(Staged {
-                device: dev,
-                attached_here: false,
-            });
-        }
-        let dev = sys::loop_attach(image, read_only)
-            .await
-            .map_err(|e| sys_status("losetup", e))?;
-        Ok(Staged {
-            device: dev,
-            attached_here: true,
-        })
-    }
-
-    /// Makes sure a file system is on the device: formats only a blank, writable one.
-    async fn ensure_fs(&self, id: &str, dev: &str, read_only: bool) -> Result<(), Status> {
-        match sys::probe(dev).await.map_err(|e| sys_status("blkid", e))? {
-            Probe::Found(t) if t == caps::FS_TYPE => Ok(()),
-            Probe::Found(t) => Err(Status::failed_precondition(format!(
-                "volume {id} holds {t}, not {}; it is never reformatted",
-                caps::FS_TYPE
-            ))),
-            Probe::Blank if read_only => Err(Status::failed_precondition(format!(
-                "volume {id} has no file system and is staged read-only; a writer must stage it first"
-            ))),
-            Probe::Blank => {
-                let devno = sys::rdev(Path::new(dev)).await;
-                let writable = match devno {
-                    Some(d) => sys::device_read_only(d).await == Some(false),
-                    None => false,
-                };
-                if !writable {
-                    return Err(Status::failed_precondition(format!(
-                        "device {dev} of volume {id} is read-only or unreadable; not formatting it"
-                    )));
-                }
-                tracing::info!(volume = %id, device = %dev, "formatting blank device");
-                sys::mkfs_ext4(dev).await.map_err(|e| sys_status("mkfs.ext4", e))
-            }
-        }
-    }
-
-    /// Grows the file system to its device before it is mounted when an expansion happened while
-    /// nothing could grow it online (unstaged, or online resize not permitted on this node).
-    async fn grow_offline(&self, id: &str, dev: &str) -> Result<(), Status> {
-        let Some(devno) = sys::rdev(Path::new(dev)).await else {
-            return Ok(());
-        };
-        sys::loop_refresh(dev)
-            .await
-            .map_err(|e| sys_status("losetup -c", e))?;
-        let (Some(device), Ok(fs)) = (sys::device_bytes(devno).await, sys::ext_fs_bytes(dev).await) else {
-            return Ok(());
-        };
-        if fs >= device {
-            return Ok(());
-        }
-        tracing::info!(volume = %id, device = %dev, from = fs, to = device, "growing the file system before mounting");
-        sys::fsck_ext(dev).await.map_err(|e| sys_status("e2fsck", e))?;
-        sys::resize2fs(dev).await.map_err(|e| sys_status("resize2fs", e))
-    }
-
     /// The single mount at `path`, if any, with its device numbers.
     async fn mounted(&self, path: &Path) -> Result<Option<crate::mountinfo::MountEntry>, Status> {
         let mut at = sys::mounts_at(path)
             .await
             .map_err(|e| sys_status("mount table", e))?;
         Ok(at.pop())
-    }
-
-    async fn stage(&self, req: NodeStageVolumeRequest) -> Result<(), Status> {
-        let id = required(&req.volume_id, "volume id")?;
-        let staging = PathBuf::from(required(&req.staging_target_path, "staging target path")?);
-        let cap = caps::require(req.volume_capability.as_ref())?;
-        let image = self.image(id).await?;
-        let _guard = self.locks.try_lock(id)?;
-        let read_only = cap.mode.read_only();
-        let staged = self
-            .device_for(id, &image, &req.publish_context, read_only)
-            .await?;
-        // Recorded before anything can fail, so unstage frees a device stage attached.
-        self.save(id, &staged).await?;
-        let Access::Mount { flags, .. } = &cap.access else {
-            // Block: nothing to mount; publish binds the device node itself.
-            return Ok(());
-        };
-        let devno = sys::rdev(Path::new(&staged.device)).await;
-        if let Some(m) = self.mounted(&staging).await? {
-            if Some(m.devno) == devno {
-                return Ok(());
-            }
-            return Err(Status::already_exists(format!(
-                "staging path {} holds another device ({}:{}) than volume {id}",
-                staging.display(),
-                m.devno.0,
-                m.devno.1
-            )));
-        }
-        self.ensure_fs(id, &staged.device, read_only).await?;
-        if !read_only {
-            self.grow_offline(id, &staged.device).await?;
-        }
-        tokio::fs::create_dir_all(&staging)
-            .await
-            .map_err(|e| io_status("cannot create", &staging, e))?;
-        sys::mount_device_with(&staged.device, &staging, read_only, flags)
-            .await
-            .map_err(|e| sys_status("mount", e))
-    }
-
-    async fn unstage(&self, req: NodeUnstageVolumeRequest) -> Result<(), Status> {
-        let id = required(&req.volume_id, "volume id")?;
-        let staging = PathBuf::from(required(&req.staging_target_path, "staging target path")?);
-        let _guard = self.locks.try_lock(id)?;
-        sys::unmount(&staging, false)
-            .await
-            .map_err(|e| sys_status("umount", e))?;
-        if self.images.path(id).is_err() {
-            return Ok(());
-        }
-        if let Some(staged) = self.record(id).await {
-            if staged.attached_here
-                && let Ok(image) = self.images.path(id)
-                && sys::backs(&staged.device, &image).await
-            {
-                sys::loop_detach(&staged.device)
-                    .await
-                    .map_err(|e| sys_status("losetup -d", e))?;
-            }
-            self.forget(id).await?;
-        }
-        Ok(())
-    }
-
-    async fn publish(&self, req: NodePublishVolumeRequest) -> Result<(), Status> {
-        let id = required(&req.volume_id, "volume id")?;
-        let target = PathBuf::from(required(&req.target_path, "target path")?);
-        let cap = caps::require(req.volume_capability.as_ref())?;
-        let staging = PathBuf::from(required(&req.staging_target_path, "staging target path")?);
-        let image = self.image(id).await?;
-        let _guard = self.locks.try_lock(id)?;
-        let read_only = req.readonly || cap.mode.read_only();
-        let source = self.publish_source(id, &image, &staging, &cap).await?;
-        if let Some(m) = self.mounted(&target).await? {
-            // A bound device node shows devtmpfs in the mount table; its rdev names the device.
-            let (have, want) = if cap.block() {
-                (sys::rdev(&target).await, sys::rdev(&source).await)
-            } else {
-                (Some(m.devno), sys::stat_dev(&source).await)
-            };
-            if have.is_some() && have == want && (m.read_only() || !read_only) {
-                return Ok(());
-            }
-            return Err(Status::already_exists(format!(
-                "target {} is already mounted with another device or mode than volume {id} asks",
-                target.display()
-            )));
-        }
-        if cap.block() {
-            if let Some(parent) = target.parent() {
-                tokio::fs::create_dir_all(parent)
-                    .await
-                    .map_err(|e| io_status("cannot create", parent, e))?;
-            }
-            if tokio::fs::symlink_metadata(&target).await.is_err() {
-                tokio::fs::write(&target, b"")
-                    .await
-                    .map_err(|e| io_status("cannot create", &target, e))?;
-            }
-        } else {
-            tokio::fs::create_dir_all(&target)
-                .await
-                .map_err(|e| io_status("cannot create", &target, e))?;
-        }
-        sys::bind_mount(&source, &target, read_only)
-            .await
-            .map_err(|e| sys_status("mount --bind", e))
-    }
-
-    /// What publish binds at the target: the staging mount, or the device node for Block.
-    async fn publish_source(
-        &self,
-        id: &str,
-        image: &Path,
-        staging: &Path,
-        cap: &Requested,
-    ) -> Result<PathBuf, Status> {
-        if cap.block() {
-            return match self.record(id).await {
-                Some(s) if sys::backs(&s.device, image).await => Ok(PathBuf::from(s.device)),
-                _ => Err(Status::failed_precondition(format!(
-                    "volume {id} is not staged on this node"
-                ))),
-            };
-        }
-        if self.mounted(staging).await?.is_none() {
-            return Err(Status::failed_precondition(format!(
-                "volume {id} is not staged at {}",
-                staging.display()
-            )));
-        }
-        Ok(staging.to_path_buf())
-    }
-
-    async fn unpublish(&self, req: NodeUnpublishVolumeRequest) -> Result<(), Status> {
-        let id = required(&req.volume_id, "volume id")?;
-        let target = PathBuf::from(required(&req.target_path, "target path")?);
-        let _guard = self.locks.try_lock(id)?;
-        sys::unmount(&target, false)
-            .await
-            .map_err(|e| sys_status("umount", e))?;
-        // What publish made goes too; a directory that still holds files after the unmount is
-        // someone's data written beside the volume, never removed.
-        match tokio::fs::symlink_metadata(&target).await {
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-            Err(e) => Err(io_status("cannot stat", &target, e)),
-            Ok(m) if m.is_dir() => tokio::fs::remove_dir(&target).await.map_err(|e| {
-                io_status(
-                    "cannot remove (not empty after unmount, left for inspection)",
-                    &target,
-                    e,
-                )
-            }),
-            Ok(_) => tokio::fs::remove_file(&target)
-                .await
-                .map_err(|e| io_status("cannot remove", &target, e)),
-        }
-    }
-
-    /// The loop device of a volume on this node, from stage's record or the kernel.
-    async fn device_of(&self, id: &str, image: &Path) -> Result<Option<String>, Status> {
-        if let Some(s) = self.record(id).await
-            && sys::backs(&s.device, image).await
-        {
-            return Ok(Some(s.device));
-        }
-        let loops = sys::loops_of(image)
-            .await
-            .map_err(|e| sys_status("losetup -j", e))?;
-        Ok(loops.into_iter().next())
-    }
-
-    async fn expand(&self, req: NodeExpandVolumeRequest) -> Result<u64, Status> {
-        let id = required(&req.volume_id, "volume id")?;
-        let path = PathBuf::from(required(&req.volume_path, "volume path")?);
-        let image = self.image(id).await?;
-        let meta = tokio::fs::metadata(&path)
-            .await
-            .map_err(|_| Status::not_found(format!("volume path {} does not exist", path.display())))?;
-        let block = match req.volume_capability.as_ref() {
-            Some(c) => caps::check(c).map_err(Status::invalid_argument)?.block(),
-            None => !meta.is_dir(),
-        };
-        let _guard = self.locks.try_lock(id)?;
-        let size = self.images.size(id).map_err(image_status)?;
-        if let Some(r) = &req.capacity_range
-            && r.required_bytes > 0
-            && r.required_bytes as u64 > size
-        {
-            return Err(Status::out_of_range(format!(
-                "volume {id} is {size} bytes, less than the {} asked: expand it on the controller first",
-                r.required_bytes
-            )));
-        }
-        let dev = self.device_of(id, &image).await?.ok_or_else(|| {
-            Status::failed_precondition(format!("volume {id} is not attached on this node"))
-        })?;
-        sys::loop_refresh(&dev)
-            .await
-            .map_err(|e| sys_status("losetup -c", e))?;
-        // ext4 grows online while mounted.
-        if !block && let Err(e) = sys::resize2fs(&dev).await {
-            let mut message = format!("resize2fs: {e}");
-            if message.contains("Permission denied") {
-                // Online ext4 growth needs CAP_SYS_RESOURCE; stage grows it offline instead.
-                message.push_str(
-                    "; online resize is not permitted here (CAP_SYS_RESOURCE missing), the file \
-                     system grows when the volume is next staged",
-                );
-            }
-            return Err(Status::internal(message));
-        }
-        Ok(size)
-    }
-
-    async fn stats(&self, req: NodeGetVolumeStatsRequest) -> Result<NodeGetVolumeStatsResponse, Status> {
-        let id = required(&req.volume_id, "volume id")?;
-        let path = PathBuf::from(required(&req.volume_path, "volume path")?);
-        let image = self.image(id).await?;
-        let meta = tokio::fs::metadata(&path)
-            .await
-            .map_err(|_| Status::not_found(format!("volume path {} does not exist", path.display())))?;
-        let mount = self.mounted(&path).await?;
-        let dev = self.device_of(id, &image).await?;
-        let devno = match &dev {
-            Some(d) => sys::rdev(Path::new(d)).await,
-            None => None,
-        };
-        let mut problems = vec![];
-        match (&mount, devno) {
-            (None, _) => problems.push(format!("{} is not mounted", path.display())),
-            (Some(_), None) => problems.push(format!("no loop device backs volume {id} on this node")),
-            (Some(m), Some(d)) if m.devno != d => problems.push(format!(
-                "{} is mounted from {}:{}, not from the volume's loop device",
-                path.display(),
-                m.devno.0,
-                m.devno.1
-            )),
-            _ => {}
-        }
-        let mut usage = vec![];
-        if meta.is_dir() {
-            match sys::statvfs(&path).await {
-                Ok(Some(u)) => {
-                    usage.push(VolumeUsage {
-                        available: u.bytes_available as i64,
-                        total: u.bytes_total as i64,
-                        used: (u.bytes_total - u.bytes_free) as i64,
-                        unit: volume_usage::Unit::Bytes as i32,
-                    });
-                    usage.push(VolumeUsage {
-                        available: u.inodes_free as i64,
-                        total: u.inodes_total as i64,
-                        used: (u.inodes_total - u.inodes_free) as i64,
-                        unit: volume_usage::Unit::Inodes as i32,
-                    });
-                }
-                Ok(None) => problems.push(format!("{} does not answer statvfs", path.display())),
-                Err(e) => problems.push(e.to_string()),
-            }
-        } else {
-            let size = self.images.size(id).map_err(image_status)?;
-            usage.push(VolumeUsage {
-                total: size as i64,
-                unit: volume_usage::Unit::Bytes as i32,
-                ..Default::default()
-            });
-        }
-        Ok(NodeGetVolumeStatsResponse {
-            usage,
-            volume_condition: Some(VolumeCondition {
-                abnormal: !problems.is_empty(),
-                message: if problems.is_empty() {
-                    "volume is mounted from its loop device".into()
-                } else {
-                    problems.join("; ")
-                },
-            }),
-        })
     }
 }
 
@@ -710,16 +282,5 @@ mod tests {
             .unwrap()
             .into_inner();
         assert_eq!((info.node_id.as_str(), info.max_volumes_per_node), ("n", 7));
-    }
-
-    #[test]
-    fn stage_records_read_back_and_refuse_garbage() {
-        let r = Staged {
-            device: "/dev/loop3".into(),
-            attached_here: true,
-        };
-        assert_eq!(Staged::decode(&r.encode()), Some(r));
-        assert_eq!(Staged::decode("device=/etc/passwd\nattached_here=true\n"), None);
-        assert_eq!(Staged::decode("device=/dev/loop1\n"), None);
     }
 }

@@ -8,184 +8,16 @@
 //! Needs root (loop devices, mounts, containers) and the archives `make test` builds
 //! (target/image/{stowage-<version>,busybox,pause}.oci.tar).
 
-use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use stowage_chart_tests::{Helm, chart_dir, kubectl_bin, repo_root};
+use stowage_chart_tests::{Helm, chart_dir};
 use stowage_testkit::ControlPlane;
 use stowage_testkit::host::Cleanup;
 use stowage_testkit::realnode::{BUSYBOX_IMAGE, NODE_NAME, RealNode};
+use support::{Kubectl, NS, archives, claim, mounts_of, pod, poll};
 
-const BOUND: Duration = Duration::from_secs(180);
-
-/// Polls `check` every 500 ms until it passes. `BOUND` only ends a broken test (with the last
-/// reason); it is not a speed check: speed is measured by `make bench`.
-fn poll(mut check: impl FnMut() -> Result<(), String>) {
-    let deadline = Instant::now() + BOUND;
-    loop {
-        match check() {
-            Ok(()) => return,
-            Err(why) if Instant::now() >= deadline => panic!("{why}"),
-            Err(_) => std::thread::sleep(Duration::from_millis(500)),
-        }
-    }
-}
-const NS: &str = "app";
-
-struct Kubectl {
-    kubeconfig: PathBuf,
-}
-
-impl Kubectl {
-    fn run(&self, args: &[&str]) -> Result<String, String> {
-        let out = Command::new(kubectl_bin())
-            .arg(format!("--kubeconfig={}", self.kubeconfig.display()))
-            .args(args)
-            .output()
-            .map_err(|e| e.to_string())?;
-        if out.status.success() {
-            Ok(String::from_utf8_lossy(&out.stdout).into_owned())
-        } else {
-            Err(format!(
-                "kubectl {}: {}",
-                args.join(" "),
-                String::from_utf8_lossy(&out.stderr)
-            ))
-        }
-    }
-
-    fn must(&self, args: &[&str]) -> String {
-        self.run(args).unwrap_or_else(|e| panic!("{e}"))
-    }
-
-    fn apply(&self, yaml: &str) {
-        let f = tempfile::NamedTempFile::new().unwrap();
-        std::fs::write(f.path(), yaml).unwrap();
-        self.must(&["apply", "-f", f.path().to_str().unwrap()]);
-    }
-
-    /// Waits until `jsonpath` of the object reads `want`; the state at timeout is in the panic.
-    fn wait(&self, what: &[&str], jsonpath: &str, want: &str) {
-        let start = Instant::now();
-        let mut args = vec!["get"];
-        args.extend_from_slice(what);
-        let jp = format!("jsonpath={jsonpath}");
-        args.extend_from_slice(&["-o", &jp]);
-        loop {
-            let got = self.run(&args).unwrap_or_default();
-            if got.trim() == want {
-                return;
-            }
-            if start.elapsed() > BOUND {
-                self.show("timeout");
-                panic!("{what:?} {jsonpath}: {got:?}, want {want:?}");
-            }
-            std::thread::sleep(Duration::from_millis(500));
-        }
-    }
-
-    fn wait_gone(&self, what: &[&str]) {
-        let start = Instant::now();
-        let mut args = vec!["get"];
-        args.extend_from_slice(what);
-        args.push("--ignore-not-found");
-        while !self.run(&args).unwrap_or_default().trim().is_empty() {
-            if start.elapsed() > BOUND {
-                self.show("timeout");
-                panic!("{what:?} still there");
-            }
-            std::thread::sleep(Duration::from_millis(500));
-        }
-    }
-
-    /// The observed state, printed for the CI log.
-    fn show(&self, step: &str) {
-        let state = self
-            .run(&["get", "pv,pvc,volumeattachment,pod", "-A", "-o", "wide"])
-            .unwrap_or_else(|e| e);
-        println!("==> {step}\n{state}");
-    }
-
-    fn logs(&self, pod: &str) -> String {
-        self.run(&["logs", "-n", NS, pod]).unwrap_or_default()
-    }
-
-    /// Waits until the pod's log holds `want` (what its command printed about its volume).
-    fn wait_logs(&self, pod: &str, want: &str) {
-        poll(|| {
-            let logs = self.logs(pod);
-            match logs.contains(want) {
-                true => Ok(()),
-                false => Err(format!("{pod} logs: {logs:?}, want {want:?}")),
-            }
-        });
-    }
-}
-
-fn archives() -> Vec<PathBuf> {
-    let dir = repo_root().join("target/image");
-    let version = env!("CARGO_PKG_VERSION");
-    // The `helm test` checker's image (curl): built on first use, then cached, as helm is.
-    let status = Command::new(repo_root().join("e2e/scripts/curl-image.sh"))
-        .status()
-        .expect("run e2e/scripts/curl-image.sh");
-    assert!(status.success(), "e2e/scripts/curl-image.sh failed");
-    let list = [
-        dir.join(format!("stowage-{version}.oci.tar")),
-        dir.join("busybox.oci.tar"),
-        dir.join("pause.oci.tar"),
-        dir.join("curl.oci.tar"),
-    ];
-    for a in &list {
-        assert!(
-            a.exists(),
-            "{} is missing: `make test` builds it (e2e/scripts/image.sh, e2e/scripts/pod-images.sh)",
-            a.display()
-        );
-    }
-    list.to_vec()
-}
-
-fn pod(name: &str, claim: &str) -> String {
-    format!(
-        r#"apiVersion: v1
-kind: Pod
-metadata: {{name: {name}, namespace: {NS}}}
-spec:
-  terminationGracePeriodSeconds: 1
-  containers:
-  - name: c
-    image: {BUSYBOX_IMAGE}
-    imagePullPolicy: Never
-    command: [sh, -c, 'if [ -f /data/f ]; then echo "found $(cat /data/f)"; else echo data-1 > /data/f && sync && echo wrote; fi; df -k /data | tail -1; sleep 3600']
-    volumeMounts: [{{name: v, mountPath: /data}}]
-  volumes: [{{name: v, persistentVolumeClaim: {{claimName: {claim}}}}}]
-"#
-    )
-}
-
-fn claim(name: &str, class: &str, mode: &str) -> String {
-    format!(
-        r#"apiVersion: v1
-kind: PersistentVolumeClaim
-metadata: {{name: {name}, namespace: {NS}}}
-spec:
-  accessModes: [{mode}]
-  storageClassName: {class}
-  resources: {{requests: {{storage: 64Mi}}}}
-"#
-    )
-}
-
-fn mounts_of(dir: &Path, needle: &str) -> Vec<String> {
-    std::fs::read_to_string("/proc/self/mountinfo")
-        .unwrap_or_default()
-        .lines()
-        .filter(|l| l.contains(dir.to_str().unwrap()) && l.contains(needle))
-        .map(String::from)
-        .collect()
-}
+mod support;
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_kubelet_runs_pods_on_loop_volumes_installed_by_helm() {
@@ -348,7 +180,47 @@ tests: {{image: {{repository: localhost/curl, tag: stowage, pullPolicy: Never}},
         "{.status.conditions[?(@.type==\"Ready\")].status}",
         "True",
     );
-    std::thread::sleep(Duration::from_secs(5));
+    // Until the restarted kubelet (its counters start at zero) has published the volume again
+    // through the agent and finished as many pod syncs as the node runs pods: a sync is where it
+    // would restart a container, and the publish where a second mount would come from.
+    let running = k
+        .must(&[
+            "get",
+            "pods",
+            "-A",
+            "--field-selector",
+            &format!("spec.nodeName={NODE_NAME},status.phase=Running"),
+            "-o",
+            "name",
+        ])
+        .lines()
+        .count() as f64;
+    poll(|| {
+        let m = k.metrics(&format!("/api/v1/nodes/{NODE_NAME}/proxy/metrics"))?;
+        let published = m.sum_where(
+            "csi_operations_seconds_count",
+            &[
+                ("driver_name", "loop.stowage.dev"),
+                ("method_name", "/csi.v1.Node/NodePublishVolume"),
+                ("grpc_status_code", "OK"),
+            ],
+        );
+        let synced: f64 = ["create", "update", "sync"]
+            .iter()
+            .map(|t| {
+                m.sum_where(
+                    "kubelet_pod_worker_duration_seconds_count",
+                    &[("operation_type", *t)],
+                )
+            })
+            .sum();
+        match published >= 1.0 && synced >= running {
+            true => Ok(()),
+            false => Err(format!(
+                "restarted kubelet: {published} publishes, {synced} syncs of {running} pods"
+            )),
+        }
+    });
     k.wait(
         &["pod", "-n", NS, "reader"],
         "{.status.containerStatuses[0].restartCount}",
@@ -376,7 +248,26 @@ tests: {{image: {{repository: localhost/curl, tag: stowage, pullPolicy: Never}},
     k.wait(&["volumeattachment"], &held_va, "true");
     node.stop_kubelet();
     k.must(&["delete", "pod", "-n", NS, "holder", "--force", "--grace-period=0"]);
-    std::thread::sleep(Duration::from_secs(15));
+    // Until the attach/detach controller wants the detach and holds it back for the node's
+    // volumesInUse, then has passed over it once more: it had its chance to detach.
+    let controller = || {
+        k.metrics("/api/v1/namespaces/stowage/services/st-stowage-controller-metrics:metrics/proxy/metrics")
+    };
+    let mut passes = 0.0;
+    poll(|| {
+        let m = controller()?;
+        passes = m.sum("stowage_attachdetach_reconcile_total");
+        match m.sum("stowage_attachdetach_detaches_waiting_for_unmount") >= 1.0 {
+            true => Ok(()),
+            false => Err("no detach waits for the unmount yet".into()),
+        }
+    });
+    poll(
+        || match controller()?.sum("stowage_attachdetach_reconcile_total") > passes {
+            true => Ok(()),
+            false => Err(format!("no attach/detach pass after {passes}")),
+        },
+    );
     assert_eq!(
         k.must(&["get", "volumeattachment", "-o", &format!("jsonpath={held_va}")])
             .trim(),

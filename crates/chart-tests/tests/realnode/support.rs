@@ -1,0 +1,187 @@
+//! How the scenario acts on the node and looks at it: kubectl against the test control plane
+//! (objects, states, logs, and metrics through the apiserver's proxy), the objects it applies,
+//! the image archives it imports, and the host's mount table.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use stowage_chart_tests::{kubectl_bin, repo_root};
+use stowage_testkit::realnode::BUSYBOX_IMAGE;
+use stowage_testkit::scrape::{self, Metrics};
+
+pub const BOUND: Duration = Duration::from_secs(180);
+
+/// Polls `check` every 500 ms until it passes. `BOUND` only ends a broken test (with the last
+/// reason); it is not a speed check: speed is measured by `make bench`.
+pub fn poll(mut check: impl FnMut() -> Result<(), String>) {
+    let deadline = Instant::now() + BOUND;
+    loop {
+        match check() {
+            Ok(()) => return,
+            Err(why) if Instant::now() >= deadline => panic!("{why}"),
+            Err(_) => std::thread::sleep(Duration::from_millis(500)),
+        }
+    }
+}
+pub const NS: &str = "app";
+
+pub struct Kubectl {
+    pub kubeconfig: PathBuf,
+}
+
+impl Kubectl {
+    pub fn run(&self, args: &[&str]) -> Result<String, String> {
+        let out = Command::new(kubectl_bin())
+            .arg(format!("--kubeconfig={}", self.kubeconfig.display()))
+            .args(args)
+            .output()
+            .map_err(|e| e.to_string())?;
+        if out.status.success() {
+            Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+        } else {
+            Err(format!(
+                "kubectl {}: {}",
+                args.join(" "),
+                String::from_utf8_lossy(&out.stderr)
+            ))
+        }
+    }
+
+    pub fn must(&self, args: &[&str]) -> String {
+        self.run(args).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    pub fn apply(&self, yaml: &str) {
+        let f = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(f.path(), yaml).unwrap();
+        self.must(&["apply", "-f", f.path().to_str().unwrap()]);
+    }
+
+    /// Waits until `jsonpath` of the object reads `want`; the state at timeout is in the panic.
+    pub fn wait(&self, what: &[&str], jsonpath: &str, want: &str) {
+        let start = Instant::now();
+        let mut args = vec!["get"];
+        args.extend_from_slice(what);
+        let jp = format!("jsonpath={jsonpath}");
+        args.extend_from_slice(&["-o", &jp]);
+        loop {
+            let got = self.run(&args).unwrap_or_default();
+            if got.trim() == want {
+                return;
+            }
+            if start.elapsed() > BOUND {
+                self.show("timeout");
+                panic!("{what:?} {jsonpath}: {got:?}, want {want:?}");
+            }
+            std::thread::sleep(Duration::from_millis(500));
+        }
+    }
+
+    pub fn wait_gone(&self, what: &[&str]) {
+        let start = Instant::now();
+        let mut args = vec!["get"];
+        args.extend_from_slice(what);
+        args.push("--ignore-not-found");
+        while !self.run(&args).unwrap_or_default().trim().is_empty() {
+            if start.elapsed() > BOUND {
+                self.show("timeout");
+                panic!("{what:?} still there");
+            }
+            std::thread::sleep(Duration::from_millis(500));
+        }
+    }
+
+    /// The observed state, printed for the CI log.
+    pub fn show(&self, step: &str) {
+        let state = self
+            .run(&["get", "pv,pvc,volumeattachment,pod", "-A", "-o", "wide"])
+            .unwrap_or_else(|e| e);
+        println!("==> {step}\n{state}");
+    }
+
+    pub fn logs(&self, pod: &str) -> String {
+        self.run(&["logs", "-n", NS, pod]).unwrap_or_default()
+    }
+
+    /// A Prometheus exposition read through the apiserver's proxy, e.g. a kubelet's
+    /// `/api/v1/nodes/<node>/proxy/metrics`.
+    pub fn metrics(&self, path: &str) -> Result<Metrics, String> {
+        scrape::parse(&self.run(&["get", "--raw", path])?)
+    }
+
+    /// Waits until the pod's log holds `want` (what its command printed about its volume).
+    pub fn wait_logs(&self, pod: &str, want: &str) {
+        poll(|| {
+            let logs = self.logs(pod);
+            match logs.contains(want) {
+                true => Ok(()),
+                false => Err(format!("{pod} logs: {logs:?}, want {want:?}")),
+            }
+        });
+    }
+}
+
+pub fn archives() -> Vec<PathBuf> {
+    let dir = repo_root().join("target/image");
+    let version = env!("CARGO_PKG_VERSION");
+    // The `helm test` checker's image (curl): built on first use, then cached, as helm is.
+    let status = Command::new(repo_root().join("e2e/scripts/curl-image.sh"))
+        .status()
+        .expect("run e2e/scripts/curl-image.sh");
+    assert!(status.success(), "e2e/scripts/curl-image.sh failed");
+    let list = [
+        dir.join(format!("stowage-{version}.oci.tar")),
+        dir.join("busybox.oci.tar"),
+        dir.join("pause.oci.tar"),
+        dir.join("curl.oci.tar"),
+    ];
+    for a in &list {
+        assert!(
+            a.exists(),
+            "{} is missing: `make test` builds it (e2e/scripts/image.sh, e2e/scripts/pod-images.sh)",
+            a.display()
+        );
+    }
+    list.to_vec()
+}
+
+pub fn pod(name: &str, claim: &str) -> String {
+    format!(
+        r#"apiVersion: v1
+kind: Pod
+metadata: {{name: {name}, namespace: {NS}}}
+spec:
+  terminationGracePeriodSeconds: 1
+  containers:
+  - name: c
+    image: {BUSYBOX_IMAGE}
+    imagePullPolicy: Never
+    command: [sh, -c, 'if [ -f /data/f ]; then echo "found $(cat /data/f)"; else echo data-1 > /data/f && sync && echo wrote; fi; df -k /data | tail -1; sleep 3600']
+    volumeMounts: [{{name: v, mountPath: /data}}]
+  volumes: [{{name: v, persistentVolumeClaim: {{claimName: {claim}}}}}]
+"#
+    )
+}
+
+pub fn claim(name: &str, class: &str, mode: &str) -> String {
+    format!(
+        r#"apiVersion: v1
+kind: PersistentVolumeClaim
+metadata: {{name: {name}, namespace: {NS}}}
+spec:
+  accessModes: [{mode}]
+  storageClassName: {class}
+  resources: {{requests: {{storage: 64Mi}}}}
+"#
+    )
+}
+
+pub fn mounts_of(dir: &Path, needle: &str) -> Vec<String> {
+    std::fs::read_to_string("/proc/self/mountinfo")
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.contains(dir.to_str().unwrap()) && l.contains(needle))
+        .map(String::from)
+        .collect()
+}

@@ -1,0 +1,267 @@
+//! What the chart renders with its defaults and with every option on, and `helm lint` of both.
+
+use stowage_chart_tests::{Helm, chart_dir, kinds_and_names};
+
+use crate::{assert_entry, assert_has, assert_host_network_and_apiserver, doc, render};
+
+/// Every optional feature switched on (the install test turns most of these on in its upgrade).
+/// `registerNode` needs the kubelet-less mode, so this is the standalone agent; the default csi
+/// agent is checked with the same host network and apiserver values in its own test.
+const ALL_ON: &str = r#"
+storageClass: {create: true, default: true, reclaimPolicy: Retain, volumeBindingMode: Immediate, parameters: {extra: "1"}}
+metrics: {podAnnotations: true, serviceMonitor: {enabled: true, scrapeTimeout: 10s, labels: {release: prom}}}
+agent: {mode: standalone, registerNode: true, hostNetwork: true, extraArgs: ["--metrics-bind-address=0.0.0.0:9091"], podAnnotations: {team: storage}}
+controller: {hostNetwork: true, extraArgs: ["--binder-max-in-flight=32"], controllers: ["*", "-expand"], nodeSelector: {role: infra}, tolerations: [{operator: Exists}]}
+apiServer: {host: 192.0.2.10, port: 6443}
+kubeApi: {qps: 20, burst: 40}
+imagePullSecrets: [{name: regcred}]
+"#;
+
+#[tokio::test]
+async fn lint_is_clean_with_defaults_and_every_option() {
+    let helm = Helm::new(None);
+    let chart = chart_dir();
+    let chart = chart.to_str().unwrap();
+    helm.run(&["lint", "--strict", chart]).await.unwrap();
+    let all_on = helm.values("all-on.yaml", ALL_ON);
+    let out = helm
+        .run(&["lint", "--strict", chart, "-f", all_on.to_str().unwrap()])
+        .await
+        .unwrap();
+    assert!(out.contains("0 chart(s) failed"), "{out}");
+}
+
+#[tokio::test]
+async fn defaults_render_the_core_objects_only() {
+    let helm = Helm::new(None);
+    let m = render(&helm, &[]).await.unwrap();
+    let mut got = kinds_and_names(&m);
+    got.sort();
+    let mut want = vec![
+        "ServiceAccount/st-stowage-controller",
+        "ServiceAccount/st-stowage-agent",
+        "ClusterRole/st-stowage-controller",
+        "ClusterRole/st-stowage-agent",
+        "ClusterRoleBinding/st-stowage-controller",
+        "ClusterRoleBinding/st-stowage-agent",
+        "Role/st-stowage-controller-leader-election",
+        "RoleBinding/st-stowage-controller-leader-election",
+        "Service/st-stowage-controller-metrics",
+        "Service/st-stowage-agent-metrics",
+        "Deployment/st-stowage-controller",
+        "DaemonSet/st-stowage-agent",
+        "CSIDriver/loop.stowage.dev",
+        // Two replicas by default: a drain takes one at a time.
+        "PodDisruptionBudget/st-stowage-controller",
+        // `helm test` hooks (helm template renders them; helm install does not create them).
+        // No StorageClass by default, so no claim and consumer: /readyz only.
+        "ServiceAccount/st-stowage-test",
+        "Role/st-stowage-test",
+        "RoleBinding/st-stowage-test",
+        "Pod/st-stowage-test",
+    ];
+    want.sort();
+    assert_eq!(got, want);
+
+    let d = doc(&m, "Deployment", "st-stowage-controller");
+    assert_has(
+        d,
+        "controller Deployment",
+        &[
+            "replicas: 2",
+            "- --leader-elect=true",
+            "- --leader-elect-resource-namespace=stowage-system",
+            "- --image-dir=/var/lib/stowage/images",
+            "- --kube-api-burst=100",
+            "- --kube-api-max-qps=2000",
+            "- --log-format=text",
+            "- --v=2",
+            "priorityClassName: system-cluster-critical",
+            "revisionHistoryLimit: 10",
+            "topologyKey: kubernetes.io/hostname",
+            "topologyKey: topology.kubernetes.io/zone",
+            "path: /healthz",
+            "path: /readyz",
+            "runAsNonRoot: true",
+            "readOnlyRootFilesystem: true",
+            "- ALL",
+            "type: RuntimeDefault",
+            "allowPrivilegeEscalation: false",
+            "mountPath: /var/lib/stowage/images",
+            "name: image-store-permissions",
+        ],
+    );
+    assert!(!d.contains("prometheus.io/scrape"), "{d}");
+    // No fixed rate by default: the controller's adaptive limiter applies.
+    assert!(!d.contains("--kube-api-qps"), "{d}");
+    // Spreading is soft (a one-node cluster runs every replica) and is all the scheduling
+    // preference the defaults add.
+    assert_eq!(d.matches("whenUnsatisfiable: ScheduleAnyway").count(), 2, "{d}");
+    assert!(!d.contains("affinity:"), "{d}");
+    // The image `make image` builds, for the controller and its init container alike (so an
+    // imported image is all a node needs); tests/image.rs checks it against the archive.
+    let image = format!("image: localhost/stowage:{}", env!("CARGO_PKG_VERSION"));
+    assert_eq!(d.matches(&image).count(), 2, "{d}");
+    assert_eq!(d.matches("imagePullPolicy: IfNotPresent").count(), 2, "{d}");
+
+    let a = doc(&m, "DaemonSet", "st-stowage-agent");
+    assert_has(
+        a,
+        "agent DaemonSet",
+        &[
+            "privileged: true",
+            "fieldPath: spec.nodeName",
+            "- --node-name=$(NODE_NAME)",
+            "- --root-dir=/var/lib/stowage",
+            "- --image-dir=/var/lib/stowage/images",
+            "path: /healthz",
+            // The image's user is the controller's non-root one; losetup and mount need root.
+            "runAsUser: 0",
+            &image,
+            "imagePullPolicy: IfNotPresent",
+        ],
+    );
+    // The default mode, csi: checked in detail by default_agent_is_the_csi_node_plugin; the
+    // CSIDriver by csi_driver_suits_the_kubelet.
+    assert_has(a, "agent DaemonSet", &["- --kubelet-dir=/var/lib/kubelet"]);
+    assert!(!a.contains("--register-node"), "{a}");
+    // losetup needs the host's loop devices, in both modes.
+    assert_entry(a, "volumeMounts", "dev", &["mountPath: /dev"]);
+    assert_entry(
+        a,
+        "volumes",
+        "dev",
+        &["hostPath:", "path: /dev", "type: Directory"],
+    );
+    assert_entry(
+        a,
+        "volumeMounts",
+        "images",
+        &["mountPath: /var/lib/stowage/images"],
+    );
+    // Both pods use the pod network and the in-cluster apiserver address by default.
+    for (what, pod) in [("controller Deployment", d), ("agent DaemonSet", a)] {
+        for unwanted in ["hostNetwork", "dnsPolicy", "KUBERNETES_SERVICE_"] {
+            assert!(!pod.contains(unwanted), "{what} has {unwanted:?}:\n{pod}");
+        }
+    }
+    // Without --register-node the agent may not create Nodes.
+    let r = doc(&m, "ClusterRole", "st-stowage-agent");
+    assert!(
+        r.contains(r#"verbs: ["patch"]"#) && !r.contains(r#""create", "patch""#),
+        "{r}"
+    );
+}
+
+#[tokio::test]
+async fn every_option_on_renders() {
+    let helm = Helm::new(None);
+    let all_on = helm.values("all-on.yaml", ALL_ON);
+    let m = render(&helm, &["-f", all_on.to_str().unwrap()]).await.unwrap();
+
+    for name in ["st-stowage-controller", "st-stowage-agent"] {
+        let sm = doc(&m, "ServiceMonitor", name);
+        assert!(sm.contains("apiVersion: monitoring.coreos.com/v1"), "{sm}");
+        assert!(
+            sm.contains("release: prom") && sm.contains("scrapeTimeout: 10s"),
+            "{sm}"
+        );
+    }
+    let sc = doc(&m, "StorageClass", "loop");
+    assert_has(
+        sc,
+        "StorageClass",
+        &[
+            "provisioner: loop.stowage.dev",
+            "allowVolumeExpansion: true",
+            "reclaimPolicy: Retain",
+            "volumeBindingMode: Immediate",
+            r#"storageclass.kubernetes.io/is-default-class: "true""#,
+            r#"extra: "1""#,
+        ],
+    );
+    doc(&m, "Role", "st-stowage-agent-node-lease");
+    doc(&m, "RoleBinding", "st-stowage-agent-node-lease");
+
+    let d = doc(&m, "Deployment", "st-stowage-controller");
+    assert_has(
+        d,
+        "controller Deployment",
+        &[
+            r#"prometheus.io/port: "8080""#,
+            "- --controllers=*,-expand",
+            r#"- "--binder-max-in-flight=32""#,
+            "- --kube-api-qps=20",
+            "role: infra",
+            "- name: regcred",
+        ],
+    );
+    let a = doc(&m, "DaemonSet", "st-stowage-agent");
+    assert_has(
+        a,
+        "agent DaemonSet",
+        &[
+            "- --register-node",
+            r#"prometheus.io/port: "8081""#,
+            "team: storage",
+            "- --kube-api-burst=40",
+        ],
+    );
+    assert!(!a.contains("--kubelet-dir"), "{a}");
+    for (what, pod) in [("controller Deployment", d), ("agent DaemonSet", a)] {
+        assert_host_network_and_apiserver(pod, what, "192.0.2.10", "6443");
+    }
+}
+
+#[tokio::test]
+async fn host_network_and_apiserver_reach_both_pods() {
+    let helm = Helm::new(None);
+    let m = render(
+        &helm,
+        &[
+            "--set",
+            "agent.hostNetwork=true,controller.hostNetwork=true",
+            "--set",
+            "apiServer.host=10.20.30.40,apiServer.port=6443",
+        ],
+    )
+    .await
+    .unwrap();
+    let d = doc(&m, "Deployment", "st-stowage-controller");
+    let a = doc(&m, "DaemonSet", "st-stowage-agent");
+    assert_host_network_and_apiserver(d, "controller Deployment", "10.20.30.40", "6443");
+    assert_host_network_and_apiserver(a, "agent DaemonSet", "10.20.30.40", "6443");
+    // The values still sit beside the Downward API variables (csi mode here).
+    assert_has(
+        a,
+        "agent DaemonSet",
+        &["fieldPath: spec.nodeName", "- --kubelet-dir=/var/lib/kubelet"],
+    );
+    assert_has(d, "controller Deployment", &["fieldPath: metadata.name"]);
+
+    // Each workload's switch is its own; the apiserver address is a string either way.
+    let m = render(
+        &helm,
+        &[
+            "--set",
+            "agent.hostNetwork=true",
+            "--set-string",
+            "apiServer.host=apiserver.example,apiServer.port=443",
+        ],
+    )
+    .await
+    .unwrap();
+    let d = doc(&m, "Deployment", "st-stowage-controller");
+    let a = doc(&m, "DaemonSet", "st-stowage-agent");
+    assert!(!d.contains("hostNetwork") && !d.contains("dnsPolicy"), "{d}");
+    assert_has(a, "agent DaemonSet", &["hostNetwork: true"]);
+    for pod in [d, a] {
+        assert_entry(
+            pod,
+            "env",
+            "KUBERNETES_SERVICE_HOST",
+            &[r#"value: "apiserver.example""#],
+        );
+        assert_entry(pod, "env", "KUBERNETES_SERVICE_PORT", &[r#"value: "443""#]);
+    }
+}

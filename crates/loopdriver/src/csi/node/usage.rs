@@ -1,0 +1,139 @@
+//! NodeExpandVolume and NodeGetVolumeStats: growing a staged volume online, and what it holds and
+//! whether its mount is still its loop device.
+
+use std::path::{Path, PathBuf};
+
+use tonic::Status;
+
+use super::NodeService;
+use crate::csi::caps;
+use crate::csi::v1::*;
+use crate::csi::{image_status, required, sys_status};
+use crate::sys;
+
+impl NodeService {
+    /// The loop device of a volume on this node, from stage's record or the kernel.
+    async fn device_of(&self, id: &str, image: &Path) -> Result<Option<String>, Status> {
+        if let Some(s) = self.record(id).await
+            && sys::backs(&s.device, image).await
+        {
+            return Ok(Some(s.device));
+        }
+        let loops = sys::loops_of(image)
+            .await
+            .map_err(|e| sys_status("losetup -j", e))?;
+        Ok(loops.into_iter().next())
+    }
+
+    pub(super) async fn expand(&self, req: NodeExpandVolumeRequest) -> Result<u64, Status> {
+        let id = required(&req.volume_id, "volume id")?;
+        let path = PathBuf::from(required(&req.volume_path, "volume path")?);
+        let image = self.image(id).await?;
+        let meta = tokio::fs::metadata(&path)
+            .await
+            .map_err(|_| Status::not_found(format!("volume path {} does not exist", path.display())))?;
+        let block = match req.volume_capability.as_ref() {
+            Some(c) => caps::check(c).map_err(Status::invalid_argument)?.block(),
+            None => !meta.is_dir(),
+        };
+        let _guard = self.locks.try_lock(id)?;
+        let size = self.images.size(id).map_err(image_status)?;
+        if let Some(r) = &req.capacity_range
+            && r.required_bytes > 0
+            && r.required_bytes as u64 > size
+        {
+            return Err(Status::out_of_range(format!(
+                "volume {id} is {size} bytes, less than the {} asked: expand it on the controller first",
+                r.required_bytes
+            )));
+        }
+        let dev = self.device_of(id, &image).await?.ok_or_else(|| {
+            Status::failed_precondition(format!("volume {id} is not attached on this node"))
+        })?;
+        sys::loop_refresh(&dev)
+            .await
+            .map_err(|e| sys_status("losetup -c", e))?;
+        // ext4 grows online while mounted.
+        if !block && let Err(e) = sys::resize2fs(&dev).await {
+            let mut message = format!("resize2fs: {e}");
+            if message.contains("Permission denied") {
+                // Online ext4 growth needs CAP_SYS_RESOURCE; stage grows it offline instead.
+                message.push_str(
+                    "; online resize is not permitted here (CAP_SYS_RESOURCE missing), the file \
+                     system grows when the volume is next staged",
+                );
+            }
+            return Err(Status::internal(message));
+        }
+        Ok(size)
+    }
+
+    pub(super) async fn stats(
+        &self,
+        req: NodeGetVolumeStatsRequest,
+    ) -> Result<NodeGetVolumeStatsResponse, Status> {
+        let id = required(&req.volume_id, "volume id")?;
+        let path = PathBuf::from(required(&req.volume_path, "volume path")?);
+        let image = self.image(id).await?;
+        let meta = tokio::fs::metadata(&path)
+            .await
+            .map_err(|_| Status::not_found(format!("volume path {} does not exist", path.display())))?;
+        let mount = self.mounted(&path).await?;
+        let dev = self.device_of(id, &image).await?;
+        let devno = match &dev {
+            Some(d) => sys::rdev(Path::new(d)).await,
+            None => None,
+        };
+        let mut problems = vec![];
+        match (&mount, devno) {
+            (None, _) => problems.push(format!("{} is not mounted", path.display())),
+            (Some(_), None) => problems.push(format!("no loop device backs volume {id} on this node")),
+            (Some(m), Some(d)) if m.devno != d => problems.push(format!(
+                "{} is mounted from {}:{}, not from the volume's loop device",
+                path.display(),
+                m.devno.0,
+                m.devno.1
+            )),
+            _ => {}
+        }
+        let mut usage = vec![];
+        if meta.is_dir() {
+            match sys::statvfs(&path).await {
+                Ok(Some(u)) => {
+                    usage.push(VolumeUsage {
+                        available: u.bytes_available as i64,
+                        total: u.bytes_total as i64,
+                        used: (u.bytes_total - u.bytes_free) as i64,
+                        unit: volume_usage::Unit::Bytes as i32,
+                    });
+                    usage.push(VolumeUsage {
+                        available: u.inodes_free as i64,
+                        total: u.inodes_total as i64,
+                        used: (u.inodes_total - u.inodes_free) as i64,
+                        unit: volume_usage::Unit::Inodes as i32,
+                    });
+                }
+                Ok(None) => problems.push(format!("{} does not answer statvfs", path.display())),
+                Err(e) => problems.push(e.to_string()),
+            }
+        } else {
+            let size = self.images.size(id).map_err(image_status)?;
+            usage.push(VolumeUsage {
+                total: size as i64,
+                unit: volume_usage::Unit::Bytes as i32,
+                ..Default::default()
+            });
+        }
+        Ok(NodeGetVolumeStatsResponse {
+            usage,
+            volume_condition: Some(VolumeCondition {
+                abnormal: !problems.is_empty(),
+                message: if problems.is_empty() {
+                    "volume is mounted from its loop device".into()
+                } else {
+                    problems.join("; ")
+                },
+            }),
+        })
+    }
+}
