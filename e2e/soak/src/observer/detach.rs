@@ -2,25 +2,26 @@
 
 use super::{NodeSnap, Observer, Seen, St, VaSnap, state_at};
 
-/// Whether the run of node revisions up to `rv` that list `volume` in `volumesInUse` began at
-/// one that also listed it in `volumesAttached` (or cannot be told apart: an unknown stretch, or
-/// the history's start, count as listed).
-fn in_use_while_listed(h: &[(u64, St<NodeSnap>)], rv: u64, volume: &str) -> bool {
-    let mut start: Option<&NodeSnap> = None;
-    for (_, st) in h
-        .iter()
-        .take_while(|(r, _)| *r <= rv)
-        .collect::<Vec<_>>()
-        .into_iter()
-        .rev()
-    {
+/// Whether the node may have mounted `volume` during the stretch of revisions, up to `rv`, in
+/// which it has listed the volume in `volumesInUse` without a break: a node mounts only what
+/// `volumesAttached` lists, so the question is whether any snapshot of that stretch listed it
+/// there too. Only a stretch that began after `volumesAttached` had dropped the volume (a pod that
+/// arrived after the controller's decision) clears the node; a stretch that runs into an unknown
+/// state or a deletion, or back to the start of the history, cannot be cleared.
+fn listed_while_in_use(h: &[(u64, St<NodeSnap>)], rv: u64, volume: &str) -> bool {
+    let upto = h.partition_point(|(r, _)| *r <= rv);
+    for (_, st) in h[..upto].iter().rev() {
         match st {
-            St::Present(n) if n.in_use.contains(volume) => start = Some(n),
-            St::Present(_) => break,
+            St::Present(n) if n.in_use.contains(volume) => {
+                if n.attached.contains(volume) {
+                    return true;
+                }
+            }
+            St::Present(_) => return false,
             St::Gone | St::Unknown => return true,
         }
     }
-    start.is_none_or(|n| n.attached.contains(volume))
+    true
 }
 
 impl Observer {
@@ -29,9 +30,11 @@ impl Observer {
     /// then (the documented forced detach). The protocol (upstream's, and stowage's) leaves one
     /// race: the controller takes the volume out of `volumesAttached`, reads `volumesInUse`, then
     /// deletes; a pod arriving after that read makes the node list the volume in use before the
-    /// delete lands. A node then must not mount it (it is no longer in `volumesAttached`), so
-    /// that is no violation: the in-use listing must have begun while `volumesAttached` still
-    /// listed the volume, and lasted until the delete, for the controller to have been wrong.
+    /// delete lands. The node must not mount it then (a first mount needs the volume in
+    /// `volumesAttached`, checked live), so that alone is no violation. But the agent lists a
+    /// wanted volume in use before it is attached, so an in-use stretch that began unlisted may
+    /// well have been listed later, and mounted: only a stretch in which `volumesAttached` never
+    /// listed the volume is the race.
     pub(super) fn judge_detaches(&self, s: &mut Seen) -> u64 {
         let limit = s.vas.frontier.min(s.nodes.frontier);
         let mut decided = Vec::new();
@@ -85,7 +88,7 @@ impl Observer {
             if !n.in_use.contains(&name) || n.out_of_service {
                 continue;
             }
-            if in_use_while_listed(nh, rv, &name) {
+            if listed_while_in_use(nh, rv, &name) {
                 self.record.violation(
                     &format!("inuse:{uid}"),
                     "attachment deleted while the volume is in use",
@@ -112,53 +115,96 @@ impl Observer {
 mod tests {
     use crate::observer::test_support::{node, observer, pv, va};
 
-    /// A pod that arrives after the controller took the volume out of `volumesAttached` (and read
-    /// `volumesInUse`) lists it in use before the delete lands: the protocol's race, not a
-    /// violation. In use since before it left `volumesAttached`: a violation.
-    #[test]
-    fn in_use_that_began_after_volumes_attached_dropped_it_is_the_protocols_race() {
-        let name = "kubernetes.io/csi/loop.stowage.dev^h";
-        for (listed_when_in_use_began, want) in [(false, 0), (true, 1)] {
-            let (o, r, _d) = observer();
-            {
-                let mut s = o.lock();
-                s.pvs.apply("v", 1, pv(Some("u1")));
-                s.vas.apply("x", 2, va("a", true, false));
-                s.nodes.apply("a", 3, node(&[], false));
-                let mut began = node(&[name], false);
-                if !listed_when_in_use_began {
-                    began.attached.clear();
-                }
-                s.nodes.apply("a", 4, began.clone());
-                began.attached.clear();
-                s.nodes.apply("a", 5, began);
-                s.vas.apply("x", 6, va("a", true, true));
-                s.nodes.apply("a", 7, node(&[], false));
+    const NAME: &str = "kubernetes.io/csi/loop.stowage.dev^h";
+
+    /// Judges one attachment `x` of volume `v` on node `a` deleted at revision 20, with the
+    /// node's `(revision, volumesInUse, volumesAttached)` snapshots before it; returns the
+    /// violations and the raced-detach notes.
+    fn judge(node_states: &[(u64, &[&str], &[&str])]) -> (usize, u64) {
+        let (o, r, _d) = observer();
+        {
+            let mut s = o.lock();
+            s.pvs.apply("v", 1, pv(Some("u1")));
+            s.vas.apply("x", 2, va("a", true, false));
+            for (rv, in_use, attached) in node_states {
+                assert!(*rv < 20);
+                s.nodes.apply("a", *rv, node(in_use, attached, false));
             }
-            o.judge();
-            let snap = r.snapshot();
-            assert_eq!(
-                snap.violations.len(),
-                want,
-                "volumesAttached listed it when in use began: {listed_when_in_use_began}"
-            );
-            let raced = snap.notes.get("detach-raced-a-new-pod").copied().unwrap_or(0);
-            assert_eq!(raced, 1 - want as u64, "the race is counted, not hidden");
+            s.vas.apply("x", 20, va("a", true, true));
+            s.nodes.apply("a", 21, node(&[], &[], false));
         }
+        o.judge();
+        let snap = r.snapshot();
+        let raced = snap.notes.get("detach-raced-a-new-pod").copied().unwrap_or(0);
+        (snap.violations.len(), raced)
+    }
+
+    /// The agent lists every wanted volume in use before it is attached, so in-use usually begins
+    /// before `volumesAttached` lists the volume. Listed while in use, the node may have mounted
+    /// it: deleting the attachment then is a violation, however the stretch began.
+    #[test]
+    fn in_use_before_the_attach_then_listed_then_deleted_is_a_violation() {
+        let (violations, raced) = judge(&[
+            (3, &[NAME], &[]),
+            (5, &[NAME], &[NAME]),
+            // The controller drops it from volumesAttached while the node still uses it.
+            (8, &[NAME], &[]),
+        ]);
+        assert_eq!((violations, raced), (1, 0));
+        // Still listed attached at the delete: the same.
+        let (violations, raced) = judge(&[(3, &[NAME], &[]), (5, &[NAME], &[NAME])]);
+        assert_eq!((violations, raced), (1, 0));
+    }
+
+    /// A pod that arrives after the controller took the volume out of `volumesAttached` (and read
+    /// `volumesInUse`) makes the node list it in use before the delete lands; the node cannot
+    /// mount it (no longer listed): the protocol's race, counted as a note. An earlier stretch in
+    /// use while listed (a previous pod, gone before) does not count against it.
+    #[test]
+    fn in_use_only_after_volumes_attached_dropped_it_is_the_protocols_race() {
+        let (violations, raced) = judge(&[(3, &[], &[NAME]), (6, &[], &[]), (8, &[NAME], &[])]);
+        assert_eq!((violations, raced), (0, 1));
+        let (violations, raced) = judge(&[
+            (3, &[NAME], &[NAME]),
+            (4, &[], &[NAME]),
+            (6, &[], &[]),
+            (8, &[NAME], &[]),
+        ]);
+        assert_eq!((violations, raced), (0, 1));
+    }
+
+    /// Nothing known about the node's past (a watch gap) cannot clear a delete of a volume in
+    /// use.
+    #[test]
+    fn an_in_use_stretch_reaching_into_a_gap_is_not_excused() {
+        let (o, r, _d) = observer();
+        {
+            let mut s = o.lock();
+            s.pvs.apply("v", 1, pv(Some("u1")));
+            s.vas.apply("x", 2, va("a", true, false));
+            s.nodes.apply("a", 3, node(&[], &[NAME], false));
+            s.nodes.begin_list();
+            s.nodes.apply("a", 9, node(&[NAME], &[], false));
+            s.nodes.end_list();
+            s.vas.apply("x", 10, va("a", true, true));
+            s.nodes.apply("a", 11, node(&[], &[], false));
+        }
+        o.judge();
+        assert_eq!(r.snapshot().violations.len(), 1);
     }
 
     #[test]
     fn detach_while_in_use_unless_out_of_service() {
-        let name = "kubernetes.io/csi/loop.stowage.dev^h";
         for (oos, want) in [(false, 1), (true, 0)] {
             let (o, r, _d) = observer();
             {
                 let mut s = o.lock();
                 s.pvs.apply("v", 1, pv(Some("u1")));
-                s.nodes.apply("a", 2, node(&[name], oos));
+                s.nodes.apply("a", 2, node(&[NAME], &[], oos));
                 s.vas.apply("x", 3, va("a", true, false));
-                s.vas.apply("x", 4, va("a", true, true));
-                s.nodes.apply("a", 5, node(&[], oos));
+                s.nodes.apply("a", 4, node(&[NAME], &[NAME], oos));
+                s.vas.apply("x", 5, va("a", true, true));
+                s.nodes.apply("a", 6, node(&[], &[], oos));
             }
             o.judge();
             assert_eq!(r.snapshot().violations.len(), want, "oos {oos}");
@@ -168,13 +214,16 @@ mod tests {
         {
             let mut s = o.lock();
             s.pvs.apply("v", 1, pv(Some("u1")));
-            s.nodes.apply("a", 2, node(&[name], false));
+            s.nodes.apply("a", 2, node(&[NAME], &[NAME], false));
             s.vas.apply("x", 3, va("a", true, false));
-            s.nodes.apply("a", 4, node(&[], false));
+            s.nodes.apply("a", 4, node(&[], &[NAME], false));
             s.vas.apply("x", 5, va("a", true, true));
             s.vas.delete("x", 6);
+            s.nodes.apply("a", 7, node(&[], &[], false));
         }
         o.judge();
-        assert!(r.snapshot().violations.is_empty());
+        let snap = r.snapshot();
+        assert!(snap.violations.is_empty(), "{:?}", snap.violations);
+        assert_eq!(snap.checks.get("no-detach-while-in-use"), Some(&1));
     }
 }

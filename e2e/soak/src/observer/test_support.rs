@@ -39,11 +39,13 @@ pub(crate) fn va(node: &str, attached: bool, deleting: bool) -> VaSnap {
     }
 }
 
-/// A node listing `in_use` as in use and as attached.
-pub(crate) fn node(in_use: &[&str], oos: bool) -> NodeSnap {
+/// A node's status: `in_use` in `volumesInUse`, `attached` in `volumesAttached` (apart: the agent
+/// lists a volume in use before the controller lists it attached, and the controller drops it
+/// from `volumesAttached` before it detaches).
+pub(crate) fn node(in_use: &[&str], attached: &[&str], oos: bool) -> NodeSnap {
     NodeSnap {
         in_use: in_use.iter().map(|s| s.to_string()).collect(),
-        attached: in_use.iter().map(|s| s.to_string()).collect(),
+        attached: attached.iter().map(|s| s.to_string()).collect(),
         out_of_service: oos,
     }
 }
