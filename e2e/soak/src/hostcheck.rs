@@ -1,6 +1,7 @@
 //! What the soak checks on the host itself, every second: one kernel plays every node here.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
 
 use crate::cluster::Roots;
 use crate::host;
@@ -32,4 +33,31 @@ pub(crate) fn check_device_mounts(record: &Record, roots: &Roots) {
             );
         }
     }
+}
+
+/// No image is backed by two loop devices at once: two devices are two writers of one file
+/// system, whichever nodes they belong to (the attachment and mount checks see only what the API
+/// and the mount table say). Matched by inode on the image store's own file system.
+pub(crate) fn check_image_devices(record: &Record, images: &Path) {
+    let twice = match host::loop_devices().and_then(|d| Ok(host::images_on_two_devices(images, &d)?)) {
+        Ok(t) => t,
+        Err(e) => {
+            record.note("loop-device-list-failed", &format!("{e:#}"));
+            return;
+        }
+    };
+    record.checks("single-writer-loop-device", 1);
+    for (image, devices) in twice {
+        record.violation(
+            &format!("loop2:{image}:{devices:?}"),
+            "image backed by two loop devices",
+            format!("{image} is backed by {devices:?} at once"),
+        );
+    }
+}
+
+/// The host checks, once.
+pub(crate) fn check_host(record: &Record, roots: &Roots, images: &Path) {
+    check_device_mounts(record, roots);
+    check_image_devices(record, images);
 }

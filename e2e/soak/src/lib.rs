@@ -30,7 +30,7 @@ use crate::bundle::{bundle, dump, scan_logs};
 use crate::cluster::{CONTROLLER_SA, LEASE, LEASE_NS, Procs, Role, Roots};
 use crate::faults::Faults;
 use crate::host::ImageStore;
-use crate::hostcheck::check_device_mounts;
+use crate::hostcheck::check_host;
 use crate::observer::Observer;
 use crate::report::{Record, Summary};
 use crate::rng::Rng;
@@ -285,11 +285,13 @@ async fn drive(opts: &Options, dir: &Path, record: Arc<Record>, env: &mut Env) -
         }));
     }
     {
-        let (record, roots) = (record.clone(), roots.clone());
+        let (record, roots, images) = (record.clone(), roots.clone(), images.clone());
         env.tasks.push(tokio::spawn(async move {
             loop {
                 tokio::time::sleep(Duration::from_secs(1)).await;
-                check_device_mounts(&record, &roots);
+                let (record, roots, images) = (record.clone(), roots.clone(), images.clone());
+                // losetup and the mount table are blocking reads.
+                let _ = tokio::task::spawn_blocking(move || check_host(&record, &roots, &images)).await;
             }
         }));
     }
@@ -332,7 +334,7 @@ async fn drive(opts: &Options, dir: &Path, record: Arc<Record>, env: &mut Env) -
     })
     .await;
     observer.judge();
-    check_device_mounts(&record, &roots);
+    check_host(&record, &roots, &images);
     if let Ok(lease) = Api::<Lease>::namespaced(client.clone(), LEASE_NS)
         .get(LEASE)
         .await

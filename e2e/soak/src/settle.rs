@@ -1,7 +1,7 @@
 //! The end of a run: quiescence (every node back, every process up, every claim Bound, every pod's
 //! data checked), then the clean-up and the leak checks.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -15,7 +15,7 @@ use kube::api::{Api, DeleteParams, ListParams};
 use crate::faults::{self, Faults};
 use crate::host;
 use crate::observer::Observer;
-use crate::workload::{self, CLASSES, Ctx, NS};
+use crate::workload::{self, CLASSES, Ctx, LOOP_DRIVER, NS};
 use crate::{Options, wait_for};
 
 /// After the churn: every node back, nothing paused or squeezed, every process up; then every
@@ -217,6 +217,7 @@ async fn find_leaks(
         })),
         Err(e) => leaks.push(("api".into(), e.to_string())),
     }
+    let mut reported = BTreeSet::new();
     for d in deleted.iter().filter(|d| !CLASSES[d.class].retain) {
         let pv = format!("pvc-{}", d.uid);
         match pvs.get(&pv).await {
@@ -232,12 +233,37 @@ async fn find_leaks(
         {
             let handle = unique.split('^').nth(1).unwrap_or_default().to_string();
             if images.join(format!("{handle}.img")).exists() {
+                reported.insert(format!("{handle}.img"));
                 leaks.push((
                     "image of a deleted Delete volume left".into(),
                     format!("{handle}.img ({pv}, claim {})", d.name),
                 ));
             }
         }
+    }
+    // Any other file in the store that no volume names is a leak too, whatever made it (an image
+    // whose volume was never created, or whose deletion forgot it): the checks above only know
+    // the volumes the observer saw.
+    match pvs.list(&ListParams::default()).await {
+        Ok(l) => {
+            let named: BTreeSet<String> = l
+                .items
+                .iter()
+                .filter_map(|p| p.spec.as_ref()?.csi.as_ref())
+                .filter(|c| c.driver == LOOP_DRIVER)
+                .map(|c| format!("{}.img", c.volume_handle))
+                .collect();
+            match host::files_in(images) {
+                Ok(files) => leaks.extend(
+                    files
+                        .into_iter()
+                        .filter(|f| !named.contains(f) && !reported.contains(f))
+                        .map(|f| ("image no volume names".to_string(), f)),
+                ),
+                Err(e) => leaks.push(("image store unreadable".into(), e.to_string())),
+            }
+        }
+        Err(e) => leaks.push(("api".into(), e.to_string())),
     }
     for root in ctx.roots.values() {
         for m in host::mounts_under(root).unwrap_or_default() {
