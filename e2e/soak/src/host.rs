@@ -152,6 +152,49 @@ pub fn files_in(dir: &Path) -> std::io::Result<Vec<String>> {
         .collect())
 }
 
+/// The size in bytes the ext2/3/4 file system on `device` gives itself in its superblock (block
+/// count times block size): what `mkfs` and `resize2fs` set from the device's size. (`statfs`
+/// leaves the file system's own overhead out, which differs between a made and a grown one.)
+pub fn ext_fs_bytes(device: &Path) -> anyhow::Result<u64> {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut f = std::fs::File::open(device).with_context(|| format!("open {}", device.display()))?;
+    let mut sb = [0u8; 1024];
+    f.seek(SeekFrom::Start(1024))?;
+    f.read_exact(&mut sb)
+        .with_context(|| format!("read the superblock of {}", device.display()))?;
+    let le32 = |at: usize| u64::from(u32::from_le_bytes([sb[at], sb[at + 1], sb[at + 2], sb[at + 3]]));
+    if u16::from_le_bytes([sb[0x38], sb[0x39]]) != 0xEF53 {
+        bail!("no ext file system on {}", device.display());
+    }
+    let log_block = le32(0x18);
+    if log_block > 6 {
+        bail!("{}: implausible block size 1024 << {log_block}", device.display());
+    }
+    let mut blocks = le32(0x04);
+    // INCOMPAT_64BIT: the block count's high half.
+    if le32(0x60) & 0x80 != 0 {
+        blocks |= le32(0x150) << 32;
+    }
+    Ok(blocks * (1024 << log_block))
+}
+
+/// Whether this process (and so the agents it starts) holds `CAP_SYS_RESOURCE`, which growing a
+/// mounted ext4 needs.
+pub fn may_grow_mounted_ext4() -> bool {
+    const CAP_SYS_RESOURCE: u32 = 24;
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            let hex = s
+                .lines()
+                .find_map(|l| l.strip_prefix("CapEff:"))?
+                .trim()
+                .to_string();
+            u64::from_str_radix(&hex, 16).ok()
+        })
+        .is_some_and(|caps| caps & (1 << CAP_SYS_RESOURCE) != 0)
+}
+
 /// The file-system UUID `blkid` reads from `device` (probing the device itself, not the cache).
 pub fn fs_uuid(device: &str) -> anyhow::Result<String> {
     let out = Command::new("blkid")
@@ -389,5 +432,21 @@ mod tests {
                 vec!["/dev/loop1".to_string(), "/dev/loop3".to_string()]
             )]
         );
+    }
+
+    /// What `mkfs.ext4` and an offline `resize2fs` write is what the superblock read says.
+    #[test]
+    fn ext_fs_bytes_reads_made_and_grown_sizes() {
+        let d = tempfile::tempdir().unwrap();
+        let img = d.path().join("v.img");
+        let sh = |cmd: &mut Command| assert!(cmd.output().unwrap().status.success(), "{cmd:?}");
+        sh(Command::new("truncate").args(["-s", "16M"]).arg(&img));
+        assert!(ext_fs_bytes(&img).is_err(), "no file system yet");
+        sh(Command::new("mkfs.ext4").args(["-q", "-F", "-m", "0"]).arg(&img));
+        assert_eq!(ext_fs_bytes(&img).unwrap(), 16 << 20);
+        sh(Command::new("truncate").args(["-s", "24M"]).arg(&img));
+        sh(Command::new("e2fsck").args(["-f", "-p"]).arg(&img));
+        sh(Command::new("resize2fs").arg("-p").arg(&img));
+        assert_eq!(ext_fs_bytes(&img).unwrap(), 24 << 20);
     }
 }

@@ -274,6 +274,8 @@ async fn drive(opts: &Options, dir: &Path, record: Arc<Record>, env: &mut Env) -
     env.ctx = Some(ctx.clone());
     env.tasks
         .push(tokio::spawn(workload::external_provisioner(ctx.clone())));
+    env.tasks
+        .push(tokio::spawn(workload::follow_expansions(ctx.clone())));
     env.tasks.push(tokio::spawn(ticker(client.clone())));
     {
         let observer = observer.clone();
@@ -314,7 +316,7 @@ async fn drive(opts: &Options, dir: &Path, record: Arc<Record>, env: &mut Env) -
     work.await?;
     record.log("churn-over", serde_json::json!({}));
 
-    quiesce(opts, &ctx, &faults).await;
+    quiesce(opts, &ctx, &faults, &images).await;
     dump(&client, &dir.join("dumps-quiesced")).await;
     clean_up_and_check_leaks(opts, &ctx, &observer, &images).await;
     dump(&client, &dir.join("dumps-final")).await;

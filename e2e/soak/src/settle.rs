@@ -15,12 +15,13 @@ use kube::api::{Api, DeleteParams, ListParams};
 use crate::faults::{self, Faults};
 use crate::host;
 use crate::observer::Observer;
+use crate::rng::Rng;
 use crate::workload::{self, CLASSES, Ctx, LOOP_DRIVER, NS};
 use crate::{Options, wait_for};
 
 /// After the churn: every node back, nothing paused or squeezed, every process up; then every
 /// claim that should be Bound is, and every pod's volume was mounted and its data checked.
-pub(crate) async fn quiesce(opts: &Options, ctx: &Arc<Ctx>, faults: &Faults) {
+pub(crate) async fn quiesce(opts: &Options, ctx: &Arc<Ctx>, faults: &Faults, images: &Path) {
     let record = &ctx.record;
     let followups: Vec<_> = std::mem::take(&mut *ctx.followups.lock().unwrap_or_else(|p| p.into_inner()));
     for f in followups {
@@ -104,6 +105,9 @@ pub(crate) async fn quiesce(opts: &Options, ctx: &Arc<Ctx>, faults: &Faults) {
     }
     let n = ctx.world().claims.len() as u64;
     record.checks("bound-after-quiescence", n);
+    // Expansions end too: claim, volume, image and file system at the size asked for.
+    let mut rng = Rng::new(opts.seed).fork(3);
+    workload::settle_expansions(ctx, &mut rng, images, opts.settle_limit).await;
     record.log("quiesced", serde_json::json!({}));
 }
 

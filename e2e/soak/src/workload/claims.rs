@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kube::ResourceExt;
-use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use kube::api::{Api, DeleteParams, PostParams};
 use stowage_testkit::builders::pvc;
 
 use super::pods::delete_pod;
@@ -39,6 +39,8 @@ pub(super) async fn create_claim(ctx: &Ctx, rng: &mut Rng) {
                     class,
                     uid: made.uid().unwrap_or_default(),
                     size_mi,
+                    sizes_mi: vec![size_mi],
+                    resize_since: None,
                     generation: 0,
                     maybe_next: false,
                     fs_uuid: None,
@@ -75,35 +77,6 @@ where
         }
     }
     Err(error)
-}
-
-pub(super) async fn expand(ctx: &Ctx, name: &str) {
-    let Some(size) = ctx.world().claims.get(name).map(|c| c.size_mi + 8) else {
-        return;
-    };
-    let patch = serde_json::json!({"spec": {"resources": {"requests": {"storage": format!("{size}Mi")}}}});
-    match ctx
-        .claims()
-        .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
-        .await
-    {
-        Ok(_) => {
-            let online = {
-                let mut w = ctx.world();
-                let c = w.claims.get_mut(name);
-                c.map(|c| {
-                    c.size_mi = size;
-                    c.pod.is_some()
-                })
-                .unwrap_or(false)
-            };
-            ctx.record.op(
-                if online { "expand-online" } else { "expand-offline" },
-                serde_json::json!({"claim": name, "to": format!("{size}Mi")}),
-            );
-        }
-        Err(e) => ctx.api_failed("expand claim", e),
-    }
 }
 
 pub(super) async fn delete_claim(ctx: &Ctx, name: &str) {

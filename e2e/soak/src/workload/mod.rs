@@ -8,6 +8,7 @@
 //! drains and shuts down nodes, `external` plays the external driver's provisioner.
 
 mod claims;
+mod expansion;
 mod external;
 mod nodes;
 mod pods;
@@ -21,6 +22,7 @@ use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
 use kube::Client;
 use kube::api::{Api, DeleteParams};
 
+pub use expansion::{follow as follow_expansions, settle as settle_expansions};
 pub use external::external_provisioner;
 
 use crate::cluster::{Procs, Roots};
@@ -89,6 +91,11 @@ pub struct ClaimState {
     pub class: usize,
     pub uid: String,
     pub size_mi: u64,
+    /// Every size asked for, the first at creation: a file system must outgrow the one before
+    /// the size its claim reports.
+    pub sizes_mi: Vec<u64>,
+    /// Since when an expansion waits to show in `status.capacity` (none pending: `None`).
+    pub resize_since: Option<tokio::time::Instant>,
     /// The last pattern generation written and confirmed (0: none yet).
     pub generation: u64,
     /// A write of `generation + 1` failed half-way: either may be found.
@@ -287,13 +294,15 @@ async fn execute(ctx: &Arc<Ctx>, rng: &mut Rng, op: Op) {
                 pods::start_pod(ctx, &c, n).await;
             }
         }
-        Op::MovePod(c) => pods::move_pod(ctx, rng, &c).await,
+        Op::MovePod(c) => {
+            pods::move_pod(ctx, rng, &c).await;
+        }
         Op::DeletePod(c) => {
             if pods::delete_pod(ctx, &c).await {
                 ctx.record.op("delete-pod", serde_json::json!({"claim": c}));
             }
         }
-        Op::Expand(c) => claims::expand(ctx, &c).await,
+        Op::Expand(c) => expansion::expand(ctx, &c).await,
         Op::DeleteClaim(c) => claims::delete_claim(ctx, &c).await,
         Op::Drain(n) => nodes::drain(ctx, rng, &n).await,
         Op::OutOfService(n) => nodes::out_of_service(ctx, rng, &n).await,

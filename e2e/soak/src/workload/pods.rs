@@ -12,6 +12,7 @@ use kube::api::{Api, Patch, PatchParams, PostParams};
 use stowage_testkit::builders::pod;
 
 use super::claims::adopt;
+use super::expansion::{capacity_of, check_fs_grown};
 use super::{CLASSES, Ctx, NS, PodRef, delete_now};
 use crate::host;
 use crate::rng::Rng;
@@ -108,25 +109,47 @@ pub(super) async fn delete_pod(ctx: &Ctx, name: &str) -> bool {
     true
 }
 
-pub(super) async fn move_pod(ctx: &Arc<Ctx>, rng: &mut Rng, name: &str) {
+/// Moves the pod of claim `name` to another schedulable node; whether it was moved.
+pub(super) async fn move_pod(ctx: &Arc<Ctx>, rng: &mut Rng, name: &str) -> bool {
     let Some(from) = ctx
         .world()
         .claims
         .get(name)
         .and_then(|c| c.pod.as_ref().map(|p| p.node.clone()))
     else {
-        return;
+        return false;
     };
     let others: Vec<String> = ctx.schedulable().into_iter().filter(|n| *n != from).collect();
     let Some(to) = rng.pick(&others).cloned() else {
-        return;
+        return false;
     };
     if delete_pod(ctx, name).await && start_pod(ctx, name, &to).await {
         ctx.record.op(
             "move-pod",
             serde_json::json!({"claim": name, "from": from, "to": to}),
         );
+        return true;
     }
+    false
+}
+
+/// Where the agent mounts `volume` for `pod` (the kubelet's layout under the node's root dir).
+fn pod_volume_dir(ctx: &Ctx, pod: &PodRef, volume: &str) -> PathBuf {
+    ctx.roots[&pod.node]
+        .join("pods")
+        .join(&pod.uid)
+        .join("volumes/kubernetes.io~csi")
+        .join(volume)
+        .join("mount")
+}
+
+/// The pod's mount of `volume`, once the agent has made it.
+pub(super) fn pod_mount(ctx: &Ctx, pod: &PodRef, volume: &str) -> Option<host::Mount> {
+    let target = pod_volume_dir(ctx, pod, volume);
+    host::mounts_under(&target)
+        .unwrap_or_default()
+        .into_iter()
+        .find(|m| m.target == target)
 }
 
 /// Waits until the agent has mounted the pod's volume, then checks the data the previous pod
@@ -163,27 +186,30 @@ async fn verify(ctx: Arc<Ctx>, claim: String, pod: PodRef) {
                 v
             }
         };
-        let target: PathBuf = ctx.roots[&pod.node]
-            .join("pods")
-            .join(&pod.uid)
-            .join("volumes/kubernetes.io~csi")
-            .join(&volume)
-            .join("mount");
-        let Some(mount) = host::mounts_under(&target)
-            .unwrap_or_default()
-            .into_iter()
-            .find(|m| m.target == target)
-        else {
+        let target = pod_volume_dir(&ctx, &pod, &volume);
+        let Some(mount) = pod_mount(&ctx, &pod, &volume) else {
             continue;
         };
         let _io = io.lock().await;
-        let (generation, maybe_next, uuid_before, uid) = {
+        let (generation, maybe_next, uuid_before, uid, sizes) = {
             let w = ctx.world();
             let Some(c) = w.claims.get(&claim) else { return };
             if c.pod.as_ref().map(|p| &p.uid) != Some(&pod.uid) {
                 return;
             }
-            (c.generation, c.maybe_next, c.fs_uuid.clone(), c.uid.clone())
+            (
+                c.generation,
+                c.maybe_next,
+                c.fs_uuid.clone(),
+                c.uid.clone(),
+                c.sizes_mi.clone(),
+            )
+        };
+        // Read before the file system: the agent writes a larger capacity only once it grew.
+        let capacity = if sizes.len() > 1 {
+            ctx.claims().get(&claim).await.ok().and_then(|c| capacity_of(&c))
+        } else {
+            None
         };
         let seed = ctx.seed;
         let dir = target.clone();
@@ -244,6 +270,9 @@ async fn verify(ctx: Arc<Ctx>, claim: String, pod: PodRef) {
             }
             (Ok(_), None) => {}
             (Err(e), _) => ctx.record.note("blkid-failed", &format!("{claim}: {e:#}")),
+        }
+        if let Some(cap) = capacity {
+            check_fs_grown(&ctx, &claim, &pod, &volume, cap, &sizes).await;
         }
         let next = found.unwrap_or(generation) + 1;
         let bytes = host::pattern(seed, &uid, next);
