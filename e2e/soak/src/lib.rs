@@ -87,6 +87,7 @@ pub async fn run(opts: Options) -> Summary {
         Err(e) => return failed_early(&opts, format!("timeline: {e}")),
     };
     let mut env = Env::default();
+    let previous_hook = catch_panics();
     // Ctrl-C or SIGTERM ends the run early, through the same tear-down.
     let interrupted = async {
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
@@ -118,6 +119,12 @@ pub async fn run(opts: Options) -> Summary {
         store.teardown();
     }
     host::unmount_all_under(&dir, Path::new("/nonexistent"));
+    let _ = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| previous_hook(info)));
+    let panics = std::mem::take(&mut *PANICS.lock().unwrap_or_else(|p| p.into_inner()));
+    for (i, p) in panics.into_iter().enumerate() {
+        record.violation(&format!("soak-panic:{i}"), "panic in the soak itself", p);
+    }
     record.close_timeline();
     let counters = record.snapshot();
     let mut summary = Summary {
@@ -138,6 +145,27 @@ pub async fn run(opts: Options) -> Summary {
     }
     drop(tmp);
     summary
+}
+
+/// Panics of this run's own threads and tasks: a spawned task that panics just stops (a check
+/// that stops running, a verifier that never reports), so each one fails the run.
+static PANICS: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+
+type PanicHook = Arc<dyn Fn(&std::panic::PanicHookInfo<'_>) + Send + Sync>;
+
+/// Installs a hook that collects panics into [`PANICS`] (then runs the previous hook, which
+/// prints them); returns the previous hook to put back.
+fn catch_panics() -> PanicHook {
+    let previous: PanicHook = Arc::from(std::panic::take_hook());
+    let chained = previous.clone();
+    std::panic::set_hook(Box::new(move |info| {
+        // try_lock: a hook must never block a panicking thread.
+        if let Ok(mut p) = PANICS.try_lock() {
+            p.push(info.to_string());
+        }
+        chained(info);
+    }));
+    previous
 }
 
 fn failed_early(opts: &Options, error: String) -> Summary {

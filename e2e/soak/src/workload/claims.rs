@@ -12,7 +12,8 @@ use super::{CLASSES, ClaimState, Ctx, Deleted, NS};
 use crate::rng::Rng;
 
 pub(super) async fn create_claim(ctx: &Ctx, rng: &mut Rng) {
-    let class = rng.below(CLASSES.len());
+    let first = ctx.world().class_order.first().copied();
+    let class = first.unwrap_or_else(|| rng.below(CLASSES.len()));
     let size_mi = if CLASSES[class].looped {
         16 * rng.range(1, 2)
     } else {
@@ -33,6 +34,7 @@ pub(super) async fn create_claim(ctx: &Ctx, rng: &mut Rng) {
     };
     match created {
         Ok(made) => {
+            ctx.world().class_order.retain(|c| *c != class);
             ctx.world().claims.insert(
                 name.clone(),
                 ClaimState {

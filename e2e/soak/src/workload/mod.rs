@@ -126,6 +126,8 @@ pub struct World {
     /// Nodes whose agent is held down (out-of-service).
     pub down: BTreeSet<String>,
     pub(super) next_id: u64,
+    /// Classes still to be created once before the choice is random.
+    pub(super) class_order: Vec<usize>,
 }
 
 pub struct Ctx {
@@ -181,10 +183,19 @@ pub(super) fn delete_now() -> DeleteParams {
 
 /// Runs the workload until `until`.
 pub async fn run(ctx: Arc<Ctx>, mut rng: Rng, until: tokio::time::Instant) {
+    let start = tokio::time::Instant::now();
+    let churn = until.saturating_duration_since(start).as_secs_f64().max(1.0);
+    // Every class once first (in a seeded order), so each reclaim policy and binding mode is met.
+    {
+        let mut order: Vec<usize> = (0..CLASSES.len()).collect();
+        rng.shuffle(&mut order);
+        ctx.world().class_order = order;
+    }
     while tokio::time::Instant::now() < until {
         tokio::time::sleep(Duration::from_millis(rng.range(200, 900))).await;
         let near_end = until.saturating_duration_since(tokio::time::Instant::now()) < Duration::from_secs(40);
-        let op = choose(&ctx, &mut rng, near_end);
+        let progress = start.elapsed().as_secs_f64() / churn;
+        let op = forced(&ctx, &mut rng, progress, near_end).or_else(|| choose(&ctx, &mut rng, near_end));
         let Some(op) = op else { continue };
         // A bound for one step: during an apiserver outage a call may wait long.
         if tokio::time::timeout(Duration::from_secs(120), execute(&ctx, &mut rng, op))
@@ -195,6 +206,52 @@ pub async fn run(ctx: Arc<Ctx>, mut rng: Rng, until: tokio::time::Instant) {
                 .note("workload-step-timeout", "a workload step took over 120 s");
         }
     }
+}
+
+/// Operations every run must show, however the dice fall, with the share of the churn after
+/// which one is forced while none has happened yet (and its preconditions hold).
+const MUST: [(&str, f64); 3] = [
+    ("expand-online", 0.15),
+    ("drain", 0.25),
+    ("out-of-service-taint", 0.45),
+];
+
+fn forced(ctx: &Ctx, rng: &mut Rng, progress: f64, near_end: bool) -> Option<Op> {
+    for (kind, at) in MUST {
+        if progress < at || ctx.record.operations(kind) > 0 {
+            continue;
+        }
+        let w = ctx.world();
+        let schedulable: Vec<String> = ctx
+            .nodes()
+            .into_iter()
+            .filter(|n| !w.cordoned.contains(n))
+            .collect();
+        let op = match kind {
+            "expand-online" => {
+                let mounted: Vec<String> = w
+                    .claims
+                    .iter()
+                    .filter(|(_, c)| growable(c) && c.pod.as_ref().is_some_and(|p| p.verified))
+                    .map(|(n, _)| n.clone())
+                    .collect();
+                rng.pick(&mounted).cloned().map(Op::Expand)
+            }
+            // As in `choose`: a node leaves only while another takes its pods.
+            _ if near_end || schedulable.len() < 2 || !w.down.is_empty() => None,
+            "drain" => rng.pick(&schedulable).cloned().map(Op::Drain),
+            _ => rng.pick(&schedulable).cloned().map(Op::OutOfService),
+        };
+        if op.is_some() {
+            return op;
+        }
+    }
+    None
+}
+
+/// A loop claim with a volume, below the largest size the soak asks for.
+fn growable(c: &ClaimState) -> bool {
+    CLASSES[c.class].looped && c.volume.is_some() && c.size_mi < 64
 }
 
 #[derive(Debug)]
@@ -235,7 +292,7 @@ fn choose(ctx: &Ctx, rng: &mut Rng, near_end: bool) -> Option<Op> {
     let growable: Vec<String> = w
         .claims
         .iter()
-        .filter(|(_, c)| CLASSES[c.class].looped && c.volume.is_some() && c.size_mi < 64)
+        .filter(|(_, c)| growable(c))
         .map(|(n, _)| n.clone())
         .collect();
     let mut menu: Vec<(u64, Op)> = Vec::new();

@@ -269,7 +269,24 @@ async fn verify(ctx: Arc<Ctx>, claim: String, pod: PodRef) {
                 }
             }
             (Ok(_), None) => {}
-            (Err(e), _) => ctx.record.note("blkid-failed", &format!("{claim}: {e:#}")),
+            (Err(e), _) => {
+                // A mounted ext4 always has a UUID: unless the mount went meanwhile (then look
+                // again), a probe that finds none means the device holds something else.
+                if pod_mount(&ctx, &pod, &volume).is_some_and(|m| m.source == mount.source) {
+                    ctx.record.violation(
+                        &format!("uuid-missing:{claim}:{}", pod.uid),
+                        "no file-system UUID on a mounted volume",
+                        format!(
+                            "claim {claim} (volume {volume}) on {}, {}: {e:#}",
+                            pod.node, mount.source
+                        ),
+                    );
+                } else {
+                    ctx.record
+                        .note("blkid-failed-mount-gone", &format!("{claim}: {e:#}"));
+                    continue;
+                }
+            }
         }
         if let Some(cap) = capacity {
             check_fs_grown(&ctx, &claim, &pod, &volume, cap, &sizes).await;
