@@ -266,6 +266,10 @@ pub async fn settle(ctx: &Arc<Ctx>, rng: &mut Rng, images: &Path, limit: Duratio
     let mut remounted = BTreeMap::new();
     let grown = loop {
         let Some(grown) = grown_claims(ctx).await else {
+            if start.elapsed() > limit {
+                record.note("expansions-not-settled", "the claims could not be listed");
+                return;
+            }
             tokio::time::sleep(Duration::from_secs(1)).await;
             continue;
         };
