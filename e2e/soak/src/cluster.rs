@@ -145,9 +145,17 @@ impl Procs {
             if let Some(r) = slot.running.as_mut()
                 && let Ok(Some(status)) = r.child.try_wait()
             {
-                self.record.note(
-                    &format!("{}-exited-on-its-own", slot.role.label()),
-                    &format!("{} exited with {status}", slot.name),
+                // Nothing stops a controller or an agent but our kills: an exit is a crash.
+                self.record.violation(
+                    &format!("exit:{}:{}", slot.name, slot.starts),
+                    "process exited on its own",
+                    format!(
+                        "{} {} exited with {status} (log {}.{}.log)",
+                        slot.role.label(),
+                        slot.name,
+                        slot.name,
+                        slot.starts
+                    ),
                 );
                 slot.running = None;
                 slot.restart_at = Some(Instant::now() + Duration::from_secs(2));

@@ -1,7 +1,7 @@
 //! Faults at seeded times, one at a time: SIGKILL the leader, SIGKILL an agent (preferably while
-//! a pod on its node waits for its mount), restart kube-apiserver, restart etcd with its data
-//! kept, pause the image store (its file system frozen), and squeeze the controller's API
-//! priority level.
+//! a volume on its node waits to grow, or a pod there waits for its mount), restart
+//! kube-apiserver, restart etcd with its data kept, pause the image store (its file system
+//! frozen), and squeeze the controller's API priority level.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -72,8 +72,11 @@ impl Faults {
                 }
             }
             "agent-kill" => {
-                // Prefer a node where a pod waits for its volume: the kill lands mid-mount.
-                let (busy, candidates) = {
+                // Prefer a node where a volume's file system waits to grow (a pending expansion
+                // of a claim with a pod there: the kill lands mid-resize, and mid-mount too when
+                // the pod still waits for its volume, the mount being where an offline growth
+                // runs), then one where a pod waits for its mount.
+                let (resizing, mounting, up) = {
                     let w = self.ctx.world();
                     let up: Vec<String> = self
                         .ctx
@@ -82,24 +85,45 @@ impl Faults {
                         .into_iter()
                         .filter(|n| !w.down.contains(n))
                         .collect();
-                    let busy: Vec<String> = w
-                        .claims
-                        .values()
-                        .filter(|c| CLASSES[c.class].looped)
-                        .filter_map(|c| c.pod.as_ref())
-                        .filter(|p| !p.verified && up.contains(&p.node))
-                        .map(|p| p.node.clone())
+                    let pods = || {
+                        w.claims
+                            .values()
+                            .filter(|c| CLASSES[c.class].looped)
+                            .filter_map(|c| c.pod.as_ref().map(|p| (c, p)))
+                            .filter(|(_, p)| up.contains(&p.node))
+                    };
+                    let resizing: Vec<(String, bool)> = pods()
+                        .filter(|(c, _)| c.resize_since.is_some())
+                        .map(|(_, p)| (p.node.clone(), !p.verified))
                         .collect();
-                    (busy, up)
+                    let mounting: Vec<String> = pods()
+                        .filter(|(_, p)| !p.verified)
+                        .map(|(_, p)| p.node.clone())
+                        .collect();
+                    (resizing, mounting, up)
                 };
-                let mid_mount = !busy.is_empty();
-                let Some(node) = rng.pick(if mid_mount { &busy } else { &candidates }).cloned() else {
+                let both: Vec<String> = resizing
+                    .iter()
+                    .filter(|(_, m)| *m)
+                    .map(|(n, _)| n.clone())
+                    .collect();
+                let resizing: Vec<String> = resizing.into_iter().map(|(n, _)| n).collect();
+                let (pool, mid_resize, mid_mount) = if !both.is_empty() {
+                    (&both, true, true)
+                } else if !resizing.is_empty() {
+                    (&resizing, true, false)
+                } else if !mounting.is_empty() {
+                    (&mounting, false, true)
+                } else {
+                    (&up, false, false)
+                };
+                let Some(node) = rng.pick(pool).cloned() else {
                     record.note("fault-skipped", "agent-kill: no agent up");
                     return;
                 };
                 let back = Duration::from_millis(rng.range(500, 3000));
                 if self.ctx.procs.kill(&node, back) {
-                    record.fault(kind, serde_json::json!({"node": node, "mid_mount": mid_mount, "restart_after_ms": back.as_millis() as u64}));
+                    record.fault(kind, serde_json::json!({"node": node, "mid_mount": mid_mount, "mid_resize": mid_resize, "restart_after_ms": back.as_millis() as u64}));
                 }
             }
             "apiserver-restart" => {

@@ -3,8 +3,9 @@
 //! in their volumes. Everything is matched by this run's own paths: other tests on the machine use
 //! loop devices and mounts too.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write;
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -66,6 +67,132 @@ fn backing_file(name: &str) -> Option<String> {
     std::fs::read_to_string(format!("/sys/block/{name}/loop/backing_file"))
         .ok()
         .map(|b| b.trim().to_string())
+}
+
+/// A loop device in use, as `losetup --list --json` shows it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LoopDevice {
+    pub name: String,
+    pub file: String,
+    /// `major:minor` of the file system that holds the backing file.
+    pub back_dev: String,
+    pub back_ino: u64,
+}
+
+/// Every loop device in use on the host (one kernel: every simulated node's and every other
+/// test's).
+pub fn loop_devices() -> anyhow::Result<Vec<LoopDevice>> {
+    let out = run(Command::new("losetup").args([
+        "--list",
+        "--json",
+        "--output",
+        "NAME,BACK-FILE,BACK-INO,BACK-MAJ:MIN",
+    ]))?;
+    parse_losetup(&out)
+}
+
+fn parse_losetup(json: &str) -> anyhow::Result<Vec<LoopDevice>> {
+    if json.trim().is_empty() {
+        return Ok(Vec::new());
+    }
+    let v: serde_json::Value = serde_json::from_str(json).context("losetup --json")?;
+    let text = |d: &serde_json::Value, k: &str| match &d[k] {
+        serde_json::Value::String(s) => s.trim().to_string(),
+        serde_json::Value::Number(n) => n.to_string(),
+        _ => String::new(),
+    };
+    Ok(v["loopdevices"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|d| {
+            Some(LoopDevice {
+                name: text(d, "name"),
+                file: text(d, "back-file"),
+                back_dev: text(d, "back-maj:min"),
+                back_ino: text(d, "back-ino").parse().ok()?,
+            })
+        })
+        .collect())
+}
+
+/// `major:minor` of the file system holding `path`, as losetup prints a backing file's.
+pub fn dev_of(path: &Path) -> std::io::Result<String> {
+    let d = std::fs::metadata(path)?.dev();
+    // Linux's dev_t layout (glibc's gnu_dev_major/minor).
+    let major = ((d >> 8) & 0xfff) | ((d >> 32) & !0xfff);
+    let minor = (d & 0xff) | ((d >> 12) & !0xff);
+    Ok(format!("{major}:{minor}"))
+}
+
+/// Images in `dir` backed by more than one loop device at once, matched by inode (a path may be
+/// shown as seen from another mount namespace): image file → its devices.
+pub fn images_on_two_devices(
+    dir: &Path,
+    devices: &[LoopDevice],
+) -> std::io::Result<BTreeMap<String, Vec<String>>> {
+    let store = dev_of(dir)?;
+    let mut by_ino: BTreeMap<u64, Vec<&LoopDevice>> = BTreeMap::new();
+    for d in devices.iter().filter(|d| d.back_dev == store) {
+        by_ino.entry(d.back_ino).or_default().push(d);
+    }
+    Ok(by_ino
+        .into_values()
+        .filter(|ds| ds.len() > 1)
+        .map(|ds| (ds[0].file.clone(), ds.iter().map(|d| d.name.clone()).collect()))
+        .collect())
+}
+
+/// The names of the files in `dir` (the image store's own `lost+found` is a directory, left out).
+pub fn files_in(dir: &Path) -> std::io::Result<Vec<String>> {
+    Ok(std::fs::read_dir(dir)?
+        .flatten()
+        .filter(|e| e.file_type().is_ok_and(|t| !t.is_dir()))
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect())
+}
+
+/// The size in bytes the ext2/3/4 file system on `device` gives itself in its superblock (block
+/// count times block size): what `mkfs` and `resize2fs` set from the device's size. (`statfs`
+/// leaves the file system's own overhead out, which differs between a made and a grown one.)
+pub fn ext_fs_bytes(device: &Path) -> anyhow::Result<u64> {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut f = std::fs::File::open(device).with_context(|| format!("open {}", device.display()))?;
+    let mut sb = [0u8; 1024];
+    f.seek(SeekFrom::Start(1024))?;
+    f.read_exact(&mut sb)
+        .with_context(|| format!("read the superblock of {}", device.display()))?;
+    let le32 = |at: usize| u64::from(u32::from_le_bytes([sb[at], sb[at + 1], sb[at + 2], sb[at + 3]]));
+    if u16::from_le_bytes([sb[0x38], sb[0x39]]) != 0xEF53 {
+        bail!("no ext file system on {}", device.display());
+    }
+    let log_block = le32(0x18);
+    if log_block > 6 {
+        bail!("{}: implausible block size 1024 << {log_block}", device.display());
+    }
+    let mut blocks = le32(0x04);
+    // INCOMPAT_64BIT: the block count's high half.
+    if le32(0x60) & 0x80 != 0 {
+        blocks |= le32(0x150) << 32;
+    }
+    Ok(blocks * (1024 << log_block))
+}
+
+/// Whether this process (and so the agents it starts) holds `CAP_SYS_RESOURCE`, which growing a
+/// mounted ext4 needs.
+pub fn may_grow_mounted_ext4() -> bool {
+    const CAP_SYS_RESOURCE: u32 = 24;
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            let hex = s
+                .lines()
+                .find_map(|l| l.strip_prefix("CapEff:"))?
+                .trim()
+                .to_string();
+            u64::from_str_radix(&hex, 16).ok()
+        })
+        .is_some_and(|caps| caps & (1 << CAP_SYS_RESOURCE) != 0)
 }
 
 /// The file-system UUID `blkid` reads from `device` (probing the device itself, not the cache).
@@ -264,5 +391,62 @@ mod tests {
         let all = mounts_under(Path::new("/")).unwrap();
         assert!(all.iter().any(|m| m.target == Path::new("/")));
         assert!(mounts_under(Path::new("/no/such/soak/dir")).unwrap().is_empty());
+    }
+
+    #[test]
+    fn losetup_json_is_read_with_padded_device_numbers() {
+        let json = r#"{"loopdevices": [
+            {"name": "/dev/loop0", "back-file": "/s/images/pvc-1.img", "back-ino": 12, "back-maj:min": "     7:3  "},
+            {"name": "/dev/loop1", "back-file": "/s/images/pvc-1.img (deleted)", "back-ino": "13", "back-maj:min": "7:3"}
+        ]}"#;
+        let d = parse_losetup(json).unwrap();
+        assert_eq!(d.len(), 2);
+        assert_eq!((d[0].back_dev.as_str(), d[0].back_ino), ("7:3", 12));
+        assert_eq!((d[1].name.as_str(), d[1].back_ino), ("/dev/loop1", 13));
+        assert!(parse_losetup("").unwrap().is_empty());
+    }
+
+    #[test]
+    fn two_devices_on_one_image_are_found_by_inode() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = dev_of(dir.path()).unwrap();
+        let dev = |name: &str, file: &str, back_dev: &str, ino: u64| LoopDevice {
+            name: name.into(),
+            file: file.into(),
+            back_dev: back_dev.into(),
+            back_ino: ino,
+        };
+        let devices = vec![
+            dev("/dev/loop1", "/a.img", &store, 10),
+            dev("/dev/loop2", "/b.img", &store, 11),
+            // The same image as another mount namespace shows it: same inode.
+            dev("/dev/loop3", "/elsewhere/a.img", &store, 10),
+            // Inode 11 on another file system: not this store's image.
+            dev("/dev/loop4", "/other/b.img", "254:9", 11),
+        ];
+        let twice = images_on_two_devices(dir.path(), &devices).unwrap();
+        assert_eq!(
+            twice.into_iter().collect::<Vec<_>>(),
+            vec![(
+                "/a.img".to_string(),
+                vec!["/dev/loop1".to_string(), "/dev/loop3".to_string()]
+            )]
+        );
+    }
+
+    /// What `mkfs.ext4` and an offline `resize2fs` write is what the superblock read says.
+    #[test]
+    fn ext_fs_bytes_reads_made_and_grown_sizes() {
+        let d = tempfile::tempdir().unwrap();
+        let img = d.path().join("v.img");
+        let sh = |cmd: &mut Command| assert!(cmd.output().unwrap().status.success(), "{cmd:?}");
+        sh(Command::new("truncate").args(["-s", "16M"]).arg(&img));
+        assert!(ext_fs_bytes(&img).is_err(), "no file system yet");
+        sh(Command::new("mkfs.ext4").args(["-q", "-F", "-m", "0"]).arg(&img));
+        assert_eq!(ext_fs_bytes(&img).unwrap(), 16 << 20);
+        sh(Command::new("truncate").args(["-s", "24M"]).arg(&img));
+        sh(Command::new("e2fsck").args(["-f", "-p"]).arg(&img));
+        sh(Command::new("resize2fs").arg("-p").arg(&img));
+        assert_eq!(ext_fs_bytes(&img).unwrap(), 24 << 20);
     }
 }

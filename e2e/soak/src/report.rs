@@ -80,6 +80,11 @@ impl Record {
         self.log("op", serde_json::json!({"op": kind, "detail": detail}));
     }
 
+    /// How many operations of `kind` were done so far.
+    pub fn operations(&self, kind: &str) -> u64 {
+        self.with(|c| c.operations.get(kind).copied().unwrap_or(0))
+    }
+
     pub fn fault(&self, kind: &str, detail: serde_json::Value) {
         self.with(|c| *c.faults.entry(kind.into()).or_default() += 1);
         self.log("fault", serde_json::json!({"fault": kind, "detail": detail}));

@@ -1,0 +1,215 @@
+//! Nodes: drained (cordon, pods moved, uncordon) or shut down (agent killed and held, devices
+//! freed, out-of-service taint, pods moved, node back later).
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::api::storage::v1::VolumeAttachment;
+use kube::ResourceExt;
+use kube::api::{Api, ListParams, Patch, PatchParams};
+
+use super::Ctx;
+use super::pods::move_pod;
+use crate::host;
+use crate::observer::OUT_OF_SERVICE;
+use crate::rng::Rng;
+
+fn pods_on(ctx: &Ctx, node: &str) -> Vec<String> {
+    ctx.world()
+        .claims
+        .iter()
+        .filter(|(_, c)| c.pod.as_ref().is_some_and(|p| p.node == node))
+        .map(|(n, _)| n.clone())
+        .collect()
+}
+
+async fn set_unschedulable(ctx: &Ctx, node: &str, on: bool) {
+    let patch = serde_json::json!({"spec": {"unschedulable": on}});
+    if let Err(e) = Api::<k8s_openapi::api::core::v1::Node>::all(ctx.client.clone())
+        .patch(node, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+    {
+        ctx.api_failed("cordon", e);
+    }
+}
+
+/// Cordons `node`, moves its pods elsewhere, and uncordons it after a while.
+pub(super) async fn drain(ctx: &Arc<Ctx>, rng: &mut Rng, node: &str) {
+    ctx.world().cordoned.insert(node.to_string());
+    set_unschedulable(ctx, node, true).await;
+    let moved = pods_on(ctx, node);
+    ctx.record
+        .op("drain", serde_json::json!({"node": node, "pods": moved}));
+    for c in &moved {
+        move_pod(ctx, rng, c).await;
+    }
+    let back = Duration::from_secs(rng.range(8, 25));
+    let (ctx2, node2) = (ctx.clone(), node.to_string());
+    let t = tokio::spawn(async move {
+        tokio::time::sleep(back).await;
+        set_unschedulable(&ctx2, &node2, false).await;
+        ctx2.world().cordoned.remove(&node2);
+        ctx2.record.op("uncordon", serde_json::json!({"node": node2}));
+    });
+    ctx.followups.lock().unwrap_or_else(|p| p.into_inner()).push(t);
+}
+
+async fn set_out_of_service(ctx: &Ctx, node: &str, on: bool) -> bool {
+    let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(ctx.client.clone());
+    for _ in 0..30 {
+        let n = match nodes.get(node).await {
+            Ok(n) => n,
+            Err(e) => {
+                ctx.api_failed("get node", e);
+                tokio::time::sleep(Duration::from_secs(2)).await;
+                continue;
+            }
+        };
+        let mut taints: Vec<serde_json::Value> = n
+            .spec
+            .as_ref()
+            .and_then(|s| s.taints.clone())
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|t| t.key != OUT_OF_SERVICE)
+            .filter_map(|t| serde_json::to_value(t).ok())
+            .collect();
+        if on {
+            taints.push(
+                serde_json::json!({"key": OUT_OF_SERVICE, "value": "nodeshutdown", "effect": "NoExecute"}),
+            );
+        }
+        // Guarded by the resourceVersion read: the agent writes the same Node.
+        let patch = serde_json::json!({"metadata": {"resourceVersion": n.resource_version()}, "spec": {"taints": taints, "unschedulable": on}});
+        match nodes
+            .patch(node, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+        {
+            Ok(_) => return true,
+            Err(e) => {
+                ctx.api_failed("taint node", e);
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+        }
+    }
+    false
+}
+
+/// A node shuts down: its agent is killed and kept down, the node gets the out-of-service taint,
+/// its pods are deleted at once and started elsewhere (their volumes may only attach there once
+/// the dead node let go). Later the node comes back: agent started, its leftovers cleaned up by
+/// it, taint removed.
+pub(super) async fn out_of_service(ctx: &Arc<Ctx>, rng: &mut Rng, node: &str) {
+    {
+        let mut w = ctx.world();
+        if !w.down.is_empty() {
+            return;
+        }
+        w.down.insert(node.to_string());
+        w.cordoned.insert(node.to_string());
+    }
+    ctx.procs.hold(node, true);
+    ctx.procs.kill(node, Duration::ZERO);
+    // The node's kernel goes too: no write of the soak's may be running on it then.
+    let locks: Vec<_> = {
+        let w = ctx.world();
+        w.claims
+            .values()
+            .filter(|c| c.pod.as_ref().is_some_and(|p| p.node == node))
+            .map(|c| c.io.clone())
+            .collect()
+    };
+    let mut held = Vec::new();
+    for l in &locks {
+        held.push(l.lock().await);
+    }
+    let root = ctx.roots[node].clone();
+    // Its kernel's loop devices include attached ones nothing mounts yet (or any more): the
+    // agent (now dead) named each in its attachment's status. Those of other nodes stay.
+    let (own, others) = node_devices(ctx, node).await;
+    let powered_off = tokio::task::spawn_blocking(move || host::power_off(&root, &own, &others))
+        .await
+        .unwrap_or_default();
+    drop(held);
+    ctx.record.op(
+        "node-shutdown",
+        serde_json::json!({"node": node, "power_off": powered_off}),
+    );
+    if !set_out_of_service(ctx, node, true).await {
+        ctx.record.note("taint-failed", node);
+    }
+    let moved = pods_on(ctx, node);
+    ctx.record.op(
+        "out-of-service-taint",
+        serde_json::json!({"node": node, "pods": moved}),
+    );
+    for c in &moved {
+        move_pod(ctx, rng, c).await;
+    }
+    let back = Duration::from_secs(rng.range(15, 30));
+    let (ctx2, node2) = (ctx.clone(), node.to_string());
+    let t = tokio::spawn(async move {
+        tokio::time::sleep(back).await;
+        ctx2.procs.hold(&node2, false);
+        ctx2.record.op("node-back", serde_json::json!({"node": node2}));
+        // The agent tears down what the deleted pods left on the node before the taint goes, as
+        // an operator removes it once the node is clean.
+        let root = ctx2.roots[&node2].join("pods");
+        let clean = async {
+            loop {
+                let left = host::mounts_under(&root).map(|m| m.len()).unwrap_or(1);
+                if left == 0 && ctx2.procs.is_up(&node2) {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+        };
+        if tokio::time::timeout(Duration::from_secs(300), clean)
+            .await
+            .is_err()
+        {
+            ctx2.record.note("node-back-not-clean", &node2);
+        }
+        set_out_of_service(&ctx2, &node2, false).await;
+        let mut w = ctx2.world();
+        w.down.remove(&node2);
+        w.cordoned.remove(&node2);
+        drop(w);
+        ctx2.record
+            .op("out-of-service-untaint", serde_json::json!({"node": node2}));
+    });
+    ctx.followups.lock().unwrap_or_else(|p| p.into_inner()).push(t);
+}
+
+/// Loop devices named by the attachments of `node` (with their volume handles, which the agent
+/// writes into the status beside the device), and those named by the attachments of every other
+/// node. Read until it succeeds: the API may be down or squeezed.
+async fn node_devices(ctx: &Arc<Ctx>, node: &str) -> (Vec<(String, String)>, BTreeSet<String>) {
+    let vas: Api<VolumeAttachment> = Api::all(ctx.client.clone());
+    for _ in 0..120 {
+        let list = match vas.list(&ListParams::default()).await {
+            Ok(l) => l,
+            Err(e) => {
+                ctx.api_failed("list attachments for power-off", e);
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                continue;
+            }
+        };
+        let mut own = Vec::new();
+        let mut others = BTreeSet::new();
+        for va in &list.items {
+            let meta = va.status.as_ref().and_then(|s| s.attachment_metadata.as_ref());
+            let Some(dev) = meta.and_then(|m| m.get("devicePath")) else {
+                continue;
+            };
+            if va.spec.node_name != node {
+                others.insert(dev.clone());
+            } else if let Some(h) = meta.and_then(|m| m.get("volumeHandle")) {
+                own.push((dev.clone(), h.clone()));
+            }
+        }
+        return (own, others);
+    }
+    (Vec::new(), BTreeSet::new())
+}
