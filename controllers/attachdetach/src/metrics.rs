@@ -11,9 +11,8 @@ use prometheus::core::{Collector, Desc};
 use prometheus::proto::MetricFamily;
 use prometheus::{
     Gauge, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
-    Registry,
 };
-use stowage_common::metrics::register;
+use stowage_common::metrics::{Registry, register};
 
 /// What the scrape-time gauges are computed from.
 #[derive(Debug, Default, Clone)]

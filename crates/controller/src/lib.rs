@@ -10,6 +10,7 @@ use kube::Client;
 use stowage_common::client::ApiArgs;
 use stowage_common::informers::Informers;
 use stowage_common::leader::{self, Elector, Timings};
+use stowage_common::metrics::Registry;
 use stowage_common::ratelimit::{Adaptive, Limit};
 use stowage_common::serve::{self, Health};
 use tokio::sync::watch;
@@ -120,7 +121,7 @@ struct Wiring {
 }
 
 impl Wiring {
-    fn new(args: &Args, registry: &prometheus::Registry) -> Self {
+    fn new(args: &Args, registry: &Registry) -> Self {
         let qps = args.limit().nominal_qps();
         Self {
             binder: (
@@ -260,11 +261,25 @@ fn default_identity() -> String {
     format!("{host}_{:08x}", rand::random::<u32>())
 }
 
+/// The registry with every family this process exports, as `run` builds it before any
+/// leadership, with the leader gauges and the controllers' metrics.
+fn metrics(args: &Args) -> (Registry, stowage_common::metrics::Leader, Wiring) {
+    let registry = stowage_common::metrics::registry("stowage-controller");
+    stowage_common::queue::register_metrics(&registry);
+    let leader = stowage_common::metrics::leader_metrics(&registry, &args.leader_elect_resource_name);
+    let wiring = Wiring::new(args, &registry);
+    (registry, leader, wiring)
+}
+
+/// Every metric family stowage-controller registers, series or not (docs/metrics.md is checked
+/// against this list).
+pub fn metric_families() -> Vec<stowage_common::metrics::Family> {
+    metrics(&Args::parse_from(["stowage-controller"])).0.families()
+}
+
 pub async fn run(args: Args) -> anyhow::Result<()> {
     let controllers = resolve_controllers(&args.controllers)?;
-    let registry = stowage_common::metrics::registry("stowage-controller");
-    let leader_gauge = stowage_common::metrics::leader_metrics(&registry, &args.leader_elect_resource_name);
-    let wiring = Wiring::new(&args, &registry);
+    let (registry, leader_gauge, wiring) = metrics(&args);
     let health = Health::new(registry.clone());
     serve::spawn(args.metrics_bind_address, health.clone()).await?;
     let timings = Timings {
@@ -349,7 +364,7 @@ fn in_span<F: std::future::Future>(name: &'static str, f: F) -> tracing::instrum
 async fn run_controllers(
     client: Client,
     controllers: &[&'static str],
-    registry: &prometheus::Registry,
+    registry: &Registry,
     wiring: &Wiring,
 ) -> anyhow::Result<()> {
     let mut informers = JoinSet::new();
