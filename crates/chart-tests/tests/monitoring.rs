@@ -27,6 +27,8 @@ fn metric_names(promql: &str, documented: &BTreeSet<String>) -> BTreeSet<String>
         "rest_client_",
         "leader_election_",
         "pv_collector_",
+        "attachdetach_controller_",
+        "attach_detach_controller_",
         "process_",
     ];
     promql
