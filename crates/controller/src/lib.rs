@@ -74,11 +74,12 @@ pub struct Args {
     /// Period of the binder's full resync (kube-controller-manager's --pvclaimbinder-sync-period).
     #[arg(long, default_value = "15s", value_parser = humantime::parse_duration)]
     pub pvclaimbinder_sync_period: Duration,
-    /// Objects whose binder writes may be in flight at once; 0 derives it from --kube-api-qps.
+    /// Objects whose binder writes may be in flight at once; 0 sizes it from the client's rate
+    /// (--kube-api-qps, else --kube-api-max-qps) as rate/8 within 2-64: 64 at the defaults.
     #[arg(long, default_value_t = 0)]
     pub binder_max_in_flight: usize,
-    /// VolumeAttachment creates (and, separately, detaches) attachdetach runs at once; 0 derives
-    /// it from --kube-api-qps.
+    /// VolumeAttachment creates (and, separately, detaches) attachdetach runs at once; 0 sizes
+    /// it from the client's rate as rate/4 within 32-256: 256 at the defaults.
     #[arg(long, default_value_t = 0)]
     pub attachdetach_max_in_flight: usize,
     /// How long a detach waits for a not-Ready node to unmount before it is forced.
@@ -243,8 +244,7 @@ pub fn auto_in_flight(qps: f32) -> usize {
 }
 
 /// Attaches in flight: one write each, so the width that keeps a token bucket busy is its rate
-/// times a write's latency (tens of ms, hundreds under load); 32 covers the default 50 QPS with
-/// room. Without a limit the apiserver alone sets the pace, as for upstream's unbounded
+/// times a write's latency (tens of ms, hundreds under load); 32 covers 50 QPS with room. Without a limit the apiserver alone sets the pace, as for upstream's unbounded
 /// operation executor, so the width only bounds memory and a burst's fan-out.
 pub fn auto_attach_in_flight(qps: f32) -> usize {
     if qps <= 0.0 {
@@ -489,6 +489,18 @@ mod tests {
         assert_eq!(auto_in_flight(50.0), 7);
         assert_eq!(auto_in_flight(5000.0), 64);
         assert_eq!(auto_in_flight(1.0), 2);
+    }
+
+    #[test]
+    fn default_widths_follow_the_adaptive_ceiling() {
+        // The numbers --help and the operator guide state for the defaults and a fixed 50/s.
+        let width = |argv: &[&str]| {
+            let qps = Args::parse_from(argv).limit().nominal_qps();
+            (auto_in_flight(qps), auto_attach_in_flight(qps))
+        };
+        assert_eq!(width(&["stowage-controller"]), (64, 256));
+        assert_eq!(width(&["stowage-controller", "--kube-api-qps=50"]), (7, 32));
+        assert_eq!(width(&["stowage-controller", "--kube-api-qps=0"]), (64, 256));
     }
 
     #[test]
