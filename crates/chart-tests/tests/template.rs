@@ -645,6 +645,41 @@ async fn bad_values_are_refused_with_a_reason() {
     );
 }
 
+/// `helm lint --strict` fails on a misspelled value, whether it comes from a values file or
+/// `--set`, at the top level or nested: values.schema.json sets `additionalProperties: false`
+/// throughout, so a typo is an error in CI rather than a setting silently ignored.
+#[tokio::test]
+async fn lint_fails_on_a_misspelled_value() {
+    let helm = Helm::new(None);
+    let chart = chart_dir();
+    let chart = chart.to_str().unwrap();
+    let typo = helm.values("typo.yaml", "controller:\n  replica: 3\n");
+    let e = helm
+        .run(&["lint", "--strict", chart, "-f", typo.to_str().unwrap()])
+        .await
+        .unwrap_err();
+    assert!(e.contains("additional properties 'replica' not allowed"), "{e}");
+    assert!(e.contains("1 chart(s) failed"), "{e}");
+    let e = helm
+        .run(&["lint", "--strict", chart, "--set", "logFormt=json"])
+        .await
+        .unwrap_err();
+    assert!(e.contains("additional properties 'logFormt' not allowed"), "{e}");
+    // The same keys spelled right lint clean.
+    let right = helm.values("right.yaml", "controller:\n  replicas: 3\n");
+    helm.run(&[
+        "lint",
+        "--strict",
+        chart,
+        "-f",
+        right.to_str().unwrap(),
+        "--set",
+        "logFormat=json",
+    ])
+    .await
+    .unwrap();
+}
+
 /// The annotations of a rendered document, as `key: value` lines.
 fn annotations(doc: &str) -> Vec<&str> {
     doc.lines()
