@@ -1,6 +1,8 @@
 //! `helm lint` and `helm template` of charts/stowage, with the defaults and with every optional
 //! feature on, plus the values the chart must refuse. No cluster needed.
 
+use std::collections::BTreeSet;
+
 use stowage_chart_tests::{Helm, chart_dir, document, kinds_and_names};
 
 /// Every optional feature switched on (the install test turns most of these on in its upgrade).
@@ -585,6 +587,14 @@ async fn bad_values_are_refused_with_a_reason() {
             "value must be one of 'text', 'json'",
         ),
         (vec!["--set", "controller.replicas=0"], "minimum"),
+        // A controller name stowage-controller would refuse at start is refused at install.
+        (
+            vec![
+                "--set",
+                "controller.controllers={*,-persistentvolume-binder-controler}",
+            ],
+            "at '/controller/controllers/1': value must be one of '*', 'binder'",
+        ),
     ];
     for (args, why) in cases {
         let e = render(&helm, &args).await.unwrap_err();
@@ -643,6 +653,37 @@ async fn bad_values_are_refused_with_a_reason() {
         "controller Deployment",
         &[r#"image: "busybox:1.37""#, "image: registry.example/stowage:v9"],
     );
+}
+
+/// values.schema.json accepts exactly the `controller.controllers` entries stowage-controller
+/// accepts: `*`, and each of its names and kube-controller-manager's, alone or negated.
+#[test]
+fn the_schema_knows_the_controllers_names() {
+    let schema: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(chart_dir().join("values.schema.json")).unwrap())
+            .unwrap();
+    let listed: BTreeSet<String> =
+        schema["properties"]["controller"]["properties"]["controllers"]["items"]["enum"]
+            .as_array()
+            .expect("an enum of controller names")
+            .iter()
+            .map(|v| v.as_str().unwrap().to_string())
+            .collect();
+    let names = stowage_controller::CONTROLLERS
+        .iter()
+        .map(|(n, _)| *n)
+        .chain(stowage_controller::KCM_ALIASES.iter().map(|(k, _)| *k));
+    let accepted: BTreeSet<String> = names
+        .flat_map(|n| [n.to_string(), format!("-{n}")])
+        .chain(["*".to_string()])
+        .collect();
+    assert_eq!(listed, accepted);
+    for entry in &accepted {
+        assert!(
+            stowage_controller::resolve_controllers(std::slice::from_ref(entry)).is_ok(),
+            "{entry}"
+        );
+    }
 }
 
 /// `helm lint --strict` fails on a misspelled value, whether it comes from a values file or
