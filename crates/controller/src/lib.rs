@@ -503,6 +503,41 @@ mod tests {
         assert_eq!(width(&["stowage-controller", "--kube-api-qps=0"]), (64, 256));
     }
 
+    /// What a JSON log pipeline filters on: each line a controller logs names it in
+    /// `span.controller`, beside the line's own fields.
+    #[test]
+    fn json_lines_name_their_controller() {
+        use std::sync::{Arc, Mutex};
+        #[derive(Clone, Default)]
+        struct Buffer(Arc<Mutex<Vec<u8>>>);
+        impl std::io::Write for Buffer {
+            fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+                self.0.lock().unwrap().extend_from_slice(b);
+                Ok(b.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let out = Buffer::default();
+        let args = stowage_common::logging::LogArgs {
+            log_format: stowage_common::logging::Format::Json,
+            verbosity: 2,
+        };
+        let writer = out.clone();
+        let subscriber = stowage_common::logging::subscriber(&args, move || writer.clone(), false);
+        tracing::subscriber::with_default(subscriber, || {
+            futures::executor::block_on(in_span("pvc-protection", async {
+                tracing::info!(claim = "ns/data", "added protection finalizer");
+            }))
+        });
+        let text = String::from_utf8(out.0.lock().unwrap().clone()).unwrap();
+        let line: serde_json::Value = serde_json::from_str(text.trim()).expect(&text);
+        assert_eq!(line["span"]["controller"], "pvc-protection", "{text}");
+        assert_eq!(line["fields"]["claim"], "ns/data", "{text}");
+        assert_eq!(line["fields"]["message"], "added protection finalizer", "{text}");
+    }
+
     #[test]
     fn unknown_name_is_a_clear_error() {
         let e = resolve_controllers(&s(&["binder", "nope"]))
