@@ -3,8 +3,16 @@
 # refused at every level except maps that are the user's own (labels, annotations, Kubernetes
 # objects passed through). Run it after adding a value: `python3 e2e/scripts/chart-schema.py >
 # charts/stowage/values.schema.json` (helm lint --strict fails until the schema knows the value).
-import yaml, json, sys
+import yaml, json, re, sys
 vals = yaml.safe_load(open('charts/stowage/values.yaml'))
+# controller.controllers: the names stowage-controller accepts, read from its own tables
+# (CONTROLLERS and KCM_ALIASES), each alone or negated; the chart tests compare the two.
+lib = open('crates/controller/src/lib.rs').read()
+def first_names(const):
+    body = re.search(r'pub const %s: [^=]+= &\[(.*?)\];' % const, lib, re.S).group(1)
+    return re.findall(r'\(\s*"([^"]+)"', body)
+NAMES = first_names("CONTROLLERS") + first_names("KCM_ALIASES")
+CONTROLLERS = ["*"] + NAMES + ["-" + n for n in NAMES]
 # Maps whose keys are the user's own (labels, annotations, Kubernetes objects passed through).
 FREE = {"podAnnotations","podLabels","nodeSelector","annotations","labels","parameters","resources",
         "affinity","securityContext","podSecurityContext","livenessProbe","readinessProbe","updateStrategy"}
@@ -24,8 +32,8 @@ def schema(v, path):
     if isinstance(v, float): return {"type":"number"}
     if isinstance(v, str): return {"type":"string"}
     if isinstance(v, list):
-        items = {"type":"string"} if key in ("controllers",) else {}
-        if key == "controllers": return {"type":"array","items":{"type":"string"},"minItems":1}
+        if key == "controllers":
+            return {"type":"array","items":{"type":"string","enum":CONTROLLERS},"minItems":1}
         if key == "extraArgs": return {"type":"array","items":{"type":"string"}}
         return {"type":"array","items":{"type":"object"}}
     if isinstance(v, dict):

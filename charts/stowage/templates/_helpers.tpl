@@ -128,7 +128,10 @@ dnsPolicy: ClusterFirstWithHostNet
 
 {{/*
 The kube-controller-manager --controllers value that turns off what this release's controller
-runs (controller.controllers in stowage's names or KCM's), so the two never both run one.
+runs (controller.controllers in stowage's names or KCM's), so the two never both run one. The
+name tables repeat stowage-controller's (crates/controller/src/lib.rs); the chart tests render
+this for every name and compare it with the binary's own answer. An unknown name fails here too,
+for installs that skip values.schema.json.
 */}}
 {{- define "stowage.kcmFlag" -}}
 {{- $kcm := dict "binder" "persistentvolume-binder-controller" "pv-protection" "persistentvolume-protection-controller" "pvc-protection" "persistentvolumeclaim-protection-controller" "attachdetach" "persistentvolume-attach-detach-controller" "expand" "persistentvolume-expander-controller" -}}
@@ -139,11 +142,17 @@ runs (controller.controllers in stowage's names or KCM's), so the two never both
 {{- $item := trim . -}}
 {{- if eq $item "*" -}}
 {{- $on = concat $on (list "binder" "pv-protection" "pvc-protection" "attachdetach" "expand") -}}
-{{- else if hasPrefix "-" $item -}}
-{{- $n := trimPrefix "-" $item -}}
-{{- $off = append $off (get $alias $n | default $n) -}}
 {{- else -}}
-{{- $on = append $on (get $alias $item | default $item) -}}
+{{- $n := trimPrefix "-" $item -}}
+{{- $name := get $alias $n | default $n -}}
+{{- if not (hasKey $kcm $name) -}}
+{{- fail (printf "controller.controllers: unknown controller %q (known: binder, pv-protection, pvc-protection, attachdetach, expand, or kube-controller-manager's names for them)" $n) -}}
+{{- end -}}
+{{- if hasPrefix "-" $item -}}
+{{- $off = append $off $name -}}
+{{- else -}}
+{{- $on = append $on $name -}}
+{{- end -}}
 {{- end -}}
 {{- end -}}
 --controllers=*

@@ -11,9 +11,10 @@ use prometheus::core::{Collector, Desc};
 use prometheus::proto::MetricFamily;
 use prometheus::{
     Gauge, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
-    Registry,
 };
-use stowage_common::metrics::register;
+use stowage_common::metrics::{Registry, register};
+
+use crate::core::ForceReason;
 
 /// What the scrape-time gauges are computed from.
 #[derive(Debug, Default, Clone)]
@@ -27,6 +28,9 @@ pub struct Snapshot {
 #[derive(Clone)]
 struct Inventory {
     volumes: IntGaugeVec,
+    /// kube-controller-manager's `attachdetach_controller_total_volumes`: the same counts by
+    /// `plugin_name` (`kubernetes.io/csi:<driver>`, as KCM names a CSI volume's plugin).
+    kcm_volumes: IntGaugeVec,
     waiting: IntGauge,
     longest_wait: Gauge,
     snapshot: Arc<Mutex<Snapshot>>,
@@ -35,6 +39,7 @@ struct Inventory {
 impl Collector for Inventory {
     fn desc(&self) -> Vec<&Desc> {
         let mut d = self.volumes.desc();
+        d.extend(self.kcm_volumes.desc());
         d.extend(self.waiting.desc());
         d.extend(self.longest_wait.desc());
         d
@@ -43,8 +48,13 @@ impl Collector for Inventory {
     fn collect(&self) -> Vec<MetricFamily> {
         let snap = self.snapshot.lock().unwrap_or_else(|p| p.into_inner()).clone();
         self.volumes.reset();
+        self.kcm_volumes.reset();
         for ((state, driver), n) in &snap.volumes {
             self.volumes.with_label_values(&[state, driver.as_str()]).set(*n);
+            let plugin = format!("kubernetes.io/csi:{driver}");
+            self.kcm_volumes
+                .with_label_values(&[plugin.as_str(), state])
+                .set(*n);
         }
         self.waiting.set(snap.waiting_since.len() as i64);
         let longest = snap
@@ -55,6 +65,7 @@ impl Collector for Inventory {
             .unwrap_or(0.0);
         self.longest_wait.set(longest);
         let mut out = self.volumes.collect();
+        out.extend(self.kcm_volumes.collect());
         out.extend(self.waiting.collect());
         out.extend(self.longest_wait.collect());
         out
@@ -78,7 +89,9 @@ pub struct Metrics {
     /// Detach started → VolumeAttachment gone, end to end.
     pub detach_seconds: Histogram,
     /// Detaches that went ahead although the node still used the volume, by reason.
-    pub forced_detaches: IntCounterVec,
+    forced_detaches: IntCounterVec,
+    /// The same count under kube-controller-manager's name and label.
+    kcm_forced_detaches: IntCounterVec,
     /// How long detaches waited for the node to unmount before they went ahead.
     pub unmount_wait_seconds: Histogram,
     /// Multi-attach events sent.
@@ -100,6 +113,14 @@ impl Metrics {
                     "Volumes (volume, node pairs) in desired and actual state, by state and driver.",
                 ),
                 &["state", "driver"],
+            )
+            .expect("static metric definition"),
+            kcm_volumes: IntGaugeVec::new(
+                Opts::new(
+                    "attachdetach_controller_total_volumes",
+                    "Volumes (volume, node pairs) in desired and actual state, by plugin (KCM's gauge).",
+                ),
+                &["plugin_name", "state"],
             )
             .expect("static metric definition"),
             waiting: IntGauge::new(
@@ -174,6 +195,17 @@ impl Metrics {
                 &["reason"],
             )
             .expect("static metric definition"),
+            // KCM registers its counter under subsystem `attach_detach_controller` with a name
+            // that already starts with `attachdetach_controller`, hence the doubled prefix, and
+            // without `_total`; dashboards query exactly that name.
+            kcm_forced_detaches: IntCounterVec::new(
+                Opts::new(
+                    "attach_detach_controller_attachdetach_controller_forced_detaches",
+                    "Forced detaches by reason (KCM's counter; same count as stowage_attachdetach_forced_detaches_total).",
+                ),
+                &["reason"],
+            )
+            .expect("static metric definition"),
             unmount_wait_seconds: Histogram::with_opts(
                 HistogramOpts::new(
                     "stowage_attachdetach_unmount_wait_seconds",
@@ -205,6 +237,7 @@ impl Metrics {
         register(registry, m.attach_seconds.clone());
         register(registry, m.detach_seconds.clone());
         register(registry, m.forced_detaches.clone());
+        register(registry, m.kcm_forced_detaches.clone());
         register(registry, m.unmount_wait_seconds.clone());
         register(registry, m.multi_attach_errors.clone());
         register(registry, m.queue_depth.clone());
@@ -213,6 +246,17 @@ impl Metrics {
             m.queue_depth.with_label_values(&[q]).set(0);
         }
         m
+    }
+
+    /// Counts a detach that did not wait for the node to unmount, under both names. KCM knows
+    /// two reasons: a deleted Node's detach is forced by the same timeout there.
+    pub fn forced_detach(&self, reason: ForceReason) {
+        self.forced_detaches.with_label_values(&[reason.label()]).inc();
+        let kcm = match reason {
+            ForceReason::OutOfService => "out-of-service",
+            ForceReason::Timeout | ForceReason::NodeDeleted => "timeout",
+        };
+        self.kcm_forced_detaches.with_label_values(&[kcm]).inc();
     }
 
     /// Replaces the snapshot the scrape-time gauges read.
@@ -240,9 +284,26 @@ mod tests {
             "{text}"
         );
         assert!(
+            text.contains(
+                "attachdetach_controller_total_volumes{plugin_name=\"kubernetes.io/csi:d\",state=\"desired_state_of_world\"} 3"
+            ),
+            "{text}"
+        );
+        assert!(
             text.contains("stowage_attachdetach_detaches_waiting_for_unmount 1"),
             "{text}"
         );
+        m.forced_detach(ForceReason::OutOfService);
+        m.forced_detach(ForceReason::NodeDeleted);
+        let text = stowage_common::metrics::encode(&registry);
+        for line in [
+            "stowage_attachdetach_forced_detaches_total{reason=\"out-of-service\"} 1",
+            "stowage_attachdetach_forced_detaches_total{reason=\"node-deleted\"} 1",
+            "attach_detach_controller_attachdetach_controller_forced_detaches{reason=\"out-of-service\"} 1",
+            "attach_detach_controller_attachdetach_controller_forced_detaches{reason=\"timeout\"} 1",
+        ] {
+            assert!(text.contains(line), "{line} missing from {text}");
+        }
         let line = text
             .lines()
             .find(|l| l.starts_with("stowage_attachdetach_longest_unmount_wait_seconds "))

@@ -152,7 +152,7 @@ impl Controller {
                     Ok(left) => {
                         m.operations.with_label_values(&["detach", "success"]).inc();
                         if let Some(r) = forced {
-                            m.forced_detaches.with_label_values(&[r.label()]).inc();
+                            m.forced_detach(r);
                         }
                         self.succeeded(&volume, &node);
                         match left {

@@ -8,8 +8,8 @@ use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
 use kube::runtime::reflector::Store;
 use prometheus::core::{Collector, Desc, Describer};
 use prometheus::proto::MetricFamily;
-use prometheus::{Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, Opts, Registry};
-use stowage_common::metrics::register;
+use prometheus::{Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, Opts};
+use stowage_common::metrics::{Registry, register};
 
 use crate::objects::{claim_class, claim_phase, claim_vac, pv_block, pv_class, pv_phase};
 use kube::ResourceExt;
@@ -150,12 +150,10 @@ impl Metrics {
         ] {
             m.warnings.with_label_values(&[reason]);
         }
-        registry
-            .register(Box::new(Inventory {
-                stores: m.stores.clone(),
-                descs: Inventory::descs(),
-            }))
-            .expect("inventory collector registered once");
+        registry.register(Box::new(Inventory {
+            stores: m.stores.clone(),
+            descs: Inventory::descs(),
+        }));
         m
     }
 

@@ -166,7 +166,7 @@ async fn start(runner: &Runner, cp: &ControlPlane, client: &Client) -> Running {
     match runner {
         Runner::Stowage => {
             let mut informers = JoinSet::new();
-            let registry = prometheus::Registry::new();
+            let registry = stowage_common::metrics::Registry::new();
             let cluster =
                 stowage_common::informers::Informers::start(client.clone(), registry.clone(), &mut informers);
             cluster.ready().await;

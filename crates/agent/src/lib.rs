@@ -104,6 +104,19 @@ fn canonical_dir(p: &PathBuf, flag: &str) -> anyhow::Result<PathBuf> {
     std::fs::canonicalize(p).with_context(|| format!("cannot resolve {flag} {}", p.display()))
 }
 
+/// The registry with every family this process exports, as `run` builds it.
+fn registry() -> (stowage_common::metrics::Registry, metrics::Metrics) {
+    let registry = stowage_common::metrics::registry("stowage-agent");
+    let metrics = metrics::Metrics::new(&registry);
+    (registry, metrics)
+}
+
+/// Every metric family stowage-agent registers, series or not (docs/metrics.md is checked
+/// against this list).
+pub fn metric_families() -> Vec<stowage_common::metrics::Family> {
+    registry().0.families()
+}
+
 pub async fn run(args: Args) -> anyhow::Result<()> {
     if args.node_name.trim().is_empty() {
         bail!("--node-name must not be empty");
@@ -132,8 +145,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         csi_server::serve(endpoint, stowage_common::shutdown::signalled()).await?;
         return Ok(());
     }
-    let registry = stowage_common::metrics::registry("stowage-agent");
-    let metrics = metrics::Metrics::new(&registry);
+    let (registry, metrics) = registry();
     let health = Health::new(registry.clone());
     serve::spawn(args.metrics_bind_address, health.clone()).await?;
     let client = args

@@ -2,11 +2,9 @@
 
 use std::time::Instant;
 
-use prometheus::{
-    Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
-};
+use prometheus::{Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts};
 use stowage_common::errors::{ERROR, SUCCESS};
-use stowage_common::metrics::register;
+use stowage_common::metrics::{Registry, register};
 
 /// Operation names used as the `operation` label.
 pub const OPERATIONS: [&str; 7] = [

@@ -243,6 +243,52 @@ async fn helm_install_upgrade_uninstall_on_a_real_apiserver() {
             .unwrap();
         assert_eq!(kcm_flag(&out), off, "{set}:\n{out}");
     }
+    // The chart's name tables repeat the controller's: for every name it accepts, alone and
+    // negated, NOTES print exactly the flag the controller itself logs at start.
+    let names = stowage_controller::CONTROLLERS
+        .iter()
+        .map(|(n, _)| *n)
+        .chain(stowage_controller::KCM_ALIASES.iter().map(|(k, _)| *k));
+    for spec in names.flat_map(|n| [vec![n.to_string()], vec!["*".into(), format!("-{n}")]]) {
+        let set = format!("controller.controllers={{{}}}", spec.join(","));
+        let out = helm
+            .run(&[
+                "install",
+                RELEASE,
+                chart,
+                "--namespace",
+                &ns,
+                "--dry-run=server",
+                "--set",
+                &set,
+            ])
+            .await
+            .unwrap();
+        let want = stowage_controller::kcm_flag(&stowage_controller::resolve_controllers(&spec).unwrap());
+        assert!(
+            out.lines().any(|l| l.trim() == want),
+            "{set}: NOTES lack the controller's {want}:\n{out}"
+        );
+    }
+    // An unknown name fails the install even when the schema is skipped.
+    let e = helm
+        .run(&[
+            "install",
+            RELEASE,
+            chart,
+            "--namespace",
+            &ns,
+            "--dry-run=server",
+            "--skip-schema-validation",
+            "--set",
+            "controller.controllers={*,-persistentvolume-binder-controler}",
+        ])
+        .await
+        .unwrap_err();
+    assert!(
+        e.contains(r#"unknown controller "persistentvolume-binder-controler""#),
+        "{e}"
+    );
 
     let install = helm.values("install.yaml", INSTALL_VALUES);
     let out = helm

@@ -80,7 +80,7 @@ pub(crate) static FAMILIES: LazyLock<Families> = LazyLock::new(|| {
 });
 
 impl Families {
-    pub(crate) fn register(&self, registry: &prometheus::Registry) {
+    pub(crate) fn register(&self, registry: &crate::metrics::Registry) {
         use crate::metrics::register;
         register(registry, self.requests.clone());
         register(registry, self.latency.clone());

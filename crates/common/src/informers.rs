@@ -3,11 +3,11 @@
 
 use std::sync::Arc;
 
+use crate::metrics::Registry;
 use k8s_openapi::api::core::v1::{Node, PersistentVolume, PersistentVolumeClaim, Pod};
 use k8s_openapi::api::storage::v1::{CSIDriver, StorageClass, VolumeAttachment};
 use kube::runtime::watcher;
 use kube::{Api, Client};
-use prometheus::Registry;
 use tokio::task::JoinSet;
 
 use crate::informer::{Informer, strip_managed_fields};

@@ -47,18 +47,29 @@ pub fn level(verbosity: u8) -> &'static str {
 /// Installs the process's subscriber. A second call (tests that run several binaries' mains in
 /// one process) keeps the first.
 pub fn init(args: &LogArgs) {
+    use tracing_subscriber::util::SubscriberInitExt;
+    let _ = subscriber(args, std::io::stderr, std::io::stderr().is_terminal()).try_init();
+}
+
+/// The subscriber `init` installs, writing to `writer` (tests read what it would log).
+pub fn subscriber<W>(args: &LogArgs, writer: W, ansi: bool) -> Box<dyn tracing::Subscriber + Send + Sync>
+where
+    W: for<'w> tracing_subscriber::fmt::MakeWriter<'w> + Send + Sync + 'static,
+{
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(level(args.verbosity)));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal());
-    let _ = match args.log_format {
-        Format::Text => builder.with_target(false).try_init(),
+        .with_writer(writer)
+        .with_ansi(ansi);
+    match args.log_format {
+        Format::Text => Box::new(builder.with_target(false).finish()),
         // Targets (the crate: stowage_binder, …) help pipelines filter by controller.
-        Format::Json => builder
-            .json()
-            .with_current_span(true)
-            .with_span_list(false)
-            .try_init(),
-    };
+        Format::Json => Box::new(
+            builder
+                .json()
+                .with_current_span(true)
+                .with_span_list(false)
+                .finish(),
+        ),
+    }
 }

@@ -13,8 +13,8 @@ use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, Opts};
 use tokio::time::Instant;
 
 /// The work-queue families, process-wide (several controllers' queues share them by `name`);
-/// `metrics::registry` exposes them.
-pub(crate) struct Families {
+/// `register_metrics` exposes them.
+struct Families {
     depth: IntGaugeVec,
     adds: IntCounterVec,
     retries: IntCounterVec,
@@ -29,7 +29,7 @@ fn buckets() -> Vec<f64> {
     prometheus::exponential_buckets(1e-8, 10.0, 10).expect("static buckets")
 }
 
-pub(crate) static FAMILIES: LazyLock<Families> = LazyLock::new(|| {
+static FAMILIES: LazyLock<Families> = LazyLock::new(|| {
     let name = ["name"];
     Families {
         depth: IntGaugeVec::new(Opts::new("workqueue_depth", "Current depth of the work queue."), &name)
@@ -81,8 +81,14 @@ pub(crate) static FAMILIES: LazyLock<Families> = LazyLock::new(|| {
     }
 });
 
+/// Registers the `workqueue_*` families, in the binaries whose controllers use [`WorkQueue`]
+/// (not the agent, whose loops do not: it would export families that never get a series).
+pub fn register_metrics(registry: &crate::metrics::Registry) {
+    FAMILIES.register(registry);
+}
+
 impl Families {
-    pub(crate) fn register(&self, registry: &prometheus::Registry) {
+    fn register(&self, registry: &crate::metrics::Registry) {
         use crate::metrics::register;
         register(registry, self.depth.clone());
         register(registry, self.adds.clone());

@@ -10,6 +10,7 @@ use kube::Client;
 use stowage_common::client::ApiArgs;
 use stowage_common::informers::Informers;
 use stowage_common::leader::{self, Elector, Timings};
+use stowage_common::metrics::Registry;
 use stowage_common::ratelimit::{Adaptive, Limit};
 use stowage_common::serve::{self, Health};
 use tokio::sync::watch;
@@ -73,11 +74,12 @@ pub struct Args {
     /// Period of the binder's full resync (kube-controller-manager's --pvclaimbinder-sync-period).
     #[arg(long, default_value = "15s", value_parser = humantime::parse_duration)]
     pub pvclaimbinder_sync_period: Duration,
-    /// Objects whose binder writes may be in flight at once; 0 derives it from --kube-api-qps.
+    /// Objects whose binder writes may be in flight at once; 0 sizes it from the client's rate
+    /// (--kube-api-qps, else --kube-api-max-qps) as rate/8 within 2-64: 64 at the defaults.
     #[arg(long, default_value_t = 0)]
     pub binder_max_in_flight: usize,
-    /// VolumeAttachment creates (and, separately, detaches) attachdetach runs at once; 0 derives
-    /// it from --kube-api-qps.
+    /// VolumeAttachment creates (and, separately, detaches) attachdetach runs at once; 0 sizes
+    /// it from the client's rate as rate/4 within 32-256: 256 at the defaults.
     #[arg(long, default_value_t = 0)]
     pub attachdetach_max_in_flight: usize,
     /// How long a detach waits for a not-Ready node to unmount before it is forced.
@@ -120,7 +122,7 @@ struct Wiring {
 }
 
 impl Wiring {
-    fn new(args: &Args, registry: &prometheus::Registry) -> Self {
+    fn new(args: &Args, registry: &Registry) -> Self {
         let qps = args.limit().nominal_qps();
         Self {
             binder: (
@@ -242,8 +244,7 @@ pub fn auto_in_flight(qps: f32) -> usize {
 }
 
 /// Attaches in flight: one write each, so the width that keeps a token bucket busy is its rate
-/// times a write's latency (tens of ms, hundreds under load); 32 covers the default 50 QPS with
-/// room. Without a limit the apiserver alone sets the pace, as for upstream's unbounded
+/// times a write's latency (tens of ms, hundreds under load); 32 covers 50 QPS with room. Without a limit the apiserver alone sets the pace, as for upstream's unbounded
 /// operation executor, so the width only bounds memory and a burst's fan-out.
 pub fn auto_attach_in_flight(qps: f32) -> usize {
     if qps <= 0.0 {
@@ -260,11 +261,25 @@ fn default_identity() -> String {
     format!("{host}_{:08x}", rand::random::<u32>())
 }
 
+/// The registry with every family this process exports, as `run` builds it before any
+/// leadership, with the leader gauges and the controllers' metrics.
+fn metrics(args: &Args) -> (Registry, stowage_common::metrics::Leader, Wiring) {
+    let registry = stowage_common::metrics::registry("stowage-controller");
+    stowage_common::queue::register_metrics(&registry);
+    let leader = stowage_common::metrics::leader_metrics(&registry, &args.leader_elect_resource_name);
+    let wiring = Wiring::new(args, &registry);
+    (registry, leader, wiring)
+}
+
+/// Every metric family stowage-controller registers, series or not (docs/metrics.md is checked
+/// against this list).
+pub fn metric_families() -> Vec<stowage_common::metrics::Family> {
+    metrics(&Args::parse_from(["stowage-controller"])).0.families()
+}
+
 pub async fn run(args: Args) -> anyhow::Result<()> {
     let controllers = resolve_controllers(&args.controllers)?;
-    let registry = stowage_common::metrics::registry("stowage-controller");
-    let leader_gauge = stowage_common::metrics::leader_metrics(&registry, &args.leader_elect_resource_name);
-    let wiring = Wiring::new(&args, &registry);
+    let (registry, leader_gauge, wiring) = metrics(&args);
     let health = Health::new(registry.clone());
     serve::spawn(args.metrics_bind_address, health.clone()).await?;
     let timings = Timings {
@@ -349,7 +364,7 @@ fn in_span<F: std::future::Future>(name: &'static str, f: F) -> tracing::instrum
 async fn run_controllers(
     client: Client,
     controllers: &[&'static str],
-    registry: &prometheus::Registry,
+    registry: &Registry,
     wiring: &Wiring,
 ) -> anyhow::Result<()> {
     let mut informers = JoinSet::new();
@@ -474,6 +489,53 @@ mod tests {
         assert_eq!(auto_in_flight(50.0), 7);
         assert_eq!(auto_in_flight(5000.0), 64);
         assert_eq!(auto_in_flight(1.0), 2);
+    }
+
+    #[test]
+    fn default_widths_follow_the_adaptive_ceiling() {
+        // The numbers --help and the operator guide state for the defaults and a fixed 50/s.
+        let width = |argv: &[&str]| {
+            let qps = Args::parse_from(argv).limit().nominal_qps();
+            (auto_in_flight(qps), auto_attach_in_flight(qps))
+        };
+        assert_eq!(width(&["stowage-controller"]), (64, 256));
+        assert_eq!(width(&["stowage-controller", "--kube-api-qps=50"]), (7, 32));
+        assert_eq!(width(&["stowage-controller", "--kube-api-qps=0"]), (64, 256));
+    }
+
+    /// What a JSON log pipeline filters on: each line a controller logs names it in
+    /// `span.controller`, beside the line's own fields.
+    #[test]
+    fn json_lines_name_their_controller() {
+        use std::sync::{Arc, Mutex};
+        #[derive(Clone, Default)]
+        struct Buffer(Arc<Mutex<Vec<u8>>>);
+        impl std::io::Write for Buffer {
+            fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+                self.0.lock().unwrap().extend_from_slice(b);
+                Ok(b.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let out = Buffer::default();
+        let args = stowage_common::logging::LogArgs {
+            log_format: stowage_common::logging::Format::Json,
+            verbosity: 2,
+        };
+        let writer = out.clone();
+        let subscriber = stowage_common::logging::subscriber(&args, move || writer.clone(), false);
+        tracing::subscriber::with_default(subscriber, || {
+            futures::executor::block_on(in_span("pvc-protection", async {
+                tracing::info!(claim = "ns/data", "added protection finalizer");
+            }))
+        });
+        let text = String::from_utf8(out.0.lock().unwrap().clone()).unwrap();
+        let line: serde_json::Value = serde_json::from_str(text.trim()).expect(&text);
+        assert_eq!(line["span"]["controller"], "pvc-protection", "{text}");
+        assert_eq!(line["fields"]["claim"], "ns/data", "{text}");
+        assert_eq!(line["fields"]["message"], "added protection finalizer", "{text}");
     }
 
     #[test]

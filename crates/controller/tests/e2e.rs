@@ -68,28 +68,11 @@ impl Kubectl {
     }
 }
 
-/// Metric family names listed in docs/metrics.md under `## <binary>` (first cell of table rows).
+/// Metric family names listed in docs/metrics.md under `## <binary>`.
 fn documented(binary: &str) -> BTreeSet<String> {
-    let doc = std::fs::read_to_string(repo().join("docs/metrics.md")).expect("docs/metrics.md");
-    let mut out = BTreeSet::new();
-    let mut inside = false;
-    for line in doc.lines() {
-        if let Some(h) = line.strip_prefix("## ") {
-            inside = h.trim() == binary;
-            continue;
-        }
-        if inside
-            && let Some(cell) = line.strip_prefix("| `")
-            && let Some((name, _)) = cell.split_once('`')
-        {
-            out.insert(name.to_string());
-        }
-    }
-    assert!(
-        !out.is_empty(),
-        "docs/metrics.md documents no metric for {binary}"
-    );
-    out
+    stowage_testkit::metricsdoc::documented(binary)
+        .into_keys()
+        .collect()
 }
 
 fn families(m: &Metrics) -> BTreeSet<String> {
@@ -98,7 +81,8 @@ fn families(m: &Metrics) -> BTreeSet<String> {
 
 /// Every family a binary exports is documented; every documented family is exported, except
 /// labelled error/failure families that a clean run never touches (a labelled family has no
-/// series, and so no exposition, until its first observation).
+/// series, and so no exposition, until its first observation; `metrics_doc.rs` checks those
+/// against the registry).
 fn check_against_docs(binary: &str, m: &Metrics) {
     let docs = documented(binary);
     let seen = families(m);

@@ -46,7 +46,7 @@ pub struct InProcess {
     pub client: Client,
     /// The image directory handed to controllers that manage loop volumes.
     pub images: tempfile::TempDir,
-    pub registry: prometheus::Registry,
+    pub registry: stowage_common::metrics::Registry,
     informers: JoinSet<()>,
     controller: Option<JoinHandle<anyhow::Result<()>>>,
 }
@@ -63,7 +63,7 @@ impl InProcess {
             cp,
             client,
             images: tempfile::tempdir().expect("temporary image directory"),
-            registry: prometheus::Registry::new(),
+            registry: stowage_common::metrics::Registry::new(),
             informers: JoinSet::new(),
             controller: None,
         }

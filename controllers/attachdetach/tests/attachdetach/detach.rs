@@ -105,6 +105,13 @@ async fn out_of_service_taint_detaches_at_once() {
         ),
         1.0
     );
+    assert_eq!(
+        c.metric(
+            "attach_detach_controller_attachdetach_controller_forced_detaches",
+            Some(("reason", "out-of-service"))
+        ),
+        1.0
+    );
 }
 
 /// A deleted Node is unhealthy, not proof of an unmount: its last volumesInUse holds the detach
@@ -159,6 +166,14 @@ async fn deleted_node_is_force_detached_after_the_max_wait() {
         c.metric(
             "stowage_attachdetach_forced_detaches_total",
             Some(("reason", "node-deleted"))
+        ),
+        1.0
+    );
+    // kube-controller-manager's counter knows no such reason: its own timeout forces it there.
+    assert_eq!(
+        c.metric(
+            "attach_detach_controller_attachdetach_controller_forced_detaches",
+            Some(("reason", "timeout"))
         ),
         1.0
     );

@@ -1,7 +1,9 @@
 //! Values the chart refuses, each with the reason it gives, beside the valid neighbours that
 //! render.
 
-use stowage_chart_tests::{Helm, kinds_and_names};
+use std::collections::BTreeSet;
+
+use stowage_chart_tests::{Helm, chart_dir, kinds_and_names};
 
 use crate::{assert_has, doc, render};
 
@@ -76,6 +78,14 @@ async fn bad_values_are_refused_with_a_reason() {
             "value must be one of 'text', 'json'",
         ),
         (vec!["--set", "controller.replicas=0"], "minimum"),
+        // A controller name stowage-controller would refuse at start is refused at install.
+        (
+            vec![
+                "--set",
+                "controller.controllers={*,-persistentvolume-binder-controler}",
+            ],
+            "at '/controller/controllers/1': value must be one of '*', 'binder'",
+        ),
     ];
     for (args, why) in cases {
         let e = render(&helm, &args).await.unwrap_err();
@@ -134,4 +144,70 @@ async fn bad_values_are_refused_with_a_reason() {
         "controller Deployment",
         &[r#"image: "busybox:1.37""#, "image: registry.example/stowage:v9"],
     );
+}
+
+/// values.schema.json accepts exactly the `controller.controllers` entries stowage-controller
+/// accepts: `*`, and each of its names and kube-controller-manager's, alone or negated.
+#[test]
+fn the_schema_knows_the_controllers_names() {
+    let schema: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(chart_dir().join("values.schema.json")).unwrap())
+            .unwrap();
+    let listed: BTreeSet<String> =
+        schema["properties"]["controller"]["properties"]["controllers"]["items"]["enum"]
+            .as_array()
+            .expect("an enum of controller names")
+            .iter()
+            .map(|v| v.as_str().unwrap().to_string())
+            .collect();
+    let names = stowage_controller::CONTROLLERS
+        .iter()
+        .map(|(n, _)| *n)
+        .chain(stowage_controller::KCM_ALIASES.iter().map(|(k, _)| *k));
+    let accepted: BTreeSet<String> = names
+        .flat_map(|n| [n.to_string(), format!("-{n}")])
+        .chain(["*".to_string()])
+        .collect();
+    assert_eq!(listed, accepted);
+    for entry in &accepted {
+        assert!(
+            stowage_controller::resolve_controllers(std::slice::from_ref(entry)).is_ok(),
+            "{entry}"
+        );
+    }
+}
+
+/// `helm lint --strict` fails on a misspelled value, whether it comes from a values file or
+/// `--set`, at the top level or nested: values.schema.json sets `additionalProperties: false`
+/// throughout, so a typo is an error in CI rather than a setting silently ignored.
+#[tokio::test]
+async fn lint_fails_on_a_misspelled_value() {
+    let helm = Helm::new(None);
+    let chart = chart_dir();
+    let chart = chart.to_str().unwrap();
+    let typo = helm.values("typo.yaml", "controller:\n  replica: 3\n");
+    let e = helm
+        .run(&["lint", "--strict", chart, "-f", typo.to_str().unwrap()])
+        .await
+        .unwrap_err();
+    assert!(e.contains("additional properties 'replica' not allowed"), "{e}");
+    assert!(e.contains("1 chart(s) failed"), "{e}");
+    let e = helm
+        .run(&["lint", "--strict", chart, "--set", "logFormt=json"])
+        .await
+        .unwrap_err();
+    assert!(e.contains("additional properties 'logFormt' not allowed"), "{e}");
+    // The same keys spelled right lint clean.
+    let right = helm.values("right.yaml", "controller:\n  replicas: 3\n");
+    helm.run(&[
+        "lint",
+        "--strict",
+        chart,
+        "-f",
+        right.to_str().unwrap(),
+        "--set",
+        "logFormat=json",
+    ])
+    .await
+    .unwrap();
 }
