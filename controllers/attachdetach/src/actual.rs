@@ -92,24 +92,32 @@ impl Attachment {
 /// (unique volume name, node name).
 pub type Key = (String, String);
 
+/// Entries by volume, then node: the same order as by (volume, node), and lookups by `&str`
+/// allocate nothing (a pass looks up every desired pair).
 #[derive(Debug, Clone, Default)]
 pub struct Actual {
-    entries: BTreeMap<Key, Attachment>,
+    entries: BTreeMap<String, BTreeMap<String, Attachment>>,
+    len: usize,
 }
 
 impl Actual {
     pub fn get(&self, volume: &str, node: &str) -> Option<&Attachment> {
-        self.entries.get(&(volume.to_string(), node.to_string()))
+        self.entries.get(volume)?.get(node)
     }
 
     pub fn get_mut(&mut self, volume: &str, node: &str) -> Option<&mut Attachment> {
-        self.entries.get_mut(&(volume.to_string(), node.to_string()))
+        self.entries.get_mut(volume)?.get_mut(node)
     }
 
     /// The entry for (volume, node), created with `driver`/`handle` if missing.
     pub fn entry(&mut self, volume: &str, node: &str, driver: &str, handle: &str) -> &mut Attachment {
+        if self.get(volume, node).is_none() {
+            self.len += 1;
+        }
         self.entries
-            .entry((volume.to_string(), node.to_string()))
+            .entry(volume.to_string())
+            .or_default()
+            .entry(node.to_string())
             .or_insert_with(|| Attachment {
                 driver: driver.to_string(),
                 handle: handle.to_string(),
@@ -119,45 +127,59 @@ impl Actual {
 
     /// Drops the entry if nothing is left in it.
     pub fn tidy(&mut self, volume: &str, node: &str, now: Instant) {
-        let key = (volume.to_string(), node.to_string());
-        if self.entries.get(&key).is_some_and(|e| e.is_empty(now)) {
-            self.entries.remove(&key);
+        let Some(nodes) = self.entries.get_mut(volume) else {
+            return;
+        };
+        if nodes.get(node).is_some_and(|e| e.is_empty(now)) {
+            nodes.remove(node);
+            self.len -= 1;
+            if nodes.is_empty() {
+                self.entries.remove(volume);
+            }
         }
     }
 
     /// Drops every entry with nothing left in it.
     pub fn tidy_all(&mut self, now: Instant) {
-        self.entries.retain(|_, e| !e.is_empty(now));
+        for nodes in self.entries.values_mut() {
+            nodes.retain(|_, e| !e.is_empty(now));
+        }
+        self.entries.retain(|_, nodes| !nodes.is_empty());
+        self.len = self.entries.values().map(BTreeMap::len).sum();
     }
 
-    pub fn iter(&self) -> impl Iterator<Item = (&Key, &Attachment)> {
-        self.entries.iter()
+    /// Every ((volume, node), entry), ordered by volume then node.
+    pub fn iter(&self) -> impl Iterator<Item = ((&String, &String), &Attachment)> {
+        self.entries
+            .iter()
+            .flat_map(|(v, nodes)| nodes.iter().map(move |(n, e)| ((v, n), e)))
     }
 
-    pub fn iter_mut(&mut self) -> impl Iterator<Item = (&Key, &mut Attachment)> {
-        self.entries.iter_mut()
+    pub fn iter_mut(&mut self) -> impl Iterator<Item = ((&String, &String), &mut Attachment)> {
+        self.entries
+            .iter_mut()
+            .flat_map(|(v, nodes)| nodes.iter_mut().map(move |(n, e)| ((&*v, n), e)))
     }
 
     /// Nodes other than `node` where `volume` is or may be attached.
     pub fn other_nodes<'a>(&'a self, volume: &'a str, node: &'a str) -> impl Iterator<Item = &'a str> {
-        let from = (volume.to_string(), String::new());
         self.entries
-            .range(from..)
-            .take_while(move |((v, _), _)| v == volume)
-            .filter(move |((_, n), e)| n != node && e.exists())
-            .map(|((_, n), _)| n.as_str())
+            .get(volume)
+            .into_iter()
+            .flatten()
+            .filter(move |(n, e)| *n != node && e.exists())
+            .map(|(n, _)| n.as_str())
     }
 
     /// Attachments of one node, for the status updater.
     pub fn on_node<'a>(&'a self, node: &'a str) -> impl Iterator<Item = (&'a str, &'a Attachment)> {
         self.entries
             .iter()
-            .filter(move |((_, n), _)| n == node)
-            .map(|((v, _), e)| (v.as_str(), e))
+            .filter_map(move |(v, nodes)| nodes.get(node).map(|e| (v.as_str(), e)))
     }
 
     pub fn len(&self) -> usize {
-        self.entries.len()
+        self.len
     }
 
     pub fn is_empty(&self) -> bool {

@@ -2,7 +2,7 @@
 //! which pods. No I/O: the executor feeds it pod by pod, resolving pod → claim → volume → driver
 //! through a [`Lookup`].
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
@@ -56,23 +56,35 @@ pub struct Desired {
     nodes: BTreeMap<String, BTreeMap<String, DesiredVolume>>,
     /// pod UID → (node, volumes), to undo a pod's contribution.
     pods: HashMap<String, (String, Vec<String>)>,
+    /// unique volume name → the nodes that want it, so one volume's entries are found without
+    /// a scan (the attach pass of the volumes a pod event touched).
+    by_volume: HashMap<String, BTreeSet<String>>,
 }
 
 impl Desired {
     /// Sets the volumes `pod` wants on `node`, replacing what it wanted before. Entries the pod
-    /// keeps are kept as they are (with their multi-attach flag).
-    pub fn set_pod(&mut self, pod: PodRef, node: &str, volumes: Vec<VolumeSpec>) {
+    /// keeps are kept as they are (with their multi-attach flag). Returns whether the pod let go
+    /// of anything it wanted before (only then can a detach follow).
+    pub fn set_pod(&mut self, pod: PodRef, node: &str, volumes: Vec<VolumeSpec>) -> bool {
         let names: Vec<String> = volumes.iter().map(|v| v.name.clone()).collect();
+        let mut released = false;
         if let Some((old_node, old_names)) = self.pods.get(&pod.uid).cloned() {
             for n in old_names {
                 if old_node != node || !names.contains(&n) {
                     self.unlink(&old_node, &n, &pod.uid);
+                    released = true;
                 }
             }
         }
         if volumes.is_empty() {
             self.pods.remove(&pod.uid);
-            return;
+            return released;
+        }
+        for spec in &volumes {
+            self.by_volume
+                .entry(spec.name.clone())
+                .or_default()
+                .insert(node.to_string());
         }
         let entries = self.nodes.entry(node.to_string()).or_default();
         for spec in volumes {
@@ -85,15 +97,18 @@ impl Desired {
             e.pods.insert(pod.uid.clone(), pod.clone());
         }
         self.pods.insert(pod.uid, (node.to_string(), names));
+        released
     }
 
-    pub fn remove_pod(&mut self, uid: &str) {
+    /// Forgets what the pod wanted; returns whether it wanted anything.
+    pub fn remove_pod(&mut self, uid: &str) -> bool {
         let Some((node, names)) = self.pods.remove(uid) else {
-            return;
+            return false;
         };
-        for n in names {
-            self.unlink(&node, &n, uid);
+        for n in &names {
+            self.unlink(&node, n, uid);
         }
+        !names.is_empty()
     }
 
     fn unlink(&mut self, node: &str, volume: &str, uid: &str) {
@@ -104,6 +119,12 @@ impl Desired {
             e.pods.remove(uid);
             if e.pods.is_empty() {
                 entries.remove(volume);
+                if let Some(nodes) = self.by_volume.get_mut(volume) {
+                    nodes.remove(node);
+                    if nodes.is_empty() {
+                        self.by_volume.remove(volume);
+                    }
+                }
             }
         }
         if entries.is_empty() {
@@ -136,7 +157,16 @@ impl Desired {
             .flat_map(|(n, vols)| vols.values().map(move |v| (n, v)))
     }
 
-    /// Pods using `volume` on nodes other than `node`.
+    /// Every (node, entry) that wants `volume`, ordered by node.
+    pub fn wanting<'a>(&'a self, volume: &str) -> impl Iterator<Item = (&'a String, &'a DesiredVolume)> {
+        self.by_volume
+            .get(volume)
+            .into_iter()
+            .flatten()
+            .filter_map(move |n| self.nodes.get_key_value(n.as_str()))
+            .filter_map(move |(n, vols)| vols.get(volume).map(|e| (n, e)))
+    }
+
     /// The pods on `node` that use `volume`.
     pub fn pods_on<'a>(&'a self, volume: &str, node: &str) -> impl Iterator<Item = &'a PodRef> {
         self.nodes
@@ -442,5 +472,45 @@ mod tests {
         assert!(!d.get("v", "n2").unwrap().multi_attach_reported);
         d.remove_pod("2");
         assert!(d.is_empty());
+    }
+
+    proptest::proptest! {
+        /// The volume index agrees with the entries after any sequence of pod changes, and a
+        /// pod reports releasing something exactly when an entry or one of its pods went.
+        #[test]
+        fn the_volume_index_follows_the_entries(
+            ops in proptest::collection::vec((0..4usize, 0..3usize, proptest::collection::vec(0..3usize, 0..3), proptest::bool::ANY), 0..40)
+        ) {
+            let mut d = Desired::default();
+            for (pod, node, vols, remove) in ops {
+                let uid = format!("u{pod}");
+                let before: Vec<(String, String)> = d.iter().flat_map(|(n, e)| {
+                    e.pods.contains_key(&uid).then(|| (n.clone(), e.spec.name.clone()))
+                }).collect();
+                let released = if remove {
+                    d.remove_pod(&uid)
+                } else {
+                    let specs = vols.iter().map(|v| VolumeSpec {
+                        name: format!("vol{v}"),
+                        pv_name: format!("pv{v}"),
+                        driver: "d".into(),
+                        handle: format!("h{v}"),
+                        multi_attach: false,
+                    }).collect();
+                    let r = PodRef { namespace: "ns".into(), name: format!("p{pod}"), uid: uid.clone() };
+                    d.set_pod(r, &format!("n{node}"), specs)
+                };
+                let after: Vec<(String, String)> = d.iter().flat_map(|(n, e)| {
+                    e.pods.contains_key(&uid).then(|| (n.clone(), e.spec.name.clone()))
+                }).collect();
+                proptest::prop_assert_eq!(released, before.iter().any(|b| !after.contains(b)));
+                for v in 0..3 {
+                    let name = format!("vol{v}");
+                    let indexed: Vec<(String, String)> = d.wanting(&name).map(|(n, e)| (n.clone(), e.spec.name.clone())).collect();
+                    let scanned: Vec<(String, String)> = d.iter().filter(|(_, e)| e.spec.name == name).map(|(n, e)| (n.clone(), e.spec.name.clone())).collect();
+                    proptest::prop_assert_eq!(indexed, scanned);
+                }
+            }
+        }
     }
 }
