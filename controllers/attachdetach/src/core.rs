@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use crate::Config;
 use crate::actual::{Actual, Op};
-use crate::desired::{Desired, PodRef, VolumeSpec};
+use crate::desired::{Desired, DesiredVolume, PodRef, VolumeSpec};
 use crate::objects::{LOOP_DRIVER, LOOP_SINGLE_NODE_RULE, NodeInfo, attachment_name};
 
 pub type Nodes = BTreeMap<String, NodeInfo>;
@@ -219,9 +219,45 @@ pub fn reconcile(
     }
 
     // Phase 3: attaches.
+    actions.extend(attaches(desired, actual, nodes, now, desired.iter()));
+    actions
+}
+
+/// Phase 3 alone, for the volumes in `volumes`: what a full pass would decide to attach for
+/// them, and nothing else. Attach decisions of a volume read only that volume's desired and
+/// actual entries (and the nodes'), never the pass's other phases, so a pod event can be
+/// answered at once without scanning every attachment; detaches, node status and releases
+/// wait for the next full pass.
+pub fn reconcile_attaches(
+    desired: &Desired,
+    actual: &Actual,
+    nodes: &Nodes,
+    now: Instant,
+    volumes: &BTreeSet<String>,
+) -> Vec<Action> {
+    attaches(
+        desired,
+        actual,
+        nodes,
+        now,
+        volumes.iter().flat_map(|v| desired.wanting(v)),
+    )
+}
+
+/// Attaches (and multi-attach refusals) for the desired entries `wants`. Per volume, nodes come
+/// in name order, so two nodes wanting one single-node volume at once resolve the same way
+/// whether the whole desired state or one volume is walked.
+fn attaches<'a>(
+    desired: &Desired,
+    actual: &Actual,
+    nodes: &Nodes,
+    now: Instant,
+    wants: impl Iterator<Item = (&'a String, &'a DesiredVolume)>,
+) -> Vec<Action> {
+    let mut actions = Vec::new();
     // Single-node volumes handed to a node in this pass.
     let mut claimed: BTreeMap<&str, &str> = BTreeMap::new();
-    for (node, want) in desired.iter() {
+    for (node, want) in wants {
         let volume = want.spec.name.as_str();
         if !nodes.get(node).is_some_and(NodeInfo::accepts_attach) {
             continue;

@@ -617,6 +617,39 @@ proptest! {
         }
     }
 
+    /// The attach step of some volumes decides exactly what a full pass decides for them in its
+    /// attach phase (attaches, multi-attach refusals, cancelled detach requests): answering a pod
+    /// event at once never decides differently from the pass that would have come later.
+    #[test]
+    fn the_attach_step_decides_as_the_full_pass_does(w in world(), pick in 0..8u8) {
+        let t0 = Instant::now() + Duration::from_secs(10_000);
+        let (d, a, nodes, config) = build(&w, t0);
+        let volumes: BTreeSet<String> = (0..3)
+            .filter(|b| pick & (1 << b) != 0)
+            .map(|b| vname(VOLS[b]))
+            .collect();
+        let phase3 = |x: &&Action| {
+            matches!(
+                x,
+                Action::Attach { .. } | Action::MultiAttachError { .. } | Action::CancelDetachRequest { .. }
+            )
+        };
+        let of = |x: &Action| match x {
+            Action::Attach { volume, .. }
+            | Action::MultiAttachError { volume, .. }
+            | Action::CancelDetachRequest { volume, .. } => volume.clone(),
+            _ => unreachable!(),
+        };
+        let full = reconcile(&d, &a, &nodes, t0, &config);
+        let mut want: Vec<&Action> = full.iter().filter(phase3).filter(|x| volumes.contains(&of(x))).collect();
+        let step = reconcile_attaches(&d, &a, &nodes, t0, &volumes);
+        let mut got: Vec<&Action> = step.iter().collect();
+        let key = |x: &&Action| format!("{x:?}");
+        want.sort_by_key(key);
+        got.sort_by_key(key);
+        prop_assert_eq!(got, want);
+    }
+
     /// Detaching and advertising never go together: a volume detached in a pass is not in the
     /// node status that pass writes.
     #[test]
