@@ -6,7 +6,7 @@
 //! only: no GET per attachment. The write tasks live in this task's JoinSet and draw from the
 //! executor's semaphores rather than the shared window: why, see `exec`.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -20,7 +20,7 @@ use tokio::task::JoinSet;
 
 use crate::Config;
 use crate::actual::Actual;
-use crate::core::{Nodes, next_deadline, reconcile};
+use crate::core::{Nodes, next_deadline, reconcile, reconcile_attaches};
 use crate::desired::{Desired, PodRef};
 use crate::exec::Executor;
 use crate::ingest::{PodKey, PodSeen};
@@ -32,13 +32,14 @@ const COMPONENT: &str = "stowage-attachdetach";
 pub(crate) const STATUS_RETRY: Duration = Duration::from_secs(1);
 /// Events handled in a row before a pending pass runs anyway, so a storm cannot starve it.
 const MAX_BACKLOG: usize = 1024;
-/// Time between two passes, as a multiple of what the last pass cost, within the bounds below. A
-/// pass scans the whole desired and actual state; during a burst every watch event would
-/// otherwise start one (3,000 full scans for 1,000 pods). Scaling the gap with the pass's cost
-/// keeps passes under ~1/(1+PASS_GAP_FACTOR) of the loop's time whatever the state's size, while
-/// a small state (a pass of microseconds) is not made to wait: a fixed 50 ms gap cost every
-/// attach of a burst up to 50 ms (measured in `make bench`, docs/benchmarks.md).
-const PASS_GAP_FACTOR: u32 = 4;
+/// Time between two full passes, as a multiple of what the last pass cost, within the bounds
+/// below. A full pass scans the whole desired and actual state; during a burst every watch event
+/// would otherwise start one (3,000 full scans for 1,000 pods). Attaches do not wait for it: a
+/// pod event is answered by an attach step over that pod's volumes (`attach_step`). What waits
+/// for a full pass is detaches, node status and releases, so passes are spaced widely enough to
+/// keep them under ~1/(1+PASS_GAP_FACTOR) of the loop's time whatever the state's size, while a
+/// small state (a pass of microseconds) is not made to wait.
+const PASS_GAP_FACTOR: u32 = 10;
 const MIN_PASS_GAP: Duration = Duration::from_millis(1);
 const MAX_PASS_GAP: Duration = Duration::from_millis(50);
 
@@ -59,6 +60,14 @@ pub(crate) struct Controller {
     pub(crate) claim_pods: HashMap<(String, String), HashSet<String>>,
     /// Pods to resolve again before the next pass.
     pub(crate) dirty_pods: HashSet<PodKey>,
+    /// When a dirty pod's watch event arrived, and from it when each (volume, node) a pod
+    /// wants was first wanted and not yet attached: the start of an attach's decision latency.
+    pub(crate) pod_seen: HashMap<PodKey, Instant>,
+    pub(crate) wanted_since: HashMap<(String, String), Instant>,
+    /// Volumes a resolved pod wants: their attaches are decided by the next attach step.
+    pub(crate) attach_dirty: BTreeSet<String>,
+    /// When each detach now held back for unmount was first wanted (the full pass's count).
+    pub(crate) waiting_since: Vec<Instant>,
     /// VolumeAttachment name → (volume, node).
     pub(crate) va_keys: HashMap<String, (String, String)>,
     /// PV name → attachments naming it that arrived before the PV.
@@ -117,6 +126,10 @@ pub async fn run(cluster: Arc<Informers>, metrics: Metrics, config: Config) -> a
         pods: HashMap::new(),
         claim_pods: HashMap::new(),
         dirty_pods: HashSet::new(),
+        pod_seen: HashMap::new(),
+        wanted_since: HashMap::new(),
+        attach_dirty: BTreeSet::new(),
+        waiting_since: Vec::new(),
         va_keys: HashMap::new(),
         unresolved: HashMap::new(),
         pv_attachments: HashMap::new(),
@@ -154,7 +167,7 @@ pub async fn run(cluster: Arc<Informers>, metrics: Metrics, config: Config) -> a
             .map(tokio::time::Instant::from_std);
         tokio::select! {
             biased;
-            _ = std::future::ready(()), if c.dirty && c.backlog >= MAX_BACKLOG => c.pass(),
+            _ = std::future::ready(()), if c.backlog >= MAX_BACKLOG => c.catch_up(),
             Some(done) = done_rx.recv() => c.finish(done),
             Some(_) = c.tasks.join_next(), if !c.tasks.is_empty() => {}
             r = pod_feed.recv() => match r {
@@ -196,6 +209,9 @@ pub async fn run(cluster: Arc<Informers>, metrics: Metrics, config: Config) -> a
                 c.wake_at = None;
                 c.dirty = true;
             }
+            // Pods resolved and their attaches started as soon as no event is waiting: a new pod
+            // does not wait for a full pass (nor for its spacing).
+            _ = std::future::ready(()), if !c.dirty_pods.is_empty() || !c.attach_dirty.is_empty() => c.attach_step(),
             _ = std::future::ready(()), if c.dirty && throttled.is_none() => c.pass(),
             _ = tokio::time::sleep_until(throttled.unwrap_or_else(tokio::time::Instant::now)), if throttled.is_some() => c.pass(),
         }
@@ -208,10 +224,36 @@ impl Controller {
         self.backlog += 1;
     }
 
+    /// A storm of events held everything back: resolve pods, and run the full pass if one is due.
+    pub(crate) fn catch_up(&mut self) {
+        self.attach_step();
+        self.backlog = 0;
+        if self.dirty {
+            self.pass();
+        }
+    }
+
+    /// Resolves the pods that changed and decides the attaches of the volumes they want (phase 3
+    /// of a pass, for those volumes only: `core::reconcile_attaches`). A pod that let go of a
+    /// volume has marked a full pass due while being resolved.
+    pub(crate) fn attach_step(&mut self) {
+        self.refresh_pods();
+        if self.attach_dirty.is_empty() {
+            return;
+        }
+        let volumes = std::mem::take(&mut self.attach_dirty);
+        let now = Instant::now();
+        let actions = reconcile_attaches(&self.desired, &self.actual, &self.nodes, now, &volumes);
+        self.executor.metrics.attach_steps.inc();
+        self.apply(actions, now);
+    }
+
     /// One reconciler pass.
     pub(crate) fn pass(&mut self) {
         let started = Instant::now();
         self.refresh_pods();
+        // The full pass decides every attach too.
+        self.attach_dirty.clear();
         let now = Instant::now();
         self.last_pass = Some(now);
         let timer = self.executor.metrics.reconcile_seconds.start_timer();
@@ -220,7 +262,14 @@ impl Controller {
         self.executor.metrics.reconciles.inc();
         self.dirty = false;
         self.backlog = 0;
+        self.waiting_since.clear();
         self.apply(actions, now);
+        self.update_inventory();
+        // What no attach is started for (already attached, or no longer wanted) has no latency.
+        let (desired, actual) = (&self.desired, &self.actual);
+        self.wanted_since.retain(|(v, n), _| {
+            desired.get(v, n).is_some() && actual.get(v, n).is_none_or(|a| a.va.is_none() && a.op.is_none())
+        });
         self.forget_gone_nodes();
         self.sync_pv_finalizers();
         self.update_wake(now);

@@ -11,9 +11,9 @@
 //! operation per (volume, node) is `Attachment::op`, set before the task starts and cleared only
 //! by its `Outcome`; a panicking task still reports (`Owed`, test
 //! `a_panicked_attach_task_is_retried_and_the_volume_attached`); dropping the controller aborts
-//! the tasks. A window of N keys would also make a burst beyond N wait for a later pass (passes
-//! are spaced by 4× their cost) rather than for a slot, which the attach throughput in
-//! docs/benchmarks.md was not measured with.
+//! the tasks. A window of N keys would also make a burst beyond N wait for a later decision
+//! rather than for a slot, which the attach throughput in docs/benchmarks.md was not measured
+//! with.
 
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
@@ -102,7 +102,6 @@ pub(crate) struct Executor {
 
 impl Controller {
     pub(crate) fn apply(&mut self, actions: Vec<Action>, now: Instant) {
-        let mut waiting_since = Vec::new();
         let mut detaches: BTreeMap<String, Vec<DetachJob>> = BTreeMap::new();
         let mut statuses: BTreeMap<String, Vec<(String, String)>> = BTreeMap::new();
         for a in actions {
@@ -117,7 +116,7 @@ impl Controller {
                         e.detach_requested = None;
                     }
                 }
-                Action::WaitForUnmount { waited, .. } => waiting_since.push(now - waited),
+                Action::WaitForUnmount { waited, .. } => self.waiting_since.push(now - waited),
                 Action::Detach {
                     volume,
                     node,
@@ -167,20 +166,29 @@ impl Controller {
             let jobs = detaches.remove(&node).unwrap_or_default();
             self.start_node_writes(node, patch, jobs, now);
         }
-        let mut volumes: BTreeMap<(&'static str, String), i64> = BTreeMap::new();
+    }
+
+    /// The scrape-time gauges (volumes per state and driver, detaches waiting): counted by full
+    /// passes only, which see every entry anyway.
+    pub(crate) fn update_inventory(&mut self) {
+        let mut by_driver: BTreeMap<(&'static str, &str), i64> = BTreeMap::new();
         for (_, d) in self.desired.iter() {
-            *volumes
-                .entry(("desired_state_of_world", d.spec.driver.clone()))
+            *by_driver
+                .entry(("desired_state_of_world", d.spec.driver.as_str()))
                 .or_default() += 1;
         }
         for (_, a) in self.actual.iter().filter(|(_, a)| a.exists()) {
-            *volumes
-                .entry(("actual_state_of_world", a.driver.clone()))
+            *by_driver
+                .entry(("actual_state_of_world", a.driver.as_str()))
                 .or_default() += 1;
         }
+        let volumes = by_driver
+            .into_iter()
+            .map(|((state, driver), n)| ((state, driver.to_string()), n))
+            .collect();
         self.executor.metrics.set_snapshot(Snapshot {
             volumes,
-            waiting_since,
+            waiting_since: std::mem::take(&mut self.waiting_since),
         });
     }
 
@@ -196,6 +204,12 @@ impl Controller {
         let Some(handle) = self.desired.get(&volume, &node).map(|d| d.spec.handle.clone()) else {
             return;
         };
+        if let Some(t) = self.wanted_since.remove(&(volume.clone(), node.clone())) {
+            self.executor
+                .metrics
+                .attach_decision_seconds
+                .observe(t.elapsed().as_secs_f64());
+        }
         let e = self.actual.entry(&volume, &node, &driver, &handle);
         e.op = Some(Op::Attach);
         e.attach_started.get_or_insert(now);

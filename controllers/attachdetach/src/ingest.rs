@@ -136,10 +136,13 @@ impl Controller {
         self.touch();
     }
 
+    /// A pod event: the pod is resolved again by the next attach step (`Controller::attach_step`),
+    /// which starts a full pass only if the pod let go of a volume.
     pub(crate) fn pod_changed(&mut self, pod: &Pod) {
-        self.dirty_pods
-            .insert((pod.namespace().unwrap_or_default(), pod.name_any()));
-        self.touch();
+        let key = (pod.namespace().unwrap_or_default(), pod.name_any());
+        self.pod_seen.entry(key.clone()).or_insert_with(Instant::now);
+        self.dirty_pods.insert(key);
+        self.backlog += 1;
     }
 
     pub(crate) fn claim_changed(&mut self, ns: &str, name: &str) {
@@ -253,10 +256,13 @@ impl Controller {
                     }
                 }
             }
-            if pod.as_ref().and_then(|p| p.uid()).as_deref() != Some(old.uid.as_str()) {
-                self.desired.remove_pod(&old.uid);
+            if pod.as_ref().and_then(|p| p.uid()).as_deref() != Some(old.uid.as_str())
+                && self.desired.remove_pod(&old.uid)
+            {
+                self.touch();
             }
         }
+        let seen = self.pod_seen.remove(&key);
         let Some(pod) = pod else { return };
         let uid = pod.uid().unwrap_or_default();
         let node = pod_node(&pod).unwrap_or_default().to_string();
@@ -271,9 +277,20 @@ impl Controller {
         // mounted there.
         if self.nodes.get(&node).is_some_and(|n| n.managed) {
             let volumes = pod_volumes(&pod, &Stores(&self.cluster));
-            self.desired.set_pod(PodRef::of(&pod), &node, volumes);
-        } else {
-            self.desired.remove_pod(&uid);
+            for v in &volumes {
+                if let Some(t) = seen {
+                    self.wanted_since
+                        .entry((v.name.clone(), node.clone()))
+                        .or_insert(t);
+                }
+                self.attach_dirty.insert(v.name.clone());
+            }
+            // Only a volume let go of can lead to a detach, which needs the full pass.
+            if self.desired.set_pod(PodRef::of(&pod), &node, volumes) {
+                self.touch();
+            }
+        } else if self.desired.remove_pod(&uid) {
+            self.touch();
         }
         self.pods.insert(key, PodSeen { uid, node, claims });
     }
@@ -323,6 +340,11 @@ impl Controller {
             && old.name == state.name
             && is_newer(old.resource_version.as_deref(), state.resource_version.as_deref())
         {
+            return;
+        }
+        // The watch echoing what the create (or another write) already returned: nothing to
+        // decide again.
+        if e.va.as_ref() == Some(&state) && e.reported.is_none() {
             return;
         }
         let was_attached = e.va.as_ref().is_some_and(|v| v.attached);

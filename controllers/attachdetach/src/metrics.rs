@@ -76,6 +76,8 @@ impl Collector for Inventory {
 pub struct Metrics {
     /// Reconciler passes.
     pub reconciles: IntCounter,
+    /// Attach steps: the attaches of the volumes pod events touched, decided between passes.
+    pub attach_steps: IntCounter,
     /// Time one pass took to decide (the pure reconciler).
     pub reconcile_seconds: Histogram,
     /// Failed operations started by the reconciler, by operation and error category.
@@ -84,6 +86,9 @@ pub struct Metrics {
     pub operations: IntCounterVec,
     /// Time of one API operation, by operation.
     pub operation_seconds: HistogramVec,
+    /// A pod's watch event received → its VolumeAttachment's create request sent: the
+    /// controller's own share of an attach's latency (the create itself is `operation_seconds`).
+    pub attach_decision_seconds: Histogram,
     /// Attach requested (VolumeAttachment created) → attached, end to end.
     pub attach_seconds: Histogram,
     /// Detach started → VolumeAttachment gone, end to end.
@@ -138,6 +143,11 @@ impl Metrics {
         let m = Self {
             reconciles: IntCounter::new("stowage_attachdetach_reconcile_total", "Reconciler passes.")
                 .expect("static metric definition"),
+            attach_steps: IntCounter::new(
+                "stowage_attachdetach_attach_steps_total",
+                "Attach steps: the attaches of the volumes that pod events touched, decided between full passes.",
+            )
+            .expect("static metric definition"),
             reconcile_seconds: Histogram::with_opts(
                 HistogramOpts::new(
                     "stowage_attachdetach_reconcile_duration_seconds",
@@ -169,6 +179,14 @@ impl Metrics {
                 )
                 .buckets(op_buckets),
                 &["operation"],
+            )
+            .expect("static metric definition"),
+            attach_decision_seconds: Histogram::with_opts(
+                HistogramOpts::new(
+                    "stowage_attachdetach_attach_decision_seconds",
+                    "A pod's watch event received to its VolumeAttachment's create request sent (the controller's share of an attach).",
+                )
+                .buckets(prometheus::exponential_buckets(0.000_25, 2.0, 14).expect("static buckets")),
             )
             .expect("static metric definition"),
             attach_seconds: Histogram::with_opts(
@@ -230,10 +248,12 @@ impl Metrics {
             snapshot: inventory.snapshot.clone(),
         };
         register(registry, m.reconciles.clone());
+        register(registry, m.attach_steps.clone());
         register(registry, m.reconcile_seconds.clone());
         register(registry, m.reconcile_errors.clone());
         register(registry, m.operations.clone());
         register(registry, m.operation_seconds.clone());
+        register(registry, m.attach_decision_seconds.clone());
         register(registry, m.attach_seconds.clone());
         register(registry, m.detach_seconds.clone());
         register(registry, m.forced_detaches.clone());
