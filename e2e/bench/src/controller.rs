@@ -1,5 +1,6 @@
 //! Starting and stopping the two implementations as real processes.
 
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -59,6 +60,8 @@ pub struct Setup {
     pub bench_bin: PathBuf,
     pub kcm_bin: PathBuf,
     pub stowage_bin: PathBuf,
+    /// Extra flags of every stowage-controller run (`--stowage-args`).
+    pub stowage_args: Vec<String>,
     pub kubeconfig: PathBuf,
     pub log_dir: PathBuf,
     pub image_dir: PathBuf,
@@ -70,6 +73,8 @@ pub struct Controller {
     pub log: PathBuf,
     pub started: Instant,
     controllers: String,
+    /// stowage-controller's /metrics (None for the other implementations).
+    metrics: Option<SocketAddr>,
 }
 
 impl Controller {
@@ -87,6 +92,8 @@ impl Controller {
         let log = setup.log_dir.join(format!("{label}.log"));
         let out = std::fs::File::create(&log).with_context(|| format!("create {}", log.display()))?;
         let kubeconfig = format!("--kubeconfig={}", setup.kubeconfig.display());
+        let metrics: Option<SocketAddr> =
+            matches!(which, Impl::Stowage).then(|| SocketAddr::from(([127, 0, 0, 1], free_port())));
         let mut cmd = match which {
             Impl::Floor { concurrency } => {
                 let mut c = Command::new(&setup.bench_bin);
@@ -114,7 +121,8 @@ impl Controller {
                 c.args([kubeconfig.as_str(), "--leader-elect=false"])
                     .arg(format!("--controllers={controllers}"))
                     .arg(format!("--image-dir={}", setup.image_dir.display()))
-                    .arg(format!("--metrics-bind-address=127.0.0.1:{}", free_port()));
+                    .args(metrics.map(|a| format!("--metrics-bind-address={a}")))
+                    .args(&setup.stowage_args);
                 // The operator's default log level, whatever the bench itself runs with.
                 c.env_remove("RUST_LOG");
                 c
@@ -133,7 +141,37 @@ impl Controller {
             log,
             started,
             controllers: controllers.to_string(),
+            metrics,
         })
+    }
+
+    /// Where stowage's attaches spent their time, from its own metrics: the decision (pod event
+    /// → create request sent), the create request, and how many full passes and attach steps
+    /// decided them. None for other implementations or when nothing was attached.
+    pub fn attach_profile(&self) -> Option<String> {
+        let (_, body) = stowage_testkit::scrape::http_get(self.metrics?, "/metrics").ok()?;
+        let m = stowage_testkit::scrape::parse(&body).ok()?;
+        let mean_ms = |name: &str, labels: &[(&str, &str)]| {
+            let n = m.sum_where(&format!("{name}_count"), labels);
+            (n > 0.0).then(|| 1000.0 * m.sum_where(&format!("{name}_sum"), labels) / n)
+        };
+        let decided = m.sum("stowage_attachdetach_attach_decision_seconds_count");
+        if decided == 0.0 {
+            return None;
+        }
+        let fmt = |v: Option<f64>| v.map_or("–".into(), |v| format!("{v:.2} ms"));
+        Some(format!(
+            "{decided:.0} attaches: decision (pod event → create sent) mean {}; create request mean {}; \
+             {:.0} full passes (decide mean {}), {:.0} attach steps",
+            fmt(mean_ms("stowage_attachdetach_attach_decision_seconds", &[])),
+            fmt(mean_ms(
+                "stowage_attachdetach_operation_duration_seconds",
+                &[("operation", "attach")]
+            )),
+            m.sum("stowage_attachdetach_reconcile_total"),
+            fmt(mean_ms("stowage_attachdetach_reconcile_duration_seconds", &[])),
+            m.sum("stowage_attachdetach_attach_steps_total"),
+        ))
     }
 
     /// SIGTERM, a grace period, SIGKILL; the process is gone when this returns.

@@ -201,6 +201,10 @@ struct Args {
     out_dir: Option<PathBuf>,
     #[arg(long, env = "BENCH_STOWAGE_BIN")]
     stowage_bin: Option<PathBuf>,
+    /// Extra flags for stowage-controller in every run (e.g. `--attachdetach-max-in-flight=64`,
+    /// to compare a setting side by side); space-separated.
+    #[arg(long, env = "BENCH_STOWAGE_ARGS", default_value = "")]
+    stowage_args: String,
     #[arg(long, env = "BENCH_KCM_BIN")]
     kcm_bin: Option<PathBuf>,
     /// Volumes (and pods) of workload `agent`.
@@ -330,6 +334,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
             bench_bin: std::env::current_exe().context("path of this binary")?,
             kcm_bin,
             stowage_bin,
+            stowage_args: args.stowage_args.split_whitespace().map(String::from).collect(),
             kubeconfig: cp.kubeconfig(),
             log_dir: log_dir.clone(),
             image_dir,

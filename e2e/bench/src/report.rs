@@ -41,6 +41,8 @@ pub struct RunResult {
     pub throttled: f64,
     pub writes_by_resource: BTreeMap<String, f64>,
     pub controller_log: String,
+    /// The controller's own account of where the time went (stowage's attach rows).
+    pub profile: Option<String>,
 }
 
 impl RunResult {
@@ -75,6 +77,7 @@ impl RunResult {
             throttled: 0.0,
             writes_by_resource: Default::default(),
             controller_log: String::new(),
+            profile: None,
         }
     }
 }
@@ -155,6 +158,7 @@ impl Report {
             let floor = best_floor(rows.iter().copied());
             let floor_tput = floor.map(|f| f.throughput_per_s);
             let mut notes = Vec::new();
+            let mut profiles = Vec::new();
             let mut modes: Vec<&str> = rows.iter().map(|r| r.mode.as_str()).collect();
             modes.dedup();
             for mode in modes {
@@ -188,6 +192,9 @@ impl Report {
                     if let Some(n) = &r.note {
                         notes.push(format!("{} {}/{}: {n}", r.mode, r.implementation, r.workload));
                     }
+                    if let Some(p) = &r.profile {
+                        profiles.push(format!("{} {}: {p}", r.mode, r.implementation));
+                    }
                 }
                 if let (Some(s), Some(u)) = (of("stowage"), of("upstream"))
                     && s.converged
@@ -216,6 +223,12 @@ impl Report {
             }
             for n in notes {
                 let _ = writeln!(out, "\n¹ {n}");
+            }
+            if !profiles.is_empty() {
+                let _ = writeln!(out, "\nProfile (the controller's own metrics):\n");
+                for p in profiles {
+                    let _ = writeln!(out, "- {p}");
+                }
             }
             out.push('\n');
         }

@@ -334,6 +334,9 @@ async fn measure(env: &Env, spec: &Spec<'_>, run: &str, tag: &str) -> anyhow::Re
         failure
     };
     let end = w.opened.close(&client, w.ctrl.pid).await?;
+    if matches!(spec.workload, Workload::Attach { .. }) {
+        base.profile = tokio::task::block_in_place(|| w.ctrl.attach_profile());
+    }
     w.ctrl.stop();
     watches.iter().for_each(JoinHandle::abort);
     Ok(end.result(base, o, &tracker, failure))
