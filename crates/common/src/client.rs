@@ -1,11 +1,11 @@
 //! Building the one `kube::Client` a binary uses: kubeconfig or in-cluster configuration, the
-//! client-side token bucket in the tower stack, and a start-up check that the apiserver answers.
+//! HTTP/2 transport (`transport`), the client-side limiter in the tower stack, and a start-up
+//! check that the apiserver answers.
 
 use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{Context, anyhow};
-use kube::client::ClientBuilder;
 use kube::client::retry::RetryPolicy;
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Client, Config};
@@ -109,7 +109,7 @@ fn build_with(mut config: Config, limit: Option<Limit>) -> anyhow::Result<Client
     // kube's own retry sits below any layer added here: the 429s it absorbed would reach neither
     // the request metrics nor the adaptive limiter. Ours goes on top instead.
     config.default_retry = false;
-    let builder = ClientBuilder::try_from(config).context("cannot build an API client")?;
+    let builder = crate::transport::client_builder(config)?;
     let retry = RetryPolicy::new(Duration::from_millis(250), Duration::from_secs(10), 10, true)
         .context("retry policy")?;
     let builder = builder.with_layer(&MetricsLayer::new(host.clone()));

@@ -18,4 +18,5 @@ pub mod queue;
 pub mod ratelimit;
 pub mod serve;
 pub mod shutdown;
+pub mod transport;
 pub mod writes;
