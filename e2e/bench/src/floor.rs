@@ -26,7 +26,7 @@ use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, ObjectMeta, PostParams};
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
-use kube::{Client, Resource, ResourceExt};
+use kube::{Resource, ResourceExt};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
@@ -73,8 +73,9 @@ pub async fn run(args: FloorArgs) -> anyhow::Result<()> {
     let kc = kube::config::Kubeconfig::read_from(&args.kubeconfig)
         .with_context(|| format!("read {}", args.kubeconfig.display()))?;
     let config = kube::Config::from_custom_kubeconfig(kc, &Default::default()).await?;
-    // kube's plain client: no token bucket in its stack.
-    let client = Client::try_from(config)?;
+    // The controllers' transport (HTTP/2, as client-go's), nothing above it: no token bucket,
+    // no retry, no metrics.
+    let client = stowage_common::transport::client_builder(config)?.build();
     let by_run = watcher::Config::default().labels(&format!("{RUN_LABEL}={}", args.run));
     let ns = args.namespace.as_str();
     let c = args.concurrency.max(1);
