@@ -4,7 +4,6 @@
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::Duration;
 
 use stowage_testkit::binary::Running;
@@ -31,20 +30,7 @@ struct Kubectl(PathBuf);
 
 impl Kubectl {
     fn run(&self, args: &[&str]) -> Result<String, String> {
-        let out = Command::new(repo().join("e2e/bin/kubectl"))
-            .env("KUBECONFIG", &self.0)
-            .args(args)
-            .output()
-            .map_err(|e| e.to_string())?;
-        if out.status.success() {
-            Ok(String::from_utf8_lossy(&out.stdout).into_owned())
-        } else {
-            Err(format!(
-                "kubectl {}: {}",
-                args.join(" "),
-                String::from_utf8_lossy(&out.stderr)
-            ))
-        }
+        stowage_testkit::kubectl::run(&self.0, args)
     }
 
     fn must(&self, args: &[&str]) -> String {

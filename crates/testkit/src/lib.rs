@@ -6,6 +6,7 @@ pub mod builders;
 pub mod controlplane;
 pub mod host;
 pub mod inproc;
+pub mod kubectl;
 pub mod metricsdoc;
 pub mod process;
 pub mod realnode;

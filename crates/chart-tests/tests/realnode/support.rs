@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use stowage_chart_tests::{kubectl_bin, repo_root};
+use stowage_chart_tests::repo_root;
 use stowage_testkit::realnode::BUSYBOX_IMAGE;
 use stowage_testkit::scrape::{self, Metrics};
 
@@ -32,20 +32,7 @@ pub struct Kubectl {
 
 impl Kubectl {
     pub fn run(&self, args: &[&str]) -> Result<String, String> {
-        let out = Command::new(kubectl_bin())
-            .arg(format!("--kubeconfig={}", self.kubeconfig.display()))
-            .args(args)
-            .output()
-            .map_err(|e| e.to_string())?;
-        if out.status.success() {
-            Ok(String::from_utf8_lossy(&out.stdout).into_owned())
-        } else {
-            Err(format!(
-                "kubectl {}: {}",
-                args.join(" "),
-                String::from_utf8_lossy(&out.stderr)
-            ))
-        }
+        stowage_testkit::kubectl::run(&self.kubeconfig, args)
     }
 
     pub fn must(&self, args: &[&str]) -> String {
