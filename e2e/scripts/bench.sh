@@ -14,6 +14,7 @@
 #   BENCH_QPS=50 BENCH_BURST=100     client limits of both in mode `equal`
 #   BENCH_STATIC_SIZES=1000,10000 BENCH_BURST_SIZE=10000,50000 (lists) BENCH_ATTACH_PODS BENCH_ATTACH_NODES BENCH_EXPAND_SIZE
 #   BENCH_STALL_TIMEOUT=120s   a run gives up when nothing progresses for this long
+#   BENCH_STOWAGE_ARGS="..."   extra flags for every stowage-controller run (space-separated)
 set -euo pipefail
 top=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$top"
