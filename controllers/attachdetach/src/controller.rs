@@ -23,7 +23,7 @@ use crate::actual::Actual;
 use crate::core::{Nodes, next_deadline, reconcile, reconcile_attaches};
 use crate::desired::{Desired, PodRef};
 use crate::exec::Executor;
-use crate::ingest::{PodKey, PodSeen};
+use crate::ingest::{PodKey, PodSeen, awaits_attach};
 use crate::metrics::Metrics;
 
 /// Event reporter name.
@@ -267,9 +267,8 @@ impl Controller {
         self.update_inventory();
         // What no attach is started for (already attached, or no longer wanted) has no latency.
         let (desired, actual) = (&self.desired, &self.actual);
-        self.wanted_since.retain(|(v, n), _| {
-            desired.get(v, n).is_some() && actual.get(v, n).is_none_or(|a| a.va.is_none() && a.op.is_none())
-        });
+        self.wanted_since
+            .retain(|(v, n), _| desired.get(v, n).is_some() && awaits_attach(actual, v, n));
         self.forget_gone_nodes();
         self.sync_pv_finalizers();
         self.update_wake(now);

@@ -12,6 +12,7 @@ use kube::runtime::reflector::ObjectRef;
 use stowage_common::informer::is_newer;
 use stowage_common::informers::Informers;
 
+use crate::actual::Actual;
 use crate::controller::Controller;
 use crate::desired::{Lookup, PodRef, pod_volumes};
 use crate::objects::{
@@ -278,7 +279,9 @@ impl Controller {
         if self.nodes.get(&node).is_some_and(|n| n.managed) {
             let volumes = pod_volumes(&pod, &Stores(&self.cluster));
             for v in &volumes {
-                if let Some(t) = seen {
+                // Only an attach still to start has a decision latency: a pod update of a running
+                // pod must not leave a stale start for a later re-attach of its volume.
+                if let Some(t) = seen.filter(|_| awaits_attach(&self.actual, &v.name, &node)) {
                     self.wanted_since
                         .entry((v.name.clone(), node.clone()))
                         .or_insert(t);
@@ -427,4 +430,12 @@ impl Controller {
         self.actual.tidy(&volume, &node, Instant::now());
         self.touch();
     }
+}
+
+/// Whether (volume, node) has no VolumeAttachment and no operation yet: an attach is still to
+/// start, so its decision latency is open.
+pub(crate) fn awaits_attach(actual: &Actual, volume: &str, node: &str) -> bool {
+    actual
+        .get(volume, node)
+        .is_none_or(|a| a.va.is_none() && a.op.is_none())
 }
