@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use crate::Config;
-use crate::actual::{Actual, Op};
+use crate::actual::{Actual, Attachment, Op};
 use crate::desired::{Desired, DesiredVolume, PodRef, VolumeSpec};
 use crate::objects::{LOOP_DRIVER, LOOP_SINGLE_NODE_RULE, NodeInfo, attachment_name};
 
@@ -362,6 +362,18 @@ fn multi_attach_text<'a>(
             same.join(", ")
         ),
     }
+}
+
+/// Whether an attachment entry going from `before` to `after` leaves every decision of a full
+/// pass (and `next_deadline`) as it was, given that its (volume, node) is `wanted` in the desired
+/// state before and after. It is what lets the create's result and its watch event skip the
+/// full pass during an attach burst: the entry stays present for the multi-attach guard, is not
+/// being deleted (release, detach), has nothing new to report in node status, and carries no
+/// countdown or retry. Anything else marks the pass due.
+pub fn pass_unaffected(before: &Attachment, after: &Attachment, wanted: bool) -> bool {
+    let calm =
+        |a: &Attachment| a.exists() && !a.deleting() && a.detach_requested.is_none() && a.retry_at.is_none();
+    wanted && calm(before) && calm(after) && before.report() == after.report()
 }
 
 /// When the next pass is due without any new event: the earliest unmount deadline or retry

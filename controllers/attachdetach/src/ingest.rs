@@ -12,8 +12,9 @@ use kube::runtime::reflector::ObjectRef;
 use stowage_common::informer::is_newer;
 use stowage_common::informers::Informers;
 
-use crate::actual::Actual;
+use crate::actual::{Actual, Attachment};
 use crate::controller::Controller;
+use crate::core::pass_unaffected;
 use crate::desired::{Lookup, PodRef, pod_volumes};
 use crate::objects::{
     NodeInfo, VaState, pod_claims, pod_is_active, pod_node, pv_finalizer_change, split_unique_volume_name,
@@ -325,7 +326,16 @@ impl Controller {
         ))
     }
 
-    pub(crate) fn va_applied(&mut self, va: &VolumeAttachment) {
+    /// A VolumeAttachment seen (watch) or returned by a write. Marks a full pass due unless the
+    /// change provably leaves that pass's decisions as they were (`pass_unaffected`); returns
+    /// whether it did.
+    pub(crate) fn va_applied(&mut self, va: &VolumeAttachment) -> bool {
+        self.va_applied_from(va, None)
+    }
+
+    /// `va_applied`, where `before` is the entry as it was before the caller's own change to it
+    /// (an attach's result clears the entry's create first); `None`: as found here.
+    pub(crate) fn va_applied_from(&mut self, va: &VolumeAttachment, before: Option<Attachment>) -> bool {
         if let Some(pv) = va.spec.source.persistent_volume_name.as_deref() {
             self.pv_attachments
                 .entry(pv.to_string())
@@ -335,20 +345,21 @@ impl Controller {
         }
         let name = va.name_any();
         let Some((volume, node, driver, handle)) = self.resolve_va(va, true) else {
-            return;
+            return false;
         };
         let state = VaState::of(va);
         let e = self.actual.entry(&volume, &node, &driver, &handle);
+        let before = before.unwrap_or_else(|| e.clone());
         if let Some(old) = &e.va
             && old.name == state.name
             && is_newer(old.resource_version.as_deref(), state.resource_version.as_deref())
         {
-            return;
+            return false;
         }
         // The watch echoing what the create (or another write) already returned: nothing to
         // decide again.
         if e.va.as_ref() == Some(&state) && e.reported.is_none() {
-            return;
+            return false;
         }
         let was_attached = e.va.as_ref().is_some_and(|v| v.attached);
         let old_error = e.va.as_ref().and_then(|v| v.attach_error.clone());
@@ -384,7 +395,42 @@ impl Controller {
                 });
             }
         }
+        let wanted = self.desired.get(&volume, &node).is_some();
+        let unaffected = self
+            .actual
+            .get(&volume, &node)
+            .is_some_and(|after| pass_unaffected(&before, after, wanted));
+        let pv = va
+            .spec
+            .source
+            .persistent_volume_name
+            .as_deref()
+            .unwrap_or_default();
+        if unaffected && self.pv_settled(pv) {
+            self.backlog += 1;
+            return false;
+        }
         self.touch();
+        true
+    }
+
+    /// Whether the PV's attacher finalizer is already as it should be (nothing for the next
+    /// pass to patch): then it leaves the set the pass checks.
+    fn pv_settled(&mut self, name: &str) -> bool {
+        if self.pv_patching.contains(name) {
+            return false;
+        }
+        let attached = self.pv_attachments.contains_key(name);
+        let settled = self
+            .cluster
+            .pvs
+            .store()
+            .get(&ObjectRef::new(name))
+            .is_some_and(|pv| pv_finalizer_change(&pv, attached).is_none());
+        if settled {
+            self.pv_dirty.remove(name);
+        }
+        settled
     }
 
     pub(crate) fn va_deleted(&mut self, va: &VolumeAttachment) {

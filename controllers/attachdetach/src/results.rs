@@ -84,6 +84,7 @@ impl Controller {
     pub(crate) fn finish(&mut self, done: Outcome) {
         let now = Instant::now();
         let m = self.executor.metrics.clone();
+        let mut pass_due = true;
         match done {
             Outcome::Attach {
                 volume,
@@ -92,6 +93,8 @@ impl Controller {
                 result,
             } => {
                 m.queue_depth.with_label_values(&["attach"]).dec();
+                // The entry with its create still in flight: what the result is compared with.
+                let before = self.actual.get(&volume, &node).cloned().unwrap_or_default();
                 if let Some(e) = self.actual.get_mut(&volume, &node) {
                     e.op = None;
                 }
@@ -99,14 +102,18 @@ impl Controller {
                     Ok(va) => {
                         m.operations.with_label_values(&["attach", "success"]).inc();
                         self.succeeded(&volume, &node);
-                        self.va_applied(&va);
+                        // In a burst of attaches, this is what would start a full pass per
+                        // attachment; an attachment created as wanted decides nothing new.
+                        pass_due = self.va_applied_from(&va, Some(before));
                     }
                     Err(err) if err.is_conflict() => {
                         // Someone (a previous leader) created it: follow the stored copy.
                         m.operations.with_label_values(&["attach", "success"]).inc();
                         self.succeeded(&volume, &node);
                         match self.cluster.attachments.store().get(&ObjectRef::new(&va_name)) {
-                            Some(va) => self.va_applied(&va),
+                            Some(va) => {
+                                self.va_applied(&va);
+                            }
                             None => {
                                 if let Some(e) = self.actual.get_mut(&volume, &node)
                                     && e.va.is_none()
@@ -157,7 +164,9 @@ impl Controller {
                         self.succeeded(&volume, &node);
                         match left {
                             // Finalizers hold it: the attacher detaches, the watch reports the end.
-                            Some(va) => self.va_applied(&va),
+                            Some(va) => {
+                                self.va_applied(&va);
+                            }
                             None => {
                                 if let Some(e) = self.actual.get_mut(&volume, &node) {
                                     e.va = None;
@@ -262,8 +271,10 @@ impl Controller {
                 }
             }
         }
-        self.dirty = true;
-        self.update_wake(now);
+        if pass_due {
+            self.dirty = true;
+            self.update_wake(now);
+        }
     }
 
     pub(crate) fn succeeded(&mut self, volume: &str, node: &str) {
