@@ -3,6 +3,8 @@
 //! No I/O.
 
 use std::collections::BTreeMap;
+
+use crate::vecmap::VecMap;
 use std::time::Instant;
 
 use stowage_common::backoff::Backoff;
@@ -93,10 +95,11 @@ impl Attachment {
 pub type Key = (String, String);
 
 /// Entries by volume, then node: the same order as by (volume, node), and lookups by `&str`
-/// allocate nothing (a pass looks up every desired pair).
+/// allocate nothing (a pass looks up every desired pair). A volume's nodes are a `VecMap`: one
+/// node nearly always.
 #[derive(Debug, Clone, Default)]
 pub struct Actual {
-    entries: BTreeMap<String, BTreeMap<String, Attachment>>,
+    entries: BTreeMap<String, VecMap<Attachment>>,
     len: usize,
 }
 
@@ -114,15 +117,16 @@ impl Actual {
         if self.get(volume, node).is_none() {
             self.len += 1;
         }
-        self.entries
-            .entry(volume.to_string())
-            .or_default()
-            .entry(node.to_string())
-            .or_insert_with(|| Attachment {
-                driver: driver.to_string(),
-                handle: handle.to_string(),
-                ..Default::default()
-            })
+        // Looked up by `&str` first: the volume's name is copied only for a new volume.
+        if !self.entries.contains_key(volume) {
+            self.entries.insert(volume.to_string(), VecMap::default());
+        }
+        let nodes = self.entries.get_mut(volume).expect("inserted above");
+        nodes.get_or_insert_with(node, || Attachment {
+            driver: driver.to_string(),
+            handle: handle.to_string(),
+            ..Default::default()
+        })
     }
 
     /// Drops the entry if nothing is left in it.
@@ -145,7 +149,7 @@ impl Actual {
             nodes.retain(|_, e| !e.is_empty(now));
         }
         self.entries.retain(|_, nodes| !nodes.is_empty());
-        self.len = self.entries.values().map(BTreeMap::len).sum();
+        self.len = self.entries.values().map(VecMap::len).sum();
     }
 
     /// Every ((volume, node), entry), ordered by volume then node.
@@ -166,7 +170,7 @@ impl Actual {
         self.entries
             .get(volume)
             .into_iter()
-            .flatten()
+            .flat_map(VecMap::iter)
             .filter(move |(n, e)| *n != node && e.exists())
             .map(|(n, _)| n.as_str())
     }

@@ -2,7 +2,7 @@
 //! which pods. No I/O: the executor feeds it pod by pod, resolving pod → claim → volume → driver
 //! through a [`Lookup`].
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
@@ -10,6 +10,7 @@ use k8s_openapi::api::storage::v1::CSIDriver;
 use kube::ResourceExt;
 
 use crate::objects::{pv_multi_attach_allowed, unique_volume_name};
+use crate::vecmap::VecMap;
 
 /// One attachable volume.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -44,8 +45,8 @@ impl PodRef {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DesiredVolume {
     pub spec: VolumeSpec,
-    /// The pods on this node that use it, by UID.
-    pub pods: BTreeMap<String, PodRef>,
+    /// The pods on this node that use it, by UID (one, nearly always).
+    pub pods: VecMap<PodRef>,
     /// The multi-attach event went out for this entry (once per entry, as upstream).
     pub multi_attach_reported: bool,
 }
@@ -58,7 +59,7 @@ pub struct Desired {
     pods: HashMap<String, (String, Vec<String>)>,
     /// unique volume name → the nodes that want it, so one volume's entries are found without
     /// a scan (the attach pass of the volumes a pod event touched).
-    by_volume: HashMap<String, BTreeSet<String>>,
+    by_volume: HashMap<String, VecMap<()>>,
 }
 
 impl Desired {
@@ -84,13 +85,13 @@ impl Desired {
             self.by_volume
                 .entry(spec.name.clone())
                 .or_default()
-                .insert(node.to_string());
+                .insert(node.to_string(), ());
         }
         let entries = self.nodes.entry(node.to_string()).or_default();
         for spec in volumes {
             let e = entries.entry(spec.name.clone()).or_insert_with(|| DesiredVolume {
                 spec: spec.clone(),
-                pods: BTreeMap::new(),
+                pods: VecMap::default(),
                 multi_attach_reported: false,
             });
             e.spec = spec;
@@ -162,7 +163,7 @@ impl Desired {
         self.by_volume
             .get(volume)
             .into_iter()
-            .flatten()
+            .flat_map(VecMap::keys)
             .filter_map(move |n| self.nodes.get_key_value(n.as_str()))
             .filter_map(move |(n, vols)| vols.get(volume).map(|e| (n, e)))
     }

@@ -16,6 +16,7 @@ pub mod ingest;
 pub mod metrics;
 pub mod objects;
 pub mod results;
+pub mod vecmap;
 
 use std::time::Duration;
 
