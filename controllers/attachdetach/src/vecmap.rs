@@ -22,6 +22,14 @@ impl<V> VecMap<V> {
         self.items.binary_search_by(|(k, _)| k.as_str().cmp(key))
     }
 
+    /// Room for one more: exactly one while the map is tiny (a `Vec` would otherwise start at
+    /// four slots, most of them never used), the usual doubling beyond.
+    fn make_room(&mut self) {
+        if self.items.len() == self.items.capacity() && self.items.len() < 4 {
+            self.items.reserve_exact(1);
+        }
+    }
+
     pub fn get(&self, key: &str) -> Option<&V> {
         self.find(key).ok().map(|i| &self.items[i].1)
     }
@@ -39,6 +47,7 @@ impl<V> VecMap<V> {
         let i = match self.find(key) {
             Ok(i) => i,
             Err(i) => {
+                self.make_room();
                 self.items.insert(i, (key.to_string(), make()));
                 i
             }
@@ -51,6 +60,7 @@ impl<V> VecMap<V> {
         match self.find(&key) {
             Ok(i) => Some(std::mem::replace(&mut self.items[i].1, value)),
             Err(i) => {
+                self.make_room();
                 self.items.insert(i, (key, value));
                 None
             }
@@ -60,8 +70,8 @@ impl<V> VecMap<V> {
     pub fn remove(&mut self, key: &str) -> Option<V> {
         let i = self.find(key).ok()?;
         let (_, v) = self.items.remove(i);
-        // A map that shrank for good gives its room back.
-        if self.items.len() * 4 < self.items.capacity() {
+        // A map that shrank gives its room back (at once while tiny, as `make_room` grows it).
+        if self.items.len() < 4 || self.items.len() * 4 < self.items.capacity() {
             self.items.shrink_to_fit();
         }
         Some(v)
@@ -113,7 +123,8 @@ mod tests {
     use std::collections::BTreeMap;
 
     proptest! {
-        /// Behaves as a `BTreeMap<String, _>` under any sequence of inserts and removes.
+        /// Behaves as a `BTreeMap<String, _>` under any sequence of inserts and removes, and a
+        /// map of one entry holds room for one.
         #[test]
         fn matches_a_btreemap(ops in proptest::collection::vec((any::<bool>(), 0..6u8, any::<u8>()), 0..40)) {
             let mut m: VecMap<u8> = VecMap::default();
@@ -129,6 +140,9 @@ mod tests {
                 let got: Vec<(&String, &u8)> = m.iter().collect();
                 let want: Vec<(&String, &u8)> = b.iter().collect();
                 prop_assert_eq!(got, want);
+            }
+            if m.len() == 1 {
+                prop_assert_eq!(m.items.capacity(), 1);
             }
             for k in 0..6u8 {
                 let k = format!("k{k}");
