@@ -324,7 +324,7 @@ impl Controller {
 #[cfg(test)]
 mod live_tests {
     use super::*;
-    use crate::exec::PANIC_ON_ATTACH;
+    use crate::exec::{HOLD_ATTACH_RESULT, PANIC_ON_ATTACH};
     use k8s_openapi::api::core::v1::{Node, Pod};
     use k8s_openapi::api::storage::v1::VolumeAttachment;
     use kube::api::Patch;
@@ -332,12 +332,10 @@ mod live_tests {
     use stowage_testkit::builders::{csi_driver, node as node_builder, pod, pv, pvc};
     use stowage_testkit::{InProcess, eventually, inproc::WAIT};
 
-    /// A write task that panics reports its attach as failed on the way down, so the volume is
-    /// retried (with backoff) and attached, instead of staying "in flight" for good.
-    #[tokio::test]
-    async fn a_panicked_attach_task_is_retried_and_the_volume_attached() {
-        const DRIVER: &str = "panic.test.stowage.dev";
-        let mut h = InProcess::new().await;
+    /// A Ready managed node n1 and claim app/c bound to PV `volume` of an attachable driver.
+    async fn one_bound_claim(volume: &str) -> InProcess {
+        const DRIVER: &str = "hooks.test.stowage.dev";
+        let h = InProcess::new().await;
         h.namespace("app").await;
         h.create(csi_driver(DRIVER, true)).await;
         h.create(node_builder("n1").controller_attach().build()).await;
@@ -346,23 +344,95 @@ mod live_tests {
             .patch_status("n1", &PatchParams::default(), &Patch::Merge(&ready))
             .await
             .unwrap();
-        let claim = h.create_pvc(pvc("app", "c").volume_name("boom").build()).await;
+        let claim = h.create_pvc(pvc("app", "c").volume_name(volume).build()).await;
         h.create_pv(
-            pv("boom")
-                .driver(DRIVER, "h-boom")
+            pv(volume)
+                .driver(DRIVER, &format!("h-{volume}"))
                 .claim_ref("app", "c", &claim.uid().unwrap())
                 .build(),
         )
         .await;
         let bound = Patch::Merge(serde_json::json!({"status": {"phase": "Bound"}}));
         h.pvs()
-            .patch_status("boom", &PatchParams::default(), &bound)
+            .patch_status(volume, &PatchParams::default(), &bound)
             .await
             .unwrap();
         h.pvcs("app")
             .patch_status("c", &PatchParams::default(), &bound)
             .await
             .unwrap();
+        h
+    }
+
+    async fn attachments_of(h: &InProcess, volume: &str) -> Result<usize, String> {
+        let vas: Api<VolumeAttachment> = Api::all(h.client.clone());
+        let list = vas.list(&Default::default()).await.map_err(|e| e.to_string())?;
+        Ok(list
+            .items
+            .iter()
+            .filter(|va| va.spec.source.persistent_volume_name.as_deref() == Some(volume))
+            .count())
+    }
+
+    /// The create's result arrives after its own watch event and after the pod went: the object
+    /// adds nothing, but the entry leaving "attaching" makes the unwanted attachment
+    /// detachable, so a pass must follow then (not at the next resync, an hour away here).
+    #[tokio::test]
+    async fn an_attach_result_after_the_pod_went_is_followed_by_the_detach() {
+        let mut h = one_bound_claim("held").await;
+        let go = Arc::new(tokio::sync::Notify::new());
+        *HOLD_ATTACH_RESULT.lock().unwrap() = Some(("held".into(), go.clone()));
+        let cluster = h.cluster().await;
+        let metrics = Metrics::new(&h.registry);
+        let config = Config {
+            resync: Duration::from_secs(3600),
+            ..Config::default()
+        };
+        h.run(run(cluster, metrics.clone(), config));
+        let pods = Api::<Pod>::namespaced(h.client.clone(), "app");
+        pods.create(
+            &PostParams::default(),
+            &pod("app", "p").claim("data", "c").node("n1").build(),
+        )
+        .await
+        .unwrap();
+        eventually(WAIT, || async {
+            (attachments_of(&h, "held").await? == 1)
+                .then_some(())
+                .ok_or_else(|| "no VolumeAttachment for held yet".to_string())
+        })
+        .await;
+        // Gone at once (no kubelet here to finish a graceful deletion).
+        let passes = metrics.reconciles.get();
+        pods.delete("p", &kube::api::DeleteParams::default().grace_period(0))
+            .await
+            .unwrap();
+        // The pod's going is folded into a pass, which must leave the attaching entry alone.
+        eventually(WAIT, || async {
+            (metrics.reconciles.get() > passes)
+                .then_some(())
+                .ok_or_else(|| "no pass after the pod went".to_string())
+        })
+        .await;
+        assert_eq!(
+            attachments_of(&h, "held").await.unwrap(),
+            1,
+            "detached while attaching"
+        );
+        go.notify_one();
+        eventually(WAIT, || async {
+            (attachments_of(&h, "held").await? == 0)
+                .then_some(())
+                .ok_or_else(|| "the unwanted attachment is still there".to_string())
+        })
+        .await;
+    }
+
+    /// A write task that panics reports its attach as failed on the way down, so the volume is
+    /// retried (with backoff) and attached, instead of staying "in flight" for good.
+    #[tokio::test]
+    async fn a_panicked_attach_task_is_retried_and_the_volume_attached() {
+        let mut h = one_bound_claim("boom").await;
         *PANIC_ON_ATTACH.lock().unwrap() = Some("boom".into());
 
         let cluster = h.cluster().await;
@@ -375,12 +445,8 @@ mod live_tests {
             )
             .await
             .unwrap();
-        let vas: Api<VolumeAttachment> = Api::all(h.client.clone());
         eventually(WAIT, || async {
-            let list = vas.list(&Default::default()).await.map_err(|e| e.to_string())?;
-            list.items
-                .iter()
-                .any(|va| va.spec.source.persistent_volume_name.as_deref() == Some("boom"))
+            (attachments_of(&h, "boom").await? == 1)
                 .then_some(())
                 .ok_or_else(|| "no VolumeAttachment for boom yet".to_string())
         })

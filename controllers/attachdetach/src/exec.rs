@@ -87,6 +87,11 @@ impl Drop for OwedGuard {
 #[cfg(test)]
 pub(crate) static PANIC_ON_ATTACH: std::sync::Mutex<Option<String>> = std::sync::Mutex::new(None);
 
+/// A test hook: the attach task of this PV holds its result back until notified.
+#[cfg(test)]
+pub(crate) static HOLD_ATTACH_RESULT: std::sync::Mutex<Option<(String, Arc<tokio::sync::Notify>)>> =
+    std::sync::Mutex::new(None);
+
 /// Everything a write task needs; cheap to clone.
 #[derive(Clone)]
 pub(crate) struct Executor {
@@ -262,6 +267,16 @@ impl Controller {
                 .await
                 .map_err(Error::Api);
             timer.observe_duration();
+            #[cfg(test)]
+            {
+                let held = HOLD_ATTACH_RESULT
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .take_if(|(pv, _)| Some(pv.as_str()) == va.spec.source.persistent_volume_name.as_deref());
+                if let Some((_, go)) = held {
+                    go.notified().await;
+                }
+            }
             owed.send(Outcome::Attach {
                 volume,
                 node,

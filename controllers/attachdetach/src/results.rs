@@ -9,7 +9,7 @@ use kube::runtime::reflector::ObjectRef;
 use kube::{Resource, ResourceExt};
 
 use crate::controller::{Controller, STATUS_RETRY};
-use crate::core::ForceReason;
+use crate::core::{ForceReason, pass_unaffected};
 use crate::error::Error;
 use crate::objects::VaState;
 use stowage_common::errors::MetricLabel;
@@ -104,7 +104,17 @@ impl Controller {
                         self.succeeded(&volume, &node);
                         // In a burst of attaches, this is what would start a full pass per
                         // attachment; an attachment created as wanted decides nothing new.
-                        pass_due = self.va_applied_from(&va, Some(before));
+                        // Checked here too, from the entry as it ended: when the watch had
+                        // already brought a newer copy, the object adds nothing, but the create
+                        // leaving the entry still changes it (a volume no longer wanted can now
+                        // be detached).
+                        let marked = self.va_applied_from(&va, Some(before.clone()));
+                        let wanted = self.desired.get(&volume, &node).is_some();
+                        pass_due = marked
+                            || !self
+                                .actual
+                                .get(&volume, &node)
+                                .is_some_and(|after| pass_unaffected(&before, after, wanted));
                     }
                     Err(err) if err.is_conflict() => {
                         // Someone (a previous leader) created it: follow the stored copy.
