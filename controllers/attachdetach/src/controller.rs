@@ -374,6 +374,24 @@ mod live_tests {
             .count())
     }
 
+    /// Creates pod app/p on n1 with claim c, and waits until its volume has an attachment.
+    async fn schedule_pod_and_await_attachment(h: &InProcess, volume: &str) -> Api<Pod> {
+        let pods = Api::<Pod>::namespaced(h.client.clone(), "app");
+        pods.create(
+            &PostParams::default(),
+            &pod("app", "p").claim("data", "c").node("n1").build(),
+        )
+        .await
+        .unwrap();
+        eventually(WAIT, || async {
+            (attachments_of(h, volume).await? == 1)
+                .then_some(())
+                .ok_or_else(|| format!("no VolumeAttachment for {volume} yet"))
+        })
+        .await;
+        pods
+    }
+
     /// The create's result arrives after its own watch event and after the pod went: the object
     /// adds nothing, but the entry leaving "attaching" makes the unwanted attachment
     /// detachable, so a pass must follow then (not at the next resync, an hour away here).
@@ -389,19 +407,7 @@ mod live_tests {
             ..Config::default()
         };
         h.run(run(cluster, metrics.clone(), config));
-        let pods = Api::<Pod>::namespaced(h.client.clone(), "app");
-        pods.create(
-            &PostParams::default(),
-            &pod("app", "p").claim("data", "c").node("n1").build(),
-        )
-        .await
-        .unwrap();
-        eventually(WAIT, || async {
-            (attachments_of(&h, "held").await? == 1)
-                .then_some(())
-                .ok_or_else(|| "no VolumeAttachment for held yet".to_string())
-        })
-        .await;
+        let pods = schedule_pod_and_await_attachment(&h, "held").await;
         // Gone at once (no kubelet here to finish a graceful deletion).
         let passes = metrics.reconciles.get();
         pods.delete("p", &kube::api::DeleteParams::default().grace_period(0))
@@ -438,19 +444,7 @@ mod live_tests {
         let cluster = h.cluster().await;
         let metrics = Metrics::new(&h.registry);
         h.run(run(cluster, metrics, Config::default()));
-        Api::<Pod>::namespaced(h.client.clone(), "app")
-            .create(
-                &PostParams::default(),
-                &pod("app", "p").claim("data", "c").node("n1").build(),
-            )
-            .await
-            .unwrap();
-        eventually(WAIT, || async {
-            (attachments_of(&h, "boom").await? == 1)
-                .then_some(())
-                .ok_or_else(|| "no VolumeAttachment for boom yet".to_string())
-        })
-        .await;
+        schedule_pod_and_await_attachment(&h, "boom").await;
         assert!(
             PANIC_ON_ATTACH.lock().unwrap().is_none(),
             "the hook fired: the first attach task did panic"
