@@ -3,13 +3,12 @@
 //! No I/O.
 
 use std::collections::BTreeMap;
-
-use crate::vecmap::VecMap;
 use std::time::Instant;
 
 use stowage_common::backoff::Backoff;
 
 use crate::objects::VaState;
+use crate::vecmap::VecMap;
 
 /// An API operation in flight for one (volume, node).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -12,7 +12,7 @@ use kube::runtime::reflector::ObjectRef;
 use stowage_common::informer::is_newer;
 use stowage_common::informers::Informers;
 
-use crate::actual::{Actual, Attachment};
+use crate::actual::Actual;
 use crate::controller::Controller;
 use crate::core::pass_unaffected;
 use crate::desired::{Lookup, PodRef, pod_volumes};
@@ -330,12 +330,6 @@ impl Controller {
     /// change provably leaves that pass's decisions as they were (`pass_unaffected`); returns
     /// whether it did.
     pub(crate) fn va_applied(&mut self, va: &VolumeAttachment) -> bool {
-        self.va_applied_from(va, None)
-    }
-
-    /// `va_applied`, where `before` is the entry as it was before the caller's own change to it
-    /// (an attach's result clears the entry's create first); `None`: as found here.
-    pub(crate) fn va_applied_from(&mut self, va: &VolumeAttachment, before: Option<Attachment>) -> bool {
         if let Some(pv) = va.spec.source.persistent_volume_name.as_deref() {
             self.pv_attachments
                 .entry(pv.to_string())
@@ -349,7 +343,7 @@ impl Controller {
         };
         let state = VaState::of(va);
         let e = self.actual.entry(&volume, &node, &driver, &handle);
-        let before = before.unwrap_or_else(|| e.clone());
+        let before = e.clone();
         if let Some(old) = &e.va
             && old.name == state.name
             && is_newer(old.resource_version.as_deref(), state.resource_version.as_deref())

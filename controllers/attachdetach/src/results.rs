@@ -95,20 +95,23 @@ impl Controller {
                 m.queue_depth.with_label_values(&["attach"]).dec();
                 // The entry with its create still in flight: what the result is compared with.
                 let before = self.actual.get(&volume, &node).cloned().unwrap_or_default();
-                if let Some(e) = self.actual.get_mut(&volume, &node) {
-                    e.op = None;
-                }
+                let clear_op = |c: &mut Self| {
+                    if let Some(e) = c.actual.get_mut(&volume, &node) {
+                        e.op = None;
+                    }
+                };
                 match result {
                     Ok(va) => {
                         m.operations.with_label_values(&["attach", "success"]).inc();
                         self.succeeded(&volume, &node);
                         // In a burst of attaches, this is what would start a full pass per
                         // attachment; an attachment created as wanted decides nothing new.
-                        // Checked here too, from the entry as it ended: when the watch had
-                        // already brought a newer copy, the object adds nothing, but the create
-                        // leaving the entry still changes it (a volume no longer wanted can now
-                        // be detached).
-                        let marked = self.va_applied_from(&va, Some(before.clone()));
+                        let marked = self.va_applied(&va);
+                        clear_op(self);
+                        // Checked again from the entry as it ended: when the watch had already
+                        // brought a newer copy, the object adds nothing, but the create leaving
+                        // the entry still changes it (a volume no longer wanted can now be
+                        // detached).
                         let wanted = self.desired.get(&volume, &node).is_some();
                         pass_due = marked
                             || !self
@@ -117,6 +120,7 @@ impl Controller {
                                 .is_some_and(|after| pass_unaffected(&before, after, wanted));
                     }
                     Err(err) if err.is_conflict() => {
+                        clear_op(self);
                         // Someone (a previous leader) created it: follow the stored copy.
                         m.operations.with_label_values(&["attach", "success"]).inc();
                         self.succeeded(&volume, &node);
@@ -138,6 +142,7 @@ impl Controller {
                         }
                     }
                     Err(err) => {
+                        clear_op(self);
                         m.operations.with_label_values(&["attach", "error"]).inc();
                         m.reconcile_errors
                             .with_label_values(&["attach", err.metric_label()])
