@@ -5,9 +5,10 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
-use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
+use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
 use k8s_openapi::api::storage::v1::CSIDriver;
 use kube::ResourceExt;
+use stowage_common::slim::Pod;
 
 use crate::objects::{pv_multi_attach_allowed, unique_volume_name};
 use crate::vecmap::VecMap;
@@ -256,7 +257,7 @@ mod tests {
     use super::*;
     use k8s_openapi::api::core::v1::{
         CSIPersistentVolumeSource, ObjectReference, PersistentVolumeClaimSpec, PersistentVolumeClaimStatus,
-        PersistentVolumeClaimVolumeSource, PersistentVolumeSpec, PodSpec, Volume,
+        PersistentVolumeClaimVolumeSource, PersistentVolumeSpec, Pod as FullPod, PodSpec, Volume,
     };
     use k8s_openapi::api::storage::v1::CSIDriverSpec;
     use kube::api::ObjectMeta;
@@ -335,7 +336,12 @@ mod tests {
     }
 
     fn pod(claims: &[&str]) -> Pod {
-        Pod {
+        full_pod(claims).into()
+    }
+
+    /// As the API has it; [`pod`]: as the informer stores it.
+    fn full_pod(claims: &[&str]) -> FullPod {
+        FullPod {
             metadata: ObjectMeta {
                 name: Some("p".into()),
                 namespace: Some("ns".into()),
@@ -434,14 +440,14 @@ mod tests {
             ],
             drivers: vec![driver("attach.dev", true)],
         };
-        let mut p = pod(&[]);
+        let mut p = full_pod(&[]);
         let eph = |name: &str| Volume {
             name: name.into(),
             ephemeral: Some(EphemeralVolumeSource::default()),
             ..Default::default()
         };
         p.spec.as_mut().unwrap().volumes = Some(vec![eph("scratch"), eph("foreign")]);
-        let vols = pod_volumes(&p, &lookup);
+        let vols = pod_volumes(&Pod::from(p), &lookup);
         let names: Vec<_> = vols.iter().map(|v| v.pv_name.as_str()).collect();
         assert_eq!(names, vec!["pv-p-scratch"]);
     }

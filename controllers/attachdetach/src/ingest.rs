@@ -5,12 +5,13 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Instant;
 
-use k8s_openapi::api::core::v1::{Node, PersistentVolume, PersistentVolumeClaim, Pod};
+use k8s_openapi::api::core::v1::{Node, PersistentVolume, PersistentVolumeClaim};
 use k8s_openapi::api::storage::v1::{CSIDriver, VolumeAttachment};
 use kube::ResourceExt;
 use kube::runtime::reflector::ObjectRef;
 use stowage_common::informer::is_newer;
 use stowage_common::informers::Informers;
+use stowage_common::slim::Pod;
 
 use crate::actual::Actual;
 use crate::controller::Controller;

@@ -3,10 +3,11 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use k8s_openapi::api::core::v1::{Node, PersistentVolume, Pod};
+use k8s_openapi::api::core::v1::{Node, PersistentVolume};
 use k8s_openapi::api::storage::v1::VolumeAttachment;
 use kube::ResourceExt;
 use sha2::{Digest, Sha256};
+use stowage_common::slim::Pod;
 
 /// Set by a kubelet (or stowage-agent) that leaves attach/detach to the controller.
 pub const ANN_CONTROLLER_MANAGED: &str = "volumes.kubernetes.io/controller-managed-attach-detach";

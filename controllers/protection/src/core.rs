@@ -1,8 +1,9 @@
 //! The pure part: who uses a claim, and what to do with a claim's or a volume's protection
 //! finalizer. No I/O, no clock; the async layer feeds snapshots in and carries the answer out.
 
-use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
+use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
 use stowage_common::objects::pod_claims;
+use stowage_common::slim::Pod;
 
 /// Put on every claim by the apiserver's StorageObjectInUseProtection admission.
 pub const PVC_FINALIZER: &str = "kubernetes.io/pvc-protection";
@@ -158,8 +159,8 @@ pub fn waiting_note(users: &[PodRef]) -> String {
 mod tests {
     use super::*;
     use k8s_openapi::api::core::v1::{
-        EphemeralVolumeSource, PersistentVolumeClaimVolumeSource, PersistentVolumeStatus, PodSpec, PodStatus,
-        Volume,
+        EphemeralVolumeSource, PersistentVolumeClaimVolumeSource, PersistentVolumeStatus, Pod as FullPod,
+        PodSpec, PodStatus, Volume,
     };
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::{OwnerReference, Time};
     use kube::api::ObjectMeta;
@@ -228,7 +229,8 @@ mod tests {
                 },
             })
             .collect();
-        Pod {
+        // Built as the API type, stored as the informer decodes it.
+        Pod::from(FullPod {
             metadata: ObjectMeta {
                 name: Some(name.into()),
                 namespace: Some("ns".into()),
@@ -243,7 +245,7 @@ mod tests {
                 phase: phase.map(Into::into),
                 ..Default::default()
             }),
-        }
+        })
     }
 
     fn owned(mut c: PersistentVolumeClaim, uid: &str) -> PersistentVolumeClaim {

@@ -3,7 +3,7 @@
 
 use std::collections::{BTreeSet, HashMap};
 
-use k8s_openapi::api::core::v1::Pod;
+use stowage_common::slim::Pod;
 
 use crate::core::claim_names;
 
@@ -98,13 +98,13 @@ impl PodsByClaim {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use k8s_openapi::api::core::v1::{PersistentVolumeClaimVolumeSource, PodSpec, Volume};
+    use k8s_openapi::api::core::v1::{PersistentVolumeClaimVolumeSource, Pod as FullPod, PodSpec, Volume};
     use kube::api::ObjectMeta;
     use proptest::prelude::*;
     use std::collections::BTreeMap;
 
     fn pod(ns: &str, name: &str, claims: &[String]) -> Pod {
-        Pod {
+        Pod::from(FullPod {
             metadata: ObjectMeta {
                 name: Some(name.into()),
                 namespace: Some(ns.into()),
@@ -127,7 +127,7 @@ mod tests {
                 ..Default::default()
             }),
             status: None,
-        }
+        })
     }
 
     #[test]

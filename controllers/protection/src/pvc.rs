@@ -5,13 +5,14 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
+use k8s_openapi::api::core::v1::PersistentVolumeClaim;
 use kube::api::ListParams;
 use kube::runtime::reflector::ObjectRef;
 use kube::{Api, Resource};
 use stowage_common::events::Events;
 use stowage_common::informer::Change;
 use stowage_common::informers::Informers;
+use stowage_common::slim::Pod;
 use tokio::time::Instant;
 
 use crate::core::{Action, PVC_FINALIZER, PodRef, decide_pvc, pvc_needs_sync, users, waiting_note};

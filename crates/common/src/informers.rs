@@ -4,16 +4,14 @@
 use std::sync::Arc;
 
 use crate::metrics::Registry;
-use k8s_openapi::api::core::v1::{
-    ContainerState, ContainerStateRunning, ContainerStatus, Node, PersistentVolume, PersistentVolumeClaim,
-    Pod, PodSpec, PodStatus,
-};
+use k8s_openapi::api::core::v1::{Node, PersistentVolume, PersistentVolumeClaim};
 use k8s_openapi::api::storage::v1::{CSIDriver, StorageClass, VolumeAttachment};
 use kube::runtime::watcher;
 use kube::{Api, Client};
 use tokio::task::JoinSet;
 
 use crate::informer::{Informer, strip_managed_fields};
+use crate::slim;
 
 pub struct Informers {
     /// The rate-limited client of this process.
@@ -22,60 +20,18 @@ pub struct Informers {
     pub registry: Registry,
     pub pvs: Informer<PersistentVolume>,
     pub pvcs: Informer<PersistentVolumeClaim>,
-    pub pods: Informer<Pod>,
+    /// Slim: read-only, never written back.
+    pub pods: Informer<slim::Pod>,
     pub nodes: Informer<Node>,
     pub attachments: Informer<VolumeAttachment>,
     pub classes: Informer<StorageClass>,
     pub csi_drivers: Informer<CSIDriver>,
 }
 
-/// Pods are the biggest objects watched, and most of a pod is nothing a controller here reads:
-/// they read the claim volumes (`persistentVolumeClaim`, `ephemeral`), `nodeName`, the phase,
-/// deletion state, and whether any container still runs (`objects::pod_terminated`). The rest
-/// goes before the pod is stored: a k8s-openapi `Container` or `Volume` is kilobytes even when
-/// nearly empty, and at 4,000 pods the copies of containers were the biggest item of the
-/// controller's heap. Labels, owners and the UID stay (metadata is small).
-fn strip_pod(pod: &mut Pod) {
-    strip_managed_fields(pod);
-    pod.metadata.annotations = None;
-    if let Some(spec) = pod.spec.take() {
-        pod.spec = Some(PodSpec {
-            node_name: spec.node_name,
-            volumes: spec.volumes.map(|vs| {
-                vs.into_iter()
-                    .filter(|v| v.persistent_volume_claim.is_some() || v.ephemeral.is_some())
-                    .collect()
-            }),
-            ..Default::default()
-        });
-    }
-    if let Some(status) = pod.status.take() {
-        pod.status = Some(PodStatus {
-            phase: status.phase,
-            container_statuses: running_only(status.container_statuses),
-            init_container_statuses: running_only(status.init_container_statuses),
-            ephemeral_container_statuses: running_only(status.ephemeral_container_statuses),
-            ..Default::default()
-        });
-    }
-}
-
-/// The containers that still run, each reduced to its name and that fact: all a deleted pod's
-/// statuses are read for (is it terminated, as upstream's `IsPodTerminated` asks).
-fn running_only(list: Option<Vec<ContainerStatus>>) -> Option<Vec<ContainerStatus>> {
-    list.map(|l| {
-        l.into_iter()
-            .filter(|c| c.state.as_ref().is_some_and(|s| s.running.is_some()))
-            .map(|c| ContainerStatus {
-                name: c.name,
-                state: Some(ContainerState {
-                    running: Some(ContainerStateRunning::default()),
-                    ..Default::default()
-                }),
-                ..Default::default()
-            })
-            .collect()
-    })
+/// Pods are decoded into `slim::Pod` (what the controllers read, see there) and trimmed
+/// further before they are stored.
+fn strip_pod(pod: &mut slim::Pod) {
+    pod.trim();
 }
 
 impl Informers {
@@ -114,7 +70,8 @@ mod tests {
     use super::*;
     use crate::objects::{pod_claims, pod_terminated};
     use k8s_openapi::api::core::v1::{
-        Container, ContainerStateTerminated, EphemeralVolumeSource, PersistentVolumeClaimVolumeSource,
+        Container, ContainerState, ContainerStateRunning, ContainerStateTerminated, ContainerStatus,
+        EphemeralVolumeSource, PersistentVolumeClaimVolumeSource, Pod, PodSpec, PodStatus,
         ProjectedVolumeSource, Volume,
     };
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
@@ -179,28 +136,69 @@ mod tests {
         p
     }
 
-    /// What the controllers read survives the trim: claims, node, phase, and whether a deleted
-    /// pod still runs a container (a claim or volume in use must not look free).
+    /// What the controllers read survives decoding into the slim pod and the trim: claims,
+    /// node, phase, and whether a deleted pod still runs a container (a claim or volume in use
+    /// must not look free). Both sides go through the shared readers, each on its own type.
     #[test]
     fn a_stripped_pod_answers_what_controllers_ask() {
         for running in [true, false] {
             let mut full = pod(running);
             full.metadata.deletion_timestamp = Some(Time(Default::default()));
-            let mut slim = full.clone();
+            full.metadata.annotations = Some([("a".to_string(), "b".to_string())].into());
+            let mut slim = slim::Pod::from(&full);
             strip_pod(&mut slim);
             assert_eq!(pod_claims(&slim), pod_claims(&full));
             assert_eq!(pod_terminated(&slim), pod_terminated(&full), "running: {running}");
             assert_eq!(pod_terminated(&slim), !running);
             let spec = slim.spec.as_ref().unwrap();
             assert_eq!(spec.node_name.as_deref(), Some("n1"));
-            assert!(spec.containers.is_empty());
             assert_eq!(
                 spec.volumes.as_ref().unwrap().len(),
                 2,
                 "the projected volume went"
             );
-            assert_eq!(slim.status.as_ref().unwrap().phase.as_deref(), Some("Running"));
+            let status = slim.status.as_ref().unwrap();
+            assert_eq!(status.phase.as_deref(), Some("Running"));
+            assert_eq!(
+                status.container_statuses.as_ref().unwrap().len(),
+                usize::from(running),
+                "only running containers stay"
+            );
             assert_eq!(slim.metadata.uid.as_deref(), Some("u"));
+            assert_eq!(slim.metadata.annotations, None);
         }
+    }
+
+    /// The slim pod decodes a real watch event's JSON (unknown fields skipped, `running: {}`
+    /// and a claim template kept as presence) and holds a fraction of the API type's bytes.
+    #[test]
+    fn a_slim_pod_decodes_the_wire_form_and_is_small() {
+        let json = serde_json::json!({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": "p", "namespace": "ns", "uid": "u", "deletionTimestamp": "2026-01-01T00:00:00Z"},
+            "spec": {"nodeName": "n1", "containers": [{"name": "app", "image": "x"}],
+                     "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "c", "readOnly": true}},
+                                 {"name": "scratch", "ephemeral": {"volumeClaimTemplate": {"spec": {"accessModes": ["ReadWriteOnce"]}}}},
+                                 {"name": "cfg", "configMap": {"name": "m"}}]},
+            "status": {"phase": "Running", "containerStatuses": [
+                {"name": "app", "ready": true, "restartCount": 0, "image": "x", "imageID": "",
+                 "state": {"running": {"startedAt": "2026-01-01T00:00:00Z"}}}]}
+        });
+        let full: Pod = serde_json::from_value(json.clone()).unwrap();
+        let slim: slim::Pod = serde_json::from_value(json).unwrap();
+        assert_eq!(pod_claims(&slim), pod_claims(&full));
+        assert_eq!(pod_claims(&slim).len(), 2);
+        assert!(
+            !pod_terminated(&slim),
+            "a deleted pod with a running container holds on"
+        );
+        assert_eq!(pod_terminated(&slim), pod_terminated(&full));
+        assert!(
+            std::mem::size_of::<slim::Pod>() * 4 < std::mem::size_of::<Pod>(),
+            "slim {} vs full {}",
+            std::mem::size_of::<slim::Pod>(),
+            std::mem::size_of::<Pod>()
+        );
+        assert!(std::mem::size_of::<slim::Volume>() * 20 < std::mem::size_of::<Volume>());
     }
 }

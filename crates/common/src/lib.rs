@@ -18,5 +18,6 @@ pub mod queue;
 pub mod ratelimit;
 pub mod serve;
 pub mod shutdown;
+pub mod slim;
 pub mod transport;
 pub mod writes;

@@ -2,7 +2,9 @@
 //! "which claims does a pod use", so persistentVolumeClaim and generic ephemeral volumes are
 //! resolved alike everywhere (upstream: `pkg/volume/util` and `component-helpers/storage/ephemeral`).
 
-use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
+use k8s_openapi::api::core::v1::PersistentVolumeClaim;
+
+use crate::slim::PodRead;
 
 /// The finalizer the built-in driver's attacher (the agent) puts on its VolumeAttachments, in
 /// external-attacher's convention (`external-attacher/` + the driver name with `.` and `/` as `-`),
@@ -35,7 +37,7 @@ impl PodClaim {
     /// May `pod` use `claim` for this volume? A persistentVolumeClaim volume may use any claim of
     /// its name; a generic ephemeral one only the claim the pod controls (upstream's
     /// `ephemeral.VolumeIsForPod`): a claim of the same name made by someone else is not it.
-    pub fn usable(&self, pod: &Pod, claim: &PersistentVolumeClaim) -> bool {
+    pub fn usable<P: PodRead + ?Sized>(&self, pod: &P, claim: &PersistentVolumeClaim) -> bool {
         !self.ephemeral || claim_is_for_pod(pod, claim)
     }
 }
@@ -47,59 +49,39 @@ pub fn ephemeral_claim_name(pod: &str, volume: &str) -> String {
 
 /// The claims a pod's volumes name, in volume order: `persistentVolumeClaim` volumes by their
 /// `claimName`, generic ephemeral volumes by `<pod>-<volume>`. Other volume kinds name no claim.
-pub fn pod_claims(pod: &Pod) -> Vec<PodClaim> {
-    let pod_name = pod.metadata.name.as_deref().unwrap_or_default();
-    pod.spec
-        .iter()
-        .flat_map(|s| s.volumes.iter().flatten())
-        .filter_map(|v| {
-            if let Some(src) = &v.persistent_volume_claim {
-                Some(PodClaim {
-                    volume: v.name.clone(),
-                    claim: src.claim_name.clone(),
-                    ephemeral: false,
-                    read_only: src.read_only.unwrap_or(false),
-                })
-            } else {
-                v.ephemeral.as_ref().map(|_| PodClaim {
-                    volume: v.name.clone(),
-                    claim: ephemeral_claim_name(pod_name, &v.name),
-                    ephemeral: true,
-                    read_only: false,
-                })
-            }
+pub fn pod_claims<P: PodRead + ?Sized>(pod: &P) -> Vec<PodClaim> {
+    let pod_name = pod.meta().name.as_deref().unwrap_or_default();
+    pod.claim_volumes()
+        .into_iter()
+        .map(|(volume, source)| match source {
+            Some((claim, read_only)) => PodClaim {
+                volume: volume.to_string(),
+                claim: claim.to_string(),
+                ephemeral: false,
+                read_only,
+            },
+            None => PodClaim {
+                volume: volume.to_string(),
+                claim: ephemeral_claim_name(pod_name, volume),
+                ephemeral: true,
+                read_only: false,
+            },
         })
         .collect()
 }
 
 /// Has the pod finished for good (upstream's `util.IsPodTerminated`): Succeeded or Failed, or
 /// being deleted with no container running (every status terminated or waiting, or none).
-pub fn pod_terminated(pod: &Pod) -> bool {
-    let status = pod.status.as_ref();
-    if matches!(
-        status.and_then(|s| s.phase.as_deref()),
-        Some("Succeeded" | "Failed")
-    ) {
+pub fn pod_terminated<P: PodRead + ?Sized>(pod: &P) -> bool {
+    if matches!(pod.phase(), Some("Succeeded" | "Failed")) {
         return true;
     }
-    if pod.metadata.deletion_timestamp.is_none() {
-        return false;
-    }
-    let not_running = |list: Option<&Vec<k8s_openapi::api::core::v1::ContainerStatus>>| {
-        list.into_iter()
-            .flatten()
-            .all(|c| c.state.as_ref().is_none_or(|s| s.running.is_none()))
-    };
-    status.is_none_or(|s| {
-        not_running(s.init_container_statuses.as_ref())
-            && not_running(s.container_statuses.as_ref())
-            && not_running(s.ephemeral_container_statuses.as_ref())
-    })
+    pod.meta().deletion_timestamp.is_some() && !pod.any_running()
 }
 
 /// Is `claim` controlled by `pod` (an ownerReference with `controller: true` and the pod's UID)?
-pub fn claim_is_for_pod(pod: &Pod, claim: &PersistentVolumeClaim) -> bool {
-    let Some(uid) = pod.metadata.uid.as_deref().filter(|u| !u.is_empty()) else {
+pub fn claim_is_for_pod<P: PodRead + ?Sized>(pod: &P, claim: &PersistentVolumeClaim) -> bool {
+    let Some(uid) = pod.meta().uid.as_deref().filter(|u| !u.is_empty()) else {
         return false;
     };
     claim
@@ -113,7 +95,7 @@ pub fn claim_is_for_pod(pod: &Pod, claim: &PersistentVolumeClaim) -> bool {
 #[cfg(test)]
 mod tests {
     use k8s_openapi::api::core::v1::{
-        EmptyDirVolumeSource, EphemeralVolumeSource, PersistentVolumeClaimVolumeSource, PodSpec, Volume,
+        EmptyDirVolumeSource, EphemeralVolumeSource, PersistentVolumeClaimVolumeSource, Pod, PodSpec, Volume,
     };
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 

@@ -1,0 +1,190 @@
+//! The pod as the controllers store it: only what they read, decoded straight from the wire.
+//!
+//! Pods are the most numerous big objects a controller watches, and a k8s-openapi `Pod` costs
+//! ~2.4 KB before any field is set, plus ~3.2 KB per `Volume` (every volume source is an inline
+//! `Option`). Trimming a full `Pod` after decoding keeps those sizes; this type never has them:
+//! serde skips the fields it does not name, so the watch neither allocates nor keeps them. The
+//! field names mirror the API type's, so readers look the same on both.
+//!
+//! Read-only by design: it has no `Serialize`, so nothing can write a pod back from it (that
+//! would drop every field it does not know).
+
+use k8s_openapi::api::core::v1::PersistentVolumeClaimVolumeSource;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use serde::Deserialize;
+
+use crate::informer::strip_managed_fields;
+
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+pub struct Pod {
+    #[serde(default)]
+    pub metadata: ObjectMeta,
+    pub spec: Option<PodSpec>,
+    pub status: Option<PodStatus>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PodSpec {
+    pub node_name: Option<String>,
+    pub volumes: Option<Vec<Volume>>,
+}
+
+/// A pod volume: only the two kinds that name a claim are kept (see [`Pod::trim`]).
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Volume {
+    pub name: String,
+    pub persistent_volume_claim: Option<PersistentVolumeClaimVolumeSource>,
+    /// A generic ephemeral volume; its claim template is never read here.
+    pub ephemeral: Option<Present>,
+}
+
+/// A field whose presence is all that is read (serde ignores what it holds).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+pub struct Present {}
+
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PodStatus {
+    pub phase: Option<String>,
+    pub container_statuses: Option<Vec<ContainerStatus>>,
+    pub init_container_statuses: Option<Vec<ContainerStatus>>,
+    pub ephemeral_container_statuses: Option<Vec<ContainerStatus>>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+pub struct ContainerStatus {
+    pub name: String,
+    pub state: Option<ContainerState>,
+}
+
+/// Whether a container runs is all that is read (upstream's `IsPodTerminated`).
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+pub struct ContainerState {
+    pub running: Option<Present>,
+}
+
+impl k8s_openapi::Resource for Pod {
+    const API_VERSION: &'static str = <k8s_openapi::api::core::v1::Pod as k8s_openapi::Resource>::API_VERSION;
+    const GROUP: &'static str = <k8s_openapi::api::core::v1::Pod as k8s_openapi::Resource>::GROUP;
+    const KIND: &'static str = <k8s_openapi::api::core::v1::Pod as k8s_openapi::Resource>::KIND;
+    const VERSION: &'static str = <k8s_openapi::api::core::v1::Pod as k8s_openapi::Resource>::VERSION;
+    const URL_PATH_SEGMENT: &'static str =
+        <k8s_openapi::api::core::v1::Pod as k8s_openapi::Resource>::URL_PATH_SEGMENT;
+    type Scope = k8s_openapi::NamespaceResourceScope;
+}
+
+impl k8s_openapi::Metadata for Pod {
+    type Ty = ObjectMeta;
+
+    fn metadata(&self) -> &ObjectMeta {
+        &self.metadata
+    }
+
+    fn metadata_mut(&mut self) -> &mut ObjectMeta {
+        &mut self.metadata
+    }
+}
+
+impl Pod {
+    /// Drops what decoding still keeps but nothing reads: managed fields and annotations, volumes
+    /// that name no claim, and the statuses of containers that no longer run.
+    pub fn trim(&mut self) {
+        strip_managed_fields(self);
+        self.metadata.annotations = None;
+        if let Some(volumes) = self.spec.as_mut().and_then(|s| s.volumes.as_mut()) {
+            volumes.retain(|v| v.persistent_volume_claim.is_some() || v.ephemeral.is_some());
+            volumes.shrink_to_fit();
+        }
+        if let Some(status) = self.status.as_mut() {
+            for list in [
+                &mut status.container_statuses,
+                &mut status.init_container_statuses,
+                &mut status.ephemeral_container_statuses,
+            ]
+            .into_iter()
+            .flatten()
+            {
+                list.retain(|c| c.state.as_ref().is_some_and(|s| s.running.is_some()));
+                list.shrink_to_fit();
+            }
+        }
+    }
+}
+
+impl From<&k8s_openapi::api::core::v1::Pod> for Pod {
+    /// The same decoding the watch does, from the API type's JSON (tests, and callers holding a
+    /// full pod).
+    fn from(pod: &k8s_openapi::api::core::v1::Pod) -> Self {
+        serde_json::to_value(pod)
+            .and_then(serde_json::from_value)
+            .unwrap_or_default()
+    }
+}
+
+impl From<k8s_openapi::api::core::v1::Pod> for Pod {
+    fn from(pod: k8s_openapi::api::core::v1::Pod) -> Self {
+        Self::from(&pod)
+    }
+}
+
+/// What the shared readers (`objects::pod_claims`, `pod_terminated`, …) need of a pod, so the
+/// controllers (slim pods) and the agent (full pods, it reads mounts too) share one reading.
+pub trait PodRead {
+    fn meta(&self) -> &ObjectMeta;
+    fn phase(&self) -> Option<&str>;
+    /// The claim-bearing volumes in order: `(volume name, Some((claimName, readOnly)))` for a
+    /// `persistentVolumeClaim` volume, `(volume name, None)` for a generic ephemeral one.
+    fn claim_volumes(&self) -> Vec<(&str, Option<(&str, bool)>)>;
+    /// Does any container (init, app or ephemeral) still run?
+    fn any_running(&self) -> bool;
+}
+
+/// One reading for both types: their field names are the same.
+macro_rules! impl_pod_read {
+    ($pod:ty) => {
+        impl PodRead for $pod {
+            fn meta(&self) -> &ObjectMeta {
+                &self.metadata
+            }
+
+            fn phase(&self) -> Option<&str> {
+                self.status.as_ref()?.phase.as_deref()
+            }
+
+            fn claim_volumes(&self) -> Vec<(&str, Option<(&str, bool)>)> {
+                let volumes = self.spec.iter().flat_map(|s| s.volumes.iter().flatten());
+                volumes
+                    .filter_map(
+                        |v| match (&v.persistent_volume_claim, v.ephemeral.is_some()) {
+                            (Some(src), _) => Some((
+                                v.name.as_str(),
+                                Some((src.claim_name.as_str(), src.read_only == Some(true))),
+                            )),
+                            (None, true) => Some((v.name.as_str(), None)),
+                            (None, false) => None,
+                        },
+                    )
+                    .collect()
+            }
+
+            fn any_running(&self) -> bool {
+                self.status.iter().any(|s| {
+                    [
+                        &s.container_statuses,
+                        &s.init_container_statuses,
+                        &s.ephemeral_container_statuses,
+                    ]
+                    .into_iter()
+                    .flatten()
+                    .flatten()
+                    .any(|c| c.state.as_ref().is_some_and(|s| s.running.is_some()))
+                })
+            }
+        }
+    };
+}
+
+impl_pod_read!(Pod);
+impl_pod_read!(k8s_openapi::api::core::v1::Pod);
