@@ -336,7 +336,7 @@ mod tests {
     }
 
     fn pod(claims: &[&str]) -> Pod {
-        full_pod(claims).into()
+        Pod::try_from(&full_pod(claims)).unwrap()
     }
 
     /// As the API has it; [`pod`]: as the informer stores it.
@@ -447,7 +447,7 @@ mod tests {
             ..Default::default()
         };
         p.spec.as_mut().unwrap().volumes = Some(vec![eph("scratch"), eph("foreign")]);
-        let vols = pod_volumes(&Pod::from(p), &lookup);
+        let vols = pod_volumes(&Pod::try_from(&p).unwrap(), &lookup);
         let names: Vec<_> = vols.iter().map(|v| v.pv_name.as_str()).collect();
         assert_eq!(names, vec!["pv-p-scratch"]);
     }

@@ -230,7 +230,7 @@ mod tests {
             })
             .collect();
         // Built as the API type, stored as the informer decodes it.
-        Pod::from(FullPod {
+        Pod::try_from(&FullPod {
             metadata: ObjectMeta {
                 name: Some(name.into()),
                 namespace: Some("ns".into()),
@@ -246,6 +246,7 @@ mod tests {
                 ..Default::default()
             }),
         })
+        .unwrap()
     }
 
     fn owned(mut c: PersistentVolumeClaim, uid: &str) -> PersistentVolumeClaim {

@@ -104,7 +104,7 @@ mod tests {
     use std::collections::BTreeMap;
 
     fn pod(ns: &str, name: &str, claims: &[String]) -> Pod {
-        Pod::from(FullPod {
+        Pod::try_from(&FullPod {
             metadata: ObjectMeta {
                 name: Some(name.into()),
                 namespace: Some(ns.into()),
@@ -128,6 +128,7 @@ mod tests {
             }),
             status: None,
         })
+        .unwrap()
     }
 
     #[test]

@@ -20,18 +20,13 @@ pub struct Informers {
     pub registry: Registry,
     pub pvs: Informer<PersistentVolume>,
     pub pvcs: Informer<PersistentVolumeClaim>,
-    /// Slim: read-only, never written back.
+    /// Decoded into `slim::Pod` (only what the controllers read) and trimmed further before
+    /// they are stored: read-only, never written back.
     pub pods: Informer<slim::Pod>,
     pub nodes: Informer<Node>,
     pub attachments: Informer<VolumeAttachment>,
     pub classes: Informer<StorageClass>,
     pub csi_drivers: Informer<CSIDriver>,
-}
-
-/// Pods are decoded into `slim::Pod` (what the controllers read, see there) and trimmed
-/// further before they are stored.
-fn strip_pod(pod: &mut slim::Pod) {
-    pod.trim();
 }
 
 impl Informers {
@@ -41,7 +36,7 @@ impl Informers {
         Arc::new(Self {
             pvs: Informer::spawn(Api::all(client.clone()), cfg(), strip_managed_fields, tasks),
             pvcs: Informer::spawn(Api::all(client.clone()), cfg(), strip_managed_fields, tasks),
-            pods: Informer::spawn(Api::all(client.clone()), cfg(), strip_pod, tasks),
+            pods: Informer::spawn(Api::all(client.clone()), cfg(), slim::Pod::trim, tasks),
             nodes: Informer::spawn(Api::all(client.clone()), cfg(), strip_managed_fields, tasks),
             attachments: Informer::spawn(Api::all(client.clone()), cfg(), strip_managed_fields, tasks),
             classes: Informer::spawn(Api::all(client.clone()), cfg(), strip_managed_fields, tasks),
@@ -145,8 +140,8 @@ mod tests {
             let mut full = pod(running);
             full.metadata.deletion_timestamp = Some(Time(Default::default()));
             full.metadata.annotations = Some([("a".to_string(), "b".to_string())].into());
-            let mut slim = slim::Pod::from(&full);
-            strip_pod(&mut slim);
+            let mut slim = slim::Pod::try_from(&full).unwrap();
+            slim.trim();
             assert_eq!(pod_claims(&slim), pod_claims(&full));
             assert_eq!(pod_terminated(&slim), pod_terminated(&full), "running: {running}");
             assert_eq!(pod_terminated(&slim), !running);

@@ -113,19 +113,13 @@ impl Pod {
     }
 }
 
-impl From<&k8s_openapi::api::core::v1::Pod> for Pod {
-    /// The same decoding the watch does, from the API type's JSON (tests, and callers holding a
-    /// full pod).
-    fn from(pod: &k8s_openapi::api::core::v1::Pod) -> Self {
-        serde_json::to_value(pod)
-            .and_then(serde_json::from_value)
-            .unwrap_or_default()
-    }
-}
+impl TryFrom<&k8s_openapi::api::core::v1::Pod> for Pod {
+    type Error = serde_json::Error;
 
-impl From<k8s_openapi::api::core::v1::Pod> for Pod {
-    fn from(pod: k8s_openapi::api::core::v1::Pod) -> Self {
-        Self::from(&pod)
+    /// The same decoding the watch does, from the API type's JSON (tests, and callers holding a
+    /// full pod). An error, not a default: an empty pod would name no claim and look finished.
+    fn try_from(pod: &k8s_openapi::api::core::v1::Pod) -> Result<Self, Self::Error> {
+        serde_json::to_value(pod).and_then(serde_json::from_value)
     }
 }
 
