@@ -297,7 +297,13 @@ impl Controller {
             .collect();
         for name in names {
             self.pv_dirty.remove(&name);
-            let Some(pv) = self.cluster.pvs.store().get(&ObjectRef::new(&name)) else {
+            let Some(pv) = self
+                .cluster
+                .pvs
+                .store()
+                .get(&ObjectRef::new(&name))
+                .map(|p| p.unpack())
+            else {
                 continue;
             };
             let Some(add) = pv_finalizer_change(&pv, self.pv_attachments.contains_key(&name)) else {

@@ -27,10 +27,12 @@ pub(crate) struct Stores<'a>(&'a Informers);
 
 impl Lookup for Stores<'_> {
     fn claim(&self, namespace: &str, name: &str) -> Option<Arc<PersistentVolumeClaim>> {
-        self.0.pvcs.store().get(&ObjectRef::new(name).within(namespace))
+        let packed = self.0.pvcs.store().get(&ObjectRef::new(name).within(namespace))?;
+        Some(Arc::new(packed.unpack()))
     }
     fn volume(&self, name: &str) -> Option<Arc<PersistentVolume>> {
-        self.0.pvs.store().get(&ObjectRef::new(name))
+        let packed = self.0.pvs.store().get(&ObjectRef::new(name))?;
+        Some(Arc::new(packed.unpack()))
     }
     fn driver(&self, name: &str) -> Option<Arc<CSIDriver>> {
         self.0.csi_drivers.store().get(&ObjectRef::new(name))
@@ -308,7 +310,12 @@ impl Controller {
     ) -> Option<(String, String, String, String)> {
         // Inline (migrated) volumes are not handled by this controller.
         let pv_name = va.spec.source.persistent_volume_name.as_deref()?;
-        let pv = self.cluster.pvs.store().get(&ObjectRef::new(pv_name));
+        let pv = self
+            .cluster
+            .pvs
+            .store()
+            .get(&ObjectRef::new(pv_name))
+            .map(|p| p.unpack());
         let Some(csi) = pv.as_ref().and_then(|p| p.spec.as_ref()?.csi.as_ref()) else {
             // Left alone until its volume shows up, as upstream skips it.
             if remember {
@@ -421,7 +428,7 @@ impl Controller {
             .pvs
             .store()
             .get(&ObjectRef::new(name))
-            .is_some_and(|pv| pv_finalizer_change(&pv, attached).is_none());
+            .is_some_and(|pv| pv_finalizer_change(&pv.unpack(), attached).is_none());
         if settled {
             self.pv_dirty.remove(name);
         }

@@ -128,12 +128,12 @@ pub async fn run(cluster: Arc<Informers>, metrics: Metrics, config: Config) -> a
             landed = ctl.window.next() => ctl.finish(landed),
             r = pv_feed.next() => match r? {
                 Change::Applied(pv) => ctl.pv_seen(pv),
-                Change::Deleted(pv) => ctl.pv_gone(&pv),
+                Change::Deleted(pv) => ctl.pv_gone(&pv.unpack()),
                 Change::Resynced => ctl.resync(),
             },
             r = pvc_feed.next() => match r? {
                 Change::Applied(c) => ctl.claim_seen(c),
-                Change::Deleted(c) => ctl.claim_gone(&c),
+                Change::Deleted(c) => ctl.claim_gone(&c.unpack()),
                 Change::Resynced => ctl.resync(),
             },
             r = pod_feed.next() => match r? {
@@ -218,12 +218,12 @@ impl Controller {
             .with_label_values(&[key.kind()])
             .start_timer();
         let actions = match &key {
-            Key::Claim(k) => match self.cache.claims.get(k) {
-                Some(c) => core::sync_claim(c, &self.cache, &env),
+            Key::Claim(k) => match self.cache.claim(k) {
+                Some(c) => core::sync_claim(&c, &self.cache, &env),
                 None => vec![],
             },
-            Key::Volume(n) => match self.cache.pvs.get(n) {
-                Some(pv) => core::sync_volume(pv, &self.cache, &env),
+            Key::Volume(n) => match self.cache.pv(n) {
+                Some(pv) => core::sync_volume(&pv, &self.cache, &env),
                 None => vec![],
             },
         };
@@ -307,8 +307,8 @@ impl Controller {
             return;
         }
         let known = match &e.target {
-            Target::Claim(k) => self.cache.claims.contains_key(k),
-            Target::Volume(n) => self.cache.pvs.contains_key(n),
+            Target::Claim(k) => self.cache.has_claim(k),
+            Target::Volume(n) => self.cache.has_pv(n),
         };
         // Only objects still known are remembered (their removal forgets them).
         if known {
@@ -334,8 +334,8 @@ impl Controller {
 
     pub(crate) fn reference(&self, t: &Target) -> Option<ObjectReference> {
         Some(match t {
-            Target::Claim(k) => self.cache.claims.get(k)?.object_ref(&()),
-            Target::Volume(n) => self.cache.pvs.get(n)?.object_ref(&()),
+            Target::Claim(k) => self.cache.claim(k)?.object_ref(&()),
+            Target::Volume(n) => self.cache.pv(n)?.object_ref(&()),
         })
     }
 }

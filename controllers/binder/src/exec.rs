@@ -144,8 +144,8 @@ impl Snapshot {
             classes: HashMap::new(),
         };
         let mut pv = |n: &str| {
-            if let Some(p) = cache.pvs.get(n) {
-                s.pvs.insert(n.to_string(), p.clone());
+            if let Some(p) = cache.pv(n) {
+                s.pvs.insert(n.to_string(), p);
             }
         };
         let mut claim_names = Vec::new();
@@ -178,14 +178,14 @@ impl Snapshot {
             }
         }
         for c in claim_names {
-            if let Some(obj) = cache.claims.get(&c) {
+            if let Some(obj) = cache.claim(&c) {
                 // A provisioned volume that already exists makes provisioning a no-op.
-                if let Some(name) = loopdev::provisioned_name(obj)
-                    && let Some(p) = cache.pvs.get(&name)
+                if let Some(name) = loopdev::provisioned_name(&obj)
+                    && let Some(p) = cache.pv(&name)
                 {
-                    s.pvs.insert(name, p.clone());
+                    s.pvs.insert(name, p);
                 }
-                s.claims.insert(c, obj.clone());
+                s.claims.insert(c, obj);
             }
         }
         s

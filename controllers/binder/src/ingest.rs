@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
 use kube::ResourceExt;
+use stowage_common::packed::Packed;
 use stowage_common::slim::Pod;
 
 use crate::controller::{Controller, Key};
@@ -18,19 +19,19 @@ impl Controller {
         let pvs = self.cluster.pvs.store().state();
         let claims = self.cluster.pvcs.store().state();
         let live_pvs: HashSet<String> = pvs.iter().map(|p| p.name_any()).collect();
-        let live_claims: HashSet<String> = claims.iter().map(|c| claim_key(c)).collect();
+        let live_claims: HashSet<String> = claims.iter().map(|c| claim_key(c.as_ref())).collect();
         // Objects deleted while a watch was down vanish from the store without an event.
         let gone_pvs: Vec<String> = self
             .cache
-            .pvs
-            .keys()
+            .pv_metas()
+            .map(|(k, _)| k)
             .filter(|k| !live_pvs.contains(*k))
             .cloned()
             .collect();
         let gone_claims: Vec<String> = self
             .cache
-            .claims
-            .keys()
+            .claim_metas()
+            .map(|(k, _)| k)
             .filter(|k| !live_claims.contains(*k))
             .cloned()
             .collect();
@@ -51,10 +52,10 @@ impl Controller {
             self.cache.put_pv(pv);
         }
         for c in claims {
-            let key = claim_key(&c);
+            let key = claim_key(c.as_ref());
             self.requeue(Key::Claim(key.clone()));
             if self.cache.put_claim(c.clone()) {
-                self.track_claim(&key, Some(&c));
+                self.track_claim(&key, Some(&c.unpack()));
             }
         }
     }
@@ -66,15 +67,15 @@ impl Controller {
         }
     }
 
-    pub(crate) fn pv_seen(&mut self, pv: Arc<PersistentVolume>) {
+    pub(crate) fn pv_seen(&mut self, pv: Arc<Packed<PersistentVolume>>) {
         let name = pv.name_any();
-        let was_free = self.cache.pvs.get(&name).is_some_and(|old| is_free(old));
-        if self.cache.put_pv(pv.clone()) {
+        if let Some(put) = self.cache.put_pv(pv) {
             self.queue.add(Key::Volume(name));
             // A volume that just became available may satisfy a waiting claim: wake the claims
             // of its class now instead of at the next resync (upstream waits, kubernetes#71761).
-            if is_free(&pv) && !was_free {
-                self.wake_claims_of_class(pv_class(&pv).to_string());
+            let was_free = put.old.as_ref().is_some_and(is_free);
+            if is_free(&put.new) && !was_free {
+                self.wake_claims_of_class(pv_class(&put.new).to_string());
             }
         }
     }
@@ -93,10 +94,10 @@ impl Controller {
         }
     }
 
-    pub(crate) fn claim_seen(&mut self, c: Arc<PersistentVolumeClaim>) {
-        let key = claim_key(&c);
+    pub(crate) fn claim_seen(&mut self, c: Arc<Packed<PersistentVolumeClaim>>) {
+        let key = claim_key(c.as_ref());
         if self.cache.put_claim(c.clone()) {
-            self.track_claim(&key, Some(&c));
+            self.track_claim(&key, Some(&c.unpack()));
             self.queue.add(Key::Claim(key));
         }
     }

@@ -1,12 +1,11 @@
 //! Results: what a write task reports back (`Outcome`), folded into the cache, the queue
 //! (requeue, backoff), metrics and events by the decision task.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{ObjectReference, PersistentVolume, PersistentVolumeClaim};
 use stowage_common::inflight::Landed;
-use stowage_common::informer::strip_managed_fields;
+use stowage_common::packed::IntoPacked;
 use tokio::time::Instant;
 
 use crate::controller::{Controller, Key};
@@ -98,14 +97,12 @@ impl Controller {
                 self.pv_gone(&pv);
             }
         }
-        // Write responses carry managedFields; the informers drop them, and so does the cache.
-        for mut pv in done.pvs {
-            strip_managed_fields(&mut pv);
-            self.pv_seen(Arc::new(pv));
+        // Packed as the informers pack them (which also drops the responses' managedFields).
+        for pv in done.pvs {
+            self.pv_seen(pv.into_packed());
         }
-        for mut c in done.claims {
-            strip_managed_fields(&mut c);
-            self.claim_seen(Arc::new(c));
+        for c in done.claims {
+            self.claim_seen(c.into_packed());
         }
         for k in done.wake {
             self.queue.add(k);

@@ -230,8 +230,8 @@ impl Row {
             pods_of: &pods,
         };
         let out = match self.sync {
-            Sync::Claim => sync_claim(cache.claims.get(C).expect("row has claim ns/c"), &cache, &env),
-            Sync::Volume(name) => sync_volume(cache.pvs.get(name).expect("row has the volume"), &cache, &env),
+            Sync::Claim => sync_claim(&cache.claim(C).expect("row has claim ns/c"), &cache, &env),
+            Sync::Volume(name) => sync_volume(&cache.pv(name).expect("row has the volume"), &cache, &env),
         };
         let events = out
             .iter()

@@ -93,15 +93,15 @@ pub async fn run(cluster: Arc<Informers>, metrics: Metrics, config: Config) -> a
             biased;
             landed = ctl.window.next() => ctl.finish(landed),
             r = pvc_feed.next() => match r? {
-                Change::Applied(c) => ctl.claim_seen(&c),
-                Change::Deleted(c) => ctl.claim_gone(&c),
+                Change::Applied(c) => ctl.claim_seen(&c.unpack()),
+                Change::Deleted(c) => ctl.claim_gone(&c.unpack()),
                 Change::Resynced => ctl.resync(),
             },
             r = pv_feed.next() => match r? {
-                Change::Applied(pv) => ctl.pv_seen(&pv),
+                Change::Applied(pv) => ctl.pv_seen(&pv.unpack()),
                 Change::Deleted(pv) => {
                     ctl.pvs.remove(&pv.name_any());
-                    ctl.queue_claim_of(&pv);
+                    ctl.queue_claim_of(&pv.unpack());
                 }
                 Change::Resynced => ctl.resync(),
             },

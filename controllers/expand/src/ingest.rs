@@ -37,14 +37,13 @@ impl Controller {
         let (ns, name) = split(key);
         let stored = self.cluster.pvcs.store().get(&ObjectRef::new(name).within(ns));
         // A claim gone from the store is gone, whatever we wrote before.
-        stored.as_ref()?;
-        newest(stored, self.claims.get(key))
+        let stored = Arc::new(stored?.unpack());
+        newest(Some(stored), self.claims.get(key))
     }
 
     pub(crate) fn pv(&self, name: &str) -> Option<Arc<PersistentVolume>> {
-        let stored = self.cluster.pvs.store().get(&ObjectRef::new(name));
-        stored.as_ref()?;
-        newest(stored, self.pvs.get(name))
+        let stored = Arc::new(self.cluster.pvs.store().get(&ObjectRef::new(name))?.unpack());
+        newest(Some(stored), self.pvs.get(name))
     }
 
     /// Queues every bound claim (the periodic net, and after a relist).
@@ -55,7 +54,7 @@ impl Controller {
             .store()
             .state()
             .iter()
-            .map(|c| claim_key(c))
+            .map(|c| claim_key(c.as_ref()))
             .collect();
         self.claims.retain(|k, _| live.contains(k));
         self.resizing.retain(|k, _| live.contains(k));
@@ -136,7 +135,8 @@ impl Controller {
     }
 
     pub(crate) fn wake_class(&mut self, class: &str) {
-        for c in self.cluster.pvcs.store().state() {
+        for packed in self.cluster.pvcs.store().state() {
+            let c = packed.unpack();
             if claim_class(&c) == Some(class) && !claim_volume_name(&c).is_empty() {
                 self.queue.add(claim_key(&c));
             }

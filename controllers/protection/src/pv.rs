@@ -10,6 +10,7 @@ use kube::Api;
 use kube::runtime::reflector::ObjectRef;
 use stowage_common::informer::Change;
 use stowage_common::informers::Informers;
+use stowage_common::packed::Packed;
 use tokio::time::Instant;
 
 use crate::core::{Action, PV_FINALIZER, decide_pv};
@@ -71,11 +72,11 @@ pub async fn run_pv_protection(cluster: Arc<Informers>, metrics: Metrics) -> any
 }
 
 impl Controller {
-    fn on_volume(&mut self, f: Feed<PersistentVolume>) {
+    fn on_volume(&mut self, f: Feed<Packed<PersistentVolume>>) {
         match f {
             Feed::Change(Change::Applied(pv)) => {
                 let name = pv.metadata.name.clone().unwrap_or_default();
-                if needs_sync(&pv) {
+                if needs_sync(&pv.unpack()) {
                     self.queue.add(name);
                 } else {
                     self.set_waiting(&name, false);
@@ -95,7 +96,7 @@ impl Controller {
         let present: HashSet<String> = all.iter().filter_map(|v| v.metadata.name.clone()).collect();
         self.waiting.retain(|n| present.contains(n));
         self.metrics.volumes_waiting.set(self.waiting.len() as i64);
-        for pv in all.iter().filter(|v| needs_sync(v)) {
+        for pv in all.iter().filter(|v| needs_sync(&v.unpack())) {
             self.queue.add(pv.metadata.name.clone().unwrap_or_default());
         }
     }
@@ -139,7 +140,13 @@ impl Controller {
     }
 
     async fn sync_inner(&mut self, name: &str) -> Result<(), Error> {
-        let Some(pv) = self.cluster.pvs.store().get(&ObjectRef::new(name)) else {
+        let Some(pv) = self
+            .cluster
+            .pvs
+            .store()
+            .get(&ObjectRef::new(name))
+            .map(|p| p.unpack())
+        else {
             self.set_waiting(name, false);
             return Ok(());
         };

@@ -12,6 +12,7 @@ use kube::{Api, Resource};
 use stowage_common::events::Events;
 use stowage_common::informer::Change;
 use stowage_common::informers::Informers;
+use stowage_common::packed::Packed;
 use stowage_common::slim::Pod;
 use tokio::time::Instant;
 
@@ -95,13 +96,14 @@ impl Controller {
             .pvcs
             .store()
             .get(&ObjectRef::new(&key.1).within(&key.0))
+            .map(|c| Arc::new(c.unpack()))
     }
 
-    fn on_claim(&mut self, f: Feed<PersistentVolumeClaim>) {
+    fn on_claim(&mut self, f: Feed<Packed<PersistentVolumeClaim>>) {
         match f {
             Feed::Change(Change::Applied(pvc)) => {
                 let key = key_of(&pvc.metadata);
-                if pvc_needs_sync(&pvc) {
+                if pvc_needs_sync(&pvc.unpack()) {
                     self.queue.add(key);
                 } else if self.waiting.remove(&key).is_some() {
                     // Someone else took the finalizer off: it no longer waits on our account.
@@ -148,7 +150,7 @@ impl Controller {
         let present: std::collections::HashSet<Key> = claims.iter().map(|c| key_of(&c.metadata)).collect();
         self.waiting.retain(|k, _| present.contains(k));
         self.update_waiting_gauge();
-        for c in claims.iter().filter(|c| pvc_needs_sync(c)) {
+        for c in claims.iter().filter(|c| pvc_needs_sync(&c.unpack())) {
             self.queue.add(key_of(&c.metadata));
         }
     }

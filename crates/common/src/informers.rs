@@ -11,6 +11,7 @@ use kube::{Api, Client};
 use tokio::task::JoinSet;
 
 use crate::informer::{Informer, strip_managed_fields};
+use crate::packed::Packed;
 use crate::slim;
 
 pub struct Informers {
@@ -18,8 +19,10 @@ pub struct Informers {
     pub client: Client,
     /// Where controllers register their metric families.
     pub registry: Registry,
-    pub pvs: Informer<PersistentVolume>,
-    pub pvcs: Informer<PersistentVolumeClaim>,
+    /// Packed (`packed::Packed`): metadata decoded, the rest kept as JSON until read. Every PV
+    /// and claim of the cluster is held for as long as the process runs.
+    pub pvs: Informer<Packed<PersistentVolume>>,
+    pub pvcs: Informer<Packed<PersistentVolumeClaim>>,
     /// Decoded into `slim::Pod` (only what the controllers read) and trimmed further before
     /// they are stored: read-only, never written back.
     pub pods: Informer<slim::Pod>,
@@ -34,8 +37,9 @@ impl Informers {
     pub fn start(client: Client, registry: Registry, tasks: &mut JoinSet<()>) -> Arc<Self> {
         let cfg = watcher::Config::default;
         Arc::new(Self {
-            pvs: Informer::spawn(Api::all(client.clone()), cfg(), strip_managed_fields, tasks),
-            pvcs: Informer::spawn(Api::all(client.clone()), cfg(), strip_managed_fields, tasks),
+            // Packing already dropped the managed fields.
+            pvs: Informer::spawn(Api::all(client.clone()), cfg(), |_| {}, tasks),
+            pvcs: Informer::spawn(Api::all(client.clone()), cfg(), |_| {}, tasks),
             pods: Informer::spawn(Api::all(client.clone()), cfg(), slim::Pod::trim, tasks),
             nodes: Informer::spawn(Api::all(client.clone()), cfg(), strip_managed_fields, tasks),
             attachments: Informer::spawn(Api::all(client.clone()), cfg(), strip_managed_fields, tasks),

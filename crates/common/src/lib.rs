@@ -12,6 +12,7 @@ pub mod leader;
 pub mod logging;
 pub mod metrics;
 pub mod objects;
+pub mod packed;
 pub mod pv;
 pub mod quantity;
 pub mod queue;

@@ -51,7 +51,8 @@ pub use stowage_loopdriver::DRIVER as LOOP_DRIVER;
 /// A handle that names a file directly inside the image dir (the driver's one rule).
 pub use stowage_loopdriver::valid_handle as plain_handle;
 
-pub fn claim_key(c: &PersistentVolumeClaim) -> String {
+/// `namespace/name` of a claim (API type or packed: only the metadata is read).
+pub fn claim_key<K: ResourceExt>(c: &K) -> String {
     format!("{}/{}", c.namespace().unwrap_or_default(), c.name_any())
 }
 

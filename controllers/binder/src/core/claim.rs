@@ -64,11 +64,12 @@ pub(super) fn sync_claim_phase(claim: &PersistentVolumeClaim, cache: &Cache, env
                 "Bound claim has lost reference to its PersistentVolume; data on the volume is lost!",
             );
         }
-        let Some(pv) = cache.pvs.get(vol) else {
+        let Some(pv) = cache.pv(vol) else {
             return lost(&format!(
                 "Bound claim has lost its PersistentVolume {vol:?}; data on the volume is lost!"
             ));
         };
+        let pv = &*pv;
         match claim_ref(pv) {
             None => {}
             Some((_, _, uid)) if Some(uid) == claim.metadata.uid.as_deref() => {}
@@ -96,7 +97,7 @@ pub(super) fn sync_claim_phase(claim: &PersistentVolumeClaim, cache: &Cache, env
 
     if !vol.is_empty() {
         // A2: the user asked for a volume by name.
-        let Some(pv) = cache.pvs.get(vol) else {
+        let Some(pv) = cache.pv(vol) else {
             out.extend(claim_phase_action(claim, "Pending"));
             out.push(ev(
                 target,
@@ -106,6 +107,7 @@ pub(super) fn sync_claim_phase(claim: &PersistentVolumeClaim, cache: &Cache, env
             ));
             return out;
         };
+        let pv = &*pv;
         if claim_ref(pv).is_none() || refers_to(pv, claim) {
             if cache.reserved_for_other(vol, &key) {
                 out.extend(claim_phase_action(claim, "Pending"));
@@ -354,8 +356,8 @@ pub fn loop_refusal(claim: &PersistentVolumeClaim, cache: &Cache) -> Option<Stri
         ));
     }
     let name = crate::loopdev::provisioned_name(claim)?;
-    let pv = cache.pvs.get(&name)?;
-    if has_ann(pv.as_ref(), ANN_IMAGE_PENDING) && pv_phase(pv) == "Failed" {
+    let pv = cache.pv(&name)?;
+    if has_ann(pv.as_ref(), ANN_IMAGE_PENDING) && pv_phase(&pv) == "Failed" {
         let msg = pv
             .status
             .as_ref()

@@ -117,8 +117,8 @@ pub fn check(pv: &PersistentVolume, claim: &PersistentVolumeClaim, scope: Scope)
 
 /// Outcome of looking for a volume.
 #[derive(Debug, Clone, PartialEq)]
-pub enum Found<'a> {
-    Volume(&'a PersistentVolume),
+pub enum Found {
+    Volume(Arc<PersistentVolume>),
     /// Binding is delayed (WaitForFirstConsumer) and nothing is pre-bound to the claim: free
     /// volumes are the scheduler's to choose, so the claim waits for a consumer, or for the
     /// provisioner once a node is selected.
@@ -134,17 +134,18 @@ pub enum Found<'a> {
 /// selected a node. The scheduler's volume-binding plugin binds free volumes to delayed claims
 /// (it writes the volume's claimRef, which makes it pre-bound here); it selects a node only when
 /// it chose dynamic provisioning, and taking a free volume then would race the provisioner.
-pub fn find_best<'a>(claim: &PersistentVolumeClaim, cache: &'a Cache, delay: bool) -> Found<'a> {
+pub fn find_best(claim: &PersistentVolumeClaim, cache: &Cache, delay: bool) -> Found {
     let key = claim_key(claim);
-    let mut prebound: Vec<&PersistentVolume> = cache
+    let mut prebound: Vec<Arc<PersistentVolume>> = cache
         .index
         .prebound_to(&key)
-        .filter_map(|n| cache.pvs.get(n).map(Arc::as_ref))
-        .filter(|pv| refers_to(pv, claim) && !cache.reserved_for_other(&pv.name_any(), &key))
+        .filter(|n| !cache.reserved_for_other(n, &key))
+        .filter_map(|n| cache.pv(n))
+        .filter(|pv| refers_to(pv, claim))
         .filter(|pv| check(pv, claim, Scope::Prebound).is_ok())
         .collect();
     prebound.sort_by_key(|pv| (pv_capacity(pv), pv.name_any()));
-    if let Some(pv) = prebound.first() {
+    if let Some(pv) = prebound.into_iter().next() {
         return Found::Volume(pv);
     }
     if delay {
@@ -158,8 +159,8 @@ pub fn find_best<'a>(claim: &PersistentVolumeClaim, cache: &'a Cache, delay: boo
             if cache.reserved_for_other(name, &key) {
                 continue;
             }
-            let Some(pv) = cache.pvs.get(name) else { continue };
-            if check(pv, claim, Scope::Any).is_ok() {
+            let Some(pv) = cache.pv(name) else { continue };
+            if check(&pv, claim, Scope::Any).is_ok() {
                 return Found::Volume(pv);
             }
         }
@@ -187,11 +188,10 @@ pub fn explain(claim: &PersistentVolumeClaim, cache: &Cache) -> String {
     let mut near: Vec<(u128, &str, Mismatch)> = candidates
         .into_iter()
         .filter_map(|(size, name)| {
-            let pv = cache.pvs.get(name)?;
             let why = if cache.reserved_for_other(name, &key) {
                 Mismatch::Reserved
             } else {
-                check(pv, claim, Scope::Any).err()?
+                check(cache.pv(name)?.as_ref(), claim, Scope::Any).err()?
             };
             Some((size.abs_diff(want), name, why))
         })

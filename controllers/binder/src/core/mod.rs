@@ -10,8 +10,10 @@ use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::{ObjectReference, PersistentVolume, PersistentVolumeClaim};
 use k8s_openapi::api::storage::v1::StorageClass;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::ResourceExt;
 use stowage_common::informer::is_newer;
+use stowage_common::packed::{IntoPacked, Packed};
 
 use crate::index::VolumeIndex;
 use crate::objects::*;
@@ -29,10 +31,15 @@ pub use writes::*;
 
 /// The controller's own view: the newest version it has seen or written of every PV and claim,
 /// the index over the PVs, and volumes promised to claims whose bind is in flight.
+///
+/// PVs and claims are held packed (shared with the informers' stores when they came from
+/// there): the cache holds every one of the cluster's, and a sync reads only a few, so each
+/// read decodes the object it asks for (`pv`, `claim`). The maps are private so that every
+/// reader goes through those accessors or the metadata ones, which need no decoding.
 #[derive(Debug, Default, Clone)]
 pub struct Cache {
-    pub pvs: HashMap<String, Arc<PersistentVolume>>,
-    pub claims: HashMap<String, Arc<PersistentVolumeClaim>>,
+    pvs: HashMap<String, Arc<Packed<PersistentVolume>>>,
+    claims: HashMap<String, Arc<Packed<PersistentVolumeClaim>>>,
     pub index: VolumeIndex,
     /// PV name → claim key holding it for an in-flight bind.
     pub reserved: HashMap<String, String>,
@@ -42,33 +49,64 @@ pub struct Cache {
 }
 
 impl Cache {
-    /// Stores `pv` unless the cache already has a newer version (upstream's storeObjectUpdate:
-    /// an equal version passes, so resyncs are processed). Returns whether it was stored.
-    pub fn put_pv(&mut self, pv: Arc<PersistentVolume>) -> bool {
-        let name = pv.name_any();
-        if let Some(old) = self.pvs.get(&name)
-            && old.metadata.uid == pv.metadata.uid
-            && is_newer(
-                old.resource_version().as_deref(),
-                pv.resource_version().as_deref(),
-            )
-        {
-            return false;
-        }
-        self.index.upsert(&pv);
-        self.forget_handle(&name);
-        if let Some(h) = loop_handle(&pv) {
-            self.handles
-                .entry(h.to_string())
-                .or_default()
-                .insert(name.clone());
-        }
-        self.pvs.insert(name, pv);
-        true
+    /// The newest version of PV `name`, decoded.
+    pub fn pv(&self, name: &str) -> Option<Arc<PersistentVolume>> {
+        self.pvs.get(name).map(|p| Arc::new(p.unpack()))
     }
 
-    fn forget_handle(&mut self, name: &str) {
-        if let Some(h) = self.pvs.get(name).and_then(|p| loop_handle(p))
+    /// The newest version of claim `namespace/name`, decoded.
+    pub fn claim(&self, key: &str) -> Option<Arc<PersistentVolumeClaim>> {
+        self.claims.get(key).map(|c| Arc::new(c.unpack()))
+    }
+
+    /// A claim's metadata (no decoding).
+    pub fn claim_meta(&self, key: &str) -> Option<&ObjectMeta> {
+        self.claims.get(key).map(|c| c.metadata())
+    }
+
+    pub fn has_pv(&self, name: &str) -> bool {
+        self.pvs.contains_key(name)
+    }
+
+    pub fn has_claim(&self, key: &str) -> bool {
+        self.claims.contains_key(key)
+    }
+
+    /// PV names and their metadata (no decoding).
+    pub fn pv_metas(&self) -> impl Iterator<Item = (&String, &ObjectMeta)> {
+        self.pvs.iter().map(|(k, p)| (k, p.metadata()))
+    }
+
+    /// Claim keys and their metadata (no decoding).
+    pub fn claim_metas(&self) -> impl Iterator<Item = (&String, &ObjectMeta)> {
+        self.claims.iter().map(|(k, c)| (k, c.metadata()))
+    }
+
+    /// Stores `pv` unless the cache already has a newer version (upstream's storeObjectUpdate:
+    /// an equal version passes, so resyncs are processed). Returns what it replaced and stored,
+    /// decoded, or `None` when it kept the newer version it had.
+    pub fn put_pv(&mut self, pv: impl IntoPacked<PersistentVolume>) -> Option<PvPut> {
+        let pv = pv.into_packed();
+        let name = pv.name_any();
+        if let Some(old) = self.pvs.get(&name)
+            && is_newer_version(old.metadata(), pv.metadata())
+        {
+            return None;
+        }
+        let new = pv.unpack();
+        self.index.upsert(&new);
+        let old = self.pvs.insert(name.clone(), pv).map(|p| p.unpack());
+        if let Some(old) = &old {
+            self.forget_handle(&name, old);
+        }
+        if let Some(h) = loop_handle(&new) {
+            self.handles.entry(h.to_string()).or_default().insert(name);
+        }
+        Some(PvPut { old, new })
+    }
+
+    fn forget_handle(&mut self, name: &str, old: &PersistentVolume) {
+        if let Some(h) = loop_handle(old)
             && let Some(set) = self.handles.get_mut(h)
         {
             set.remove(name);
@@ -87,11 +125,11 @@ impl Cache {
             .unwrap_or_default()
     }
 
-    pub fn put_claim(&mut self, c: Arc<PersistentVolumeClaim>) -> bool {
-        let key = claim_key(&c);
+    pub fn put_claim(&mut self, c: impl IntoPacked<PersistentVolumeClaim>) -> bool {
+        let c = c.into_packed();
+        let key = claim_key(c.as_ref());
         if let Some(old) = self.claims.get(&key)
-            && old.metadata.uid == c.metadata.uid
-            && is_newer(old.resource_version().as_deref(), c.resource_version().as_deref())
+            && is_newer_version(old.metadata(), c.metadata())
         {
             return false;
         }
@@ -101,17 +139,30 @@ impl Cache {
 
     pub fn remove_pv(&mut self, name: &str) -> Option<Arc<PersistentVolume>> {
         self.index.remove(name);
-        self.forget_handle(name);
-        self.pvs.remove(name)
+        let old = self.pvs.remove(name)?.unpack();
+        self.forget_handle(name, &old);
+        Some(Arc::new(old))
     }
 
     pub fn remove_claim(&mut self, key: &str) -> Option<Arc<PersistentVolumeClaim>> {
-        self.claims.remove(key)
+        self.claims.remove(key).map(|c| Arc::new(c.unpack()))
     }
 
     fn reserved_for_other(&self, pv: &str, claim: &str) -> bool {
         self.reserved.get(pv).is_some_and(|c| c != claim)
     }
+}
+
+/// A PV the cache stored, and the version it replaced (both decoded once, for the caller's
+/// comparisons).
+pub struct PvPut {
+    pub old: Option<PersistentVolume>,
+    pub new: PersistentVolume,
+}
+
+/// Is the cached version `old` newer than `new` (same object, higher resourceVersion)?
+fn is_newer_version(old: &ObjectMeta, new: &ObjectMeta) -> bool {
+    old.uid == new.uid && is_newer(old.resource_version.as_deref(), new.resource_version.as_deref())
 }
 
 /// What the state machine reads besides PVs and claims.

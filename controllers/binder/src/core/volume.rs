@@ -14,9 +14,8 @@ pub(super) fn claim_alive(pv: &PersistentVolume, cache: &Cache) -> bool {
     claim_ref(pv).is_some_and(|(ns, n, uid)| {
         !uid.is_empty()
             && cache
-                .claims
-                .get(&format!("{ns}/{n}"))
-                .is_some_and(|c| c.metadata.uid.as_deref() == Some(uid))
+                .claim_meta(&format!("{ns}/{n}"))
+                .is_some_and(|m| m.uid.as_deref() == Some(uid))
     })
 }
 
@@ -155,9 +154,9 @@ pub(super) fn sync_volume_phase(pv: &PersistentVolume, cache: &Cache, env: &Env)
     }
     let key = format!("{ns}/{cname}");
     let claim = cache
-        .claims
-        .get(&key)
-        .filter(|c| c.metadata.uid.as_deref() == Some(uid));
+        .claim_meta(&key)
+        .filter(|m| m.uid.as_deref() == Some(uid))
+        .and_then(|_| cache.claim(&key));
     let Some(claim) = claim else {
         if phase != "Released" && phase != "Failed" {
             out.push(Action::Release { pv: name });
@@ -166,6 +165,7 @@ pub(super) fn sync_volume_phase(pv: &PersistentVolume, cache: &Cache, env: &Env)
         out.extend(reclaim(pv, cache, env));
         return out;
     };
+    let claim = &*claim;
     let vol = claim_volume_name(claim);
     if vol.is_empty() {
         if pv_block(pv) != claim_block(claim) {
@@ -223,7 +223,7 @@ pub(super) fn reclaim(pv: &PersistentVolume, cache: &Cache, env: &Env) -> Vec<Ac
             let (ns, claim, _) = claim_ref(pv).unwrap_or_default();
             let key = format!("{ns}/{claim}");
             let pods = (env.pods_of)(&key);
-            if !pods.is_empty() && !cache.claims.contains_key(&key) {
+            if !pods.is_empty() && !cache.has_claim(&key) {
                 let names: Vec<String> = pods.iter().map(|p| format!("{ns}/{}", p.name)).collect();
                 return vec![ev(
                     Target::Volume(pv.name_any()),

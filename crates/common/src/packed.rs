@@ -1,0 +1,271 @@
+//! Volumes and claims as the controllers store them: metadata decoded, everything else kept as
+//! the object's own compact JSON and decoded when a controller reads it.
+//!
+//! The binder holds every PV and claim of the cluster for as long as it runs, and k8s-openapi's
+//! layout is what that costs: a `PersistentVolume` is ~3.5 KB before any field is set (every
+//! volume source is an inline `Option`) and each non-empty map is a B-tree node sized for eleven
+//! entries. Packed, a volume is its metadata plus a few hundred bytes of JSON.
+//!
+//! Nothing is dropped: the JSON is the full object as decoded (less `managedFields`, which no
+//! controller reads), so unpacking gives back exactly what a stored API object held, and a PV or
+//! claim written back from it loses no field. Unlike `slim::Pod`, this type is safe for objects
+//! the controllers PUT back whole.
+//!
+//! The metadata stays decoded so that names, versions, annotations, finalizers and deletion
+//! state (read on every event, and by kube's store) cost no decoding.
+
+use std::fmt;
+use std::sync::Arc;
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Deserializer, Serialize};
+
+/// An API object whose metadata is decoded and whose other fields are kept as JSON.
+pub struct Packed<K> {
+    /// Complete (less `managedFields`): readers may use it as the object's own.
+    pub metadata: ObjectMeta,
+    rest: Rest<K>,
+}
+
+enum Rest<K> {
+    /// `K` with empty metadata, as serde_json writes it; it decoded back when packed.
+    Json(Box<[u8]>),
+    /// Kept whole because its JSON did not decode back (never seen; see `Packed::new`).
+    Whole(Box<K>),
+}
+
+/// What can be packed: an API type with standard metadata that JSON round-trips.
+pub trait Packable:
+    k8s_openapi::Resource + k8s_openapi::Metadata<Ty = ObjectMeta> + Serialize + DeserializeOwned + Clone
+{
+}
+
+impl<K> Packable for K where
+    K: k8s_openapi::Resource + k8s_openapi::Metadata<Ty = ObjectMeta> + Serialize + DeserializeOwned + Clone
+{
+}
+
+impl<K: Packable> Packed<K> {
+    /// Packs `obj`, dropping its managed fields. The JSON is decoded once here, so that reading
+    /// it later cannot fail: the same bytes through the same decoder. An object whose JSON does
+    /// not read back is kept whole instead (logged; it only costs memory).
+    pub fn new(mut obj: K) -> Self {
+        let mut metadata = std::mem::take(obj.metadata_mut());
+        metadata.managed_fields = None;
+        let rest = match serde_json::to_vec(&obj).map(|json| {
+            let back = serde_json::from_slice::<K>(&json);
+            (json, back)
+        }) {
+            Ok((json, Ok(_))) => Rest::Json(json.into_boxed_slice()),
+            Ok((_, Err(e))) | Err(e) => {
+                tracing::warn!(kind = K::KIND, name = ?metadata.name, error = %e, "kept unpacked: its JSON does not read back");
+                Rest::Whole(Box::new(obj))
+            }
+        };
+        Self { metadata, rest }
+    }
+
+    /// The full object (less managed fields).
+    pub fn unpack(&self) -> K {
+        let mut obj = match &self.rest {
+            Rest::Json(json) => {
+                serde_json::from_slice(json).expect("these bytes decoded when they were packed")
+            }
+            Rest::Whole(obj) => K::clone(obj),
+        };
+        *obj.metadata_mut() = self.metadata.clone();
+        obj
+    }
+
+    pub fn metadata(&self) -> &ObjectMeta {
+        &self.metadata
+    }
+
+    /// Bytes of JSON held beside the decoded metadata (0 when kept whole).
+    pub fn packed_len(&self) -> usize {
+        match &self.rest {
+            Rest::Json(json) => json.len(),
+            Rest::Whole(_) => 0,
+        }
+    }
+}
+
+impl<K: Clone> Clone for Packed<K> {
+    fn clone(&self) -> Self {
+        Self {
+            metadata: self.metadata.clone(),
+            rest: match &self.rest {
+                Rest::Json(json) => Rest::Json(json.clone()),
+                Rest::Whole(obj) => Rest::Whole(obj.clone()),
+            },
+        }
+    }
+}
+
+impl<K: fmt::Debug> fmt::Debug for Packed<K> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut d = f.debug_struct("Packed");
+        d.field("metadata", &self.metadata);
+        match &self.rest {
+            Rest::Json(json) => d.field("rest", &String::from_utf8_lossy(json)),
+            Rest::Whole(obj) => d.field("whole", obj),
+        };
+        d.finish()
+    }
+}
+
+impl<K: Packable> From<K> for Packed<K> {
+    fn from(obj: K) -> Self {
+        Self::new(obj)
+    }
+}
+
+/// Whatever a cache can store as a shared packed object: one already packed (shared with the
+/// store, not copied) or a full object (packed here).
+pub trait IntoPacked<K> {
+    fn into_packed(self) -> Arc<Packed<K>>;
+}
+
+impl<K> IntoPacked<K> for Arc<Packed<K>> {
+    fn into_packed(self) -> Arc<Packed<K>> {
+        self
+    }
+}
+
+impl<K: Packable> IntoPacked<K> for Arc<K> {
+    fn into_packed(self) -> Arc<Packed<K>> {
+        Arc::new(Packed::new(Arc::unwrap_or_clone(self)))
+    }
+}
+
+impl<K: Packable> IntoPacked<K> for K {
+    fn into_packed(self) -> Arc<Packed<K>> {
+        Arc::new(Packed::new(self))
+    }
+}
+
+/// Decodes the full object, then packs it: the watch and list responses carry `K`'s JSON.
+impl<'de, K: Packable> Deserialize<'de> for Packed<K> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        K::deserialize(d).map(Self::new)
+    }
+}
+
+impl<K: Packable> k8s_openapi::Resource for Packed<K> {
+    const API_VERSION: &'static str = K::API_VERSION;
+    const GROUP: &'static str = K::GROUP;
+    const KIND: &'static str = K::KIND;
+    const VERSION: &'static str = K::VERSION;
+    const URL_PATH_SEGMENT: &'static str = K::URL_PATH_SEGMENT;
+    type Scope = K::Scope;
+}
+
+impl<K: Packable> k8s_openapi::Metadata for Packed<K> {
+    type Ty = ObjectMeta;
+
+    fn metadata(&self) -> &ObjectMeta {
+        &self.metadata
+    }
+
+    fn metadata_mut(&mut self) -> &mut ObjectMeta {
+        &mut self.metadata
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
+
+    fn pv_json() -> serde_json::Value {
+        serde_json::json!({
+            "apiVersion": "v1",
+            "kind": "PersistentVolume",
+            "metadata": {
+                "name": "pv-1",
+                "uid": "0b7c6f5e-1111-2222-3333-444455556666",
+                "resourceVersion": "4242",
+                "creationTimestamp": "2026-11-26T04:00:00Z",
+                "annotations": {"pv.kubernetes.io/bound-by-controller": "yes"},
+                "labels": {"tier": "gold"},
+                "finalizers": ["kubernetes.io/pv-protection"],
+                "managedFields": [{"manager": "kubectl", "operation": "Apply", "fieldsV1": {"f:spec": {}}}]
+            },
+            "spec": {
+                "capacity": {"storage": "1Gi"},
+                "accessModes": ["ReadWriteOnce"],
+                "persistentVolumeReclaimPolicy": "Delete",
+                "storageClassName": "fast",
+                "volumeMode": "Filesystem",
+                "claimRef": {"kind": "PersistentVolumeClaim", "namespace": "app", "name": "data",
+                             "uid": "9", "apiVersion": "v1", "resourceVersion": "77"},
+                "csi": {"driver": "loop.stowage.dev", "volumeHandle": "pv-1",
+                        "volumeAttributes": {"size": "1Gi"}},
+                "nodeAffinity": {"required": {"nodeSelectorTerms": [{"matchExpressions": [
+                    {"key": "kubernetes.io/hostname", "operator": "In", "values": ["n1"]}]}]}},
+                "mountOptions": ["noatime"]
+            },
+            "status": {"phase": "Bound", "lastPhaseTransitionTime": "2026-11-26T04:00:01Z"}
+        })
+    }
+
+    #[test]
+    fn a_packed_volume_unpacks_to_the_object_it_was_less_managed_fields() {
+        let full: PersistentVolume = serde_json::from_value(pv_json()).unwrap();
+        let packed: Packed<PersistentVolume> = serde_json::from_value(pv_json()).unwrap();
+        let mut want = full.clone();
+        want.metadata.managed_fields = None;
+        assert_eq!(packed.unpack(), want);
+        assert!(packed.metadata().managed_fields.is_none());
+        // The metadata is readable without unpacking.
+        assert_eq!(
+            packed.metadata().finalizers.as_deref(),
+            Some(&["kubernetes.io/pv-protection".to_string()][..])
+        );
+        // Packing what was unpacked changes nothing (the binder stores what it wrote this way).
+        assert_eq!(Packed::new(packed.unpack()).unpack(), want);
+        // And the JSON a PUT would send carries every field the API object had.
+        let mut sent = serde_json::to_value(packed.unpack()).unwrap();
+        let mut wire = pv_json();
+        wire["metadata"].as_object_mut().unwrap().remove("managedFields");
+        sent.as_object_mut().unwrap().remove("metadata");
+        wire.as_object_mut().unwrap().remove("metadata");
+        assert_eq!(sent, wire);
+    }
+
+    #[test]
+    fn a_packed_claim_round_trips_and_is_small() {
+        let claim = serde_json::json!({
+            "apiVersion": "v1", "kind": "PersistentVolumeClaim",
+            "metadata": {"name": "data", "namespace": "app", "uid": "9", "resourceVersion": "78",
+                         "annotations": {"pv.kubernetes.io/bind-completed": "yes"}},
+            "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}},
+                     "storageClassName": "fast", "volumeName": "pv-1", "volumeMode": "Filesystem"},
+            "status": {"phase": "Bound", "accessModes": ["ReadWriteOnce"], "capacity": {"storage": "1Gi"}}
+        });
+        let full: PersistentVolumeClaim = serde_json::from_value(claim.clone()).unwrap();
+        let packed: Packed<PersistentVolumeClaim> = serde_json::from_value(claim).unwrap();
+        assert_eq!(packed.unpack(), full);
+        // What a stored volume or claim costs besides its metadata: the struct and its JSON,
+        // against the API type's struct alone (its maps and strings come on top).
+        let pv: Packed<PersistentVolume> = serde_json::from_value(pv_json()).unwrap();
+        let packed_pv = std::mem::size_of::<Packed<PersistentVolume>>() + pv.packed_len();
+        assert!(
+            packed_pv * 3 < std::mem::size_of::<PersistentVolume>(),
+            "{packed_pv}"
+        );
+        let packed_claim = std::mem::size_of::<Packed<PersistentVolumeClaim>>() + packed.packed_len();
+        assert!(
+            packed_claim < std::mem::size_of::<PersistentVolumeClaim>(),
+            "{packed_claim}"
+        );
+    }
+
+    #[test]
+    fn an_empty_object_packs_too() {
+        let pv: Packed<PersistentVolume> = Packed::new(PersistentVolume::default());
+        assert!(pv.packed_len() > 0);
+        assert_eq!(pv.unpack(), PersistentVolume::default());
+    }
+}
