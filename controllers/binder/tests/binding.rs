@@ -438,3 +438,61 @@ async fn a_recycle_volume_waits_for_the_pods_of_its_old_claim_then_fails() {
     let msg = v.status.unwrap().message.unwrap_or_default();
     assert!(msg.contains("recycling is not supported"), "{msg}");
 }
+
+/// The binder stores PVs and claims packed and writes them back whole (PUT): every field the
+/// objects carried, including ones it never reads, must come back from the apiserver unchanged.
+#[tokio::test]
+async fn a_bind_writes_back_every_field_the_objects_carried() {
+    use k8s_openapi::api::core::v1::SecretReference;
+    use std::collections::BTreeMap;
+    let h = Harness::start().await;
+    h.namespace("app").await;
+    let mut v = pv("pv-rich")
+        .capacity("2Gi")
+        .class("manual")
+        .node_affinity_hostname("node-a")
+        .build();
+    v.metadata.labels = Some(BTreeMap::from([("tier".into(), "gold".into())]));
+    v.metadata.annotations = Some(BTreeMap::from([("example.com/owner".into(), "team-a".into())]));
+    let spec = v.spec.as_mut().unwrap();
+    spec.mount_options = Some(vec!["noatime".into(), "nodiscard".into()]);
+    spec.volume_mode = Some("Filesystem".into());
+    let csi = spec.csi.as_mut().unwrap();
+    csi.fs_type = Some("ext4".into());
+    csi.read_only = Some(false);
+    csi.volume_attributes = Some(BTreeMap::from([("size".into(), "2Gi".into())]));
+    csi.node_publish_secret_ref = Some(SecretReference {
+        name: Some("loop-secret".into()),
+        namespace: Some("app".into()),
+    });
+    let created_pv = h.create_pv(v).await;
+    let mut c = pvc("app", "rich").request("1Gi").class("manual").build();
+    c.metadata.labels = Some(BTreeMap::from([("app".into(), "db".into())]));
+    c.metadata.annotations = Some(BTreeMap::from([("example.com/backup".into(), "daily".into())]));
+    let created_claim = h.create_pvc(c).await;
+
+    let claim = h.claim_phase("app", "rich", "Bound").await;
+    let bound = h.volume_phase("pv-rich", "Bound").await;
+    // The volume: everything but the claimRef the bind set is as created.
+    let mut want = created_pv.spec.clone().unwrap();
+    let mut got = bound.spec.clone().unwrap();
+    assert!(got.claim_ref.take().is_some());
+    want.claim_ref = None;
+    assert_eq!(got, want);
+    assert_eq!(bound.labels(), created_pv.labels());
+    assert_eq!(
+        anns(&bound).get("example.com/owner").map(String::as_str),
+        Some("team-a")
+    );
+    // The claim: everything but the volumeName the bind set is as created.
+    let mut want = created_claim.spec.clone().unwrap();
+    let mut got = claim.spec.clone().unwrap();
+    assert_eq!(got.volume_name.take().as_deref(), Some("pv-rich"));
+    want.volume_name = None;
+    assert_eq!(got, want);
+    assert_eq!(claim.labels(), created_claim.labels());
+    assert_eq!(
+        anns(&claim).get("example.com/backup").map(String::as_str),
+        Some("daily")
+    );
+}
