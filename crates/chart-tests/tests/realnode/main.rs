@@ -248,11 +248,27 @@ tests: {{image: {{repository: localhost/curl, tag: stowage, pullPolicy: Never}},
     k.wait(&["volumeattachment"], &held_va, "true");
     node.stop_kubelet();
     k.must(&["delete", "pod", "-n", NS, "holder", "--force", "--grace-period=0"]);
+    // The controller's metrics through its pod's proxy, not the Service: with the kubelet
+    // stopped, the node turns NotReady after its grace period and its pods (the controller's
+    // too) leave the Service's endpoints, while the container keeps running and answering.
+    // (A pod proxy takes a port number, not a port name.)
+    let controller_pod = k.must(&[
+        "get",
+        "pods",
+        "-n",
+        "stowage",
+        "-l",
+        "app.kubernetes.io/component=controller",
+        "-o",
+        "jsonpath={.items[0].metadata.name}:{.items[0].spec.containers[0].ports[?(@.name==\"metrics\")].containerPort}",
+    ]);
+    let controller_metrics = format!(
+        "/api/v1/namespaces/stowage/pods/{}/proxy/metrics",
+        controller_pod.trim()
+    );
+    let controller = || k.metrics(&controller_metrics);
     // Until the attach/detach controller wants the detach and holds it back for the node's
     // volumesInUse, then has passed over it once more: it had its chance to detach.
-    let controller = || {
-        k.metrics("/api/v1/namespaces/stowage/services/st-stowage-controller-metrics:metrics/proxy/metrics")
-    };
     let mut passes = 0.0;
     poll(|| {
         let m = controller()?;
