@@ -84,12 +84,14 @@ impl Cache {
 
     /// Stores `pv` unless the cache already has a newer version (upstream's storeObjectUpdate:
     /// an equal version passes, so resyncs are processed). Returns what it replaced and stored,
-    /// decoded, or `None` when it kept the newer version it had.
+    /// decoded, or `None` when it kept the version it had: a newer one, or this very object (a
+    /// resync hands back the store's objects, which the cache already shares; nothing to decode
+    /// or re-index).
     pub fn put_pv(&mut self, pv: impl IntoPacked<PersistentVolume>) -> Option<PvPut> {
         let pv = pv.into_packed();
         let name = pv.name_any();
         if let Some(old) = self.pvs.get(&name)
-            && is_newer_version(old.metadata(), pv.metadata())
+            && (Arc::ptr_eq(old, &pv) || is_newer_version(old.metadata(), pv.metadata()))
         {
             return None;
         }
@@ -125,11 +127,13 @@ impl Cache {
             .unwrap_or_default()
     }
 
+    /// Stores claim `c` as `put_pv` stores a PV; returns whether it did (not when the cache
+    /// holds a newer version or this very object).
     pub fn put_claim(&mut self, c: impl IntoPacked<PersistentVolumeClaim>) -> bool {
         let c = c.into_packed();
         let key = claim_key(c.as_ref());
         if let Some(old) = self.claims.get(&key)
-            && is_newer_version(old.metadata(), c.metadata())
+            && (Arc::ptr_eq(old, &c) || is_newer_version(old.metadata(), c.metadata()))
         {
             return false;
         }
@@ -293,4 +297,46 @@ fn ev(target: Target, warning: bool, reason: &'static str, note: impl Into<Strin
 
 fn is_wffc(class: &StorageClass) -> bool {
     class.volume_binding_mode.as_deref() == Some("WaitForFirstConsumer")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use stowage_testkit::builders::{pv, pvc};
+
+    #[test]
+    fn the_cache_skips_the_very_object_it_holds_and_older_versions() {
+        let mut cache = Cache::default();
+        let mut v = pv("v1").capacity("1Gi").class("c").build();
+        v.metadata.uid = Some("u1".into());
+        v.metadata.resource_version = Some("5".into());
+        v.status = Some(k8s_openapi::api::core::v1::PersistentVolumeStatus {
+            phase: Some("Available".into()),
+            ..Default::default()
+        });
+        let shared = Arc::new(Packed::new(v.clone()));
+        let put = cache.put_pv(shared.clone()).expect("a new volume is stored");
+        assert!(put.old.is_none());
+        assert_eq!(put.new, v);
+        let rwo = ["ReadWriteOnce".to_string()].into_iter().collect();
+        assert_eq!(cache.index.groups("c", &rwo, 0).len(), 1);
+        // A resync hands back the same shared object: nothing changes, nothing is reported.
+        assert!(cache.put_pv(shared).is_none());
+        // An older version is refused; an equal version (a relist's copy) is stored.
+        let mut older = v.clone();
+        older.metadata.resource_version = Some("4".into());
+        assert!(cache.put_pv(older).is_none());
+        let again = cache.put_pv(v.clone()).expect("an equal version passes");
+        assert_eq!(again.old.as_ref(), Some(&v));
+        assert_eq!(cache.pv("v1").as_deref(), Some(&v));
+
+        let mut c = pvc("ns", "c1").build();
+        c.metadata.uid = Some("u2".into());
+        c.metadata.resource_version = Some("7".into());
+        let shared = Arc::new(Packed::new(c.clone()));
+        assert!(cache.put_claim(shared.clone()));
+        assert!(!cache.put_claim(shared));
+        assert!(cache.put_claim(c.clone()));
+        assert_eq!(cache.claim("ns/c1").as_deref(), Some(&c));
+    }
 }
