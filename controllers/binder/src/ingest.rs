@@ -23,15 +23,13 @@ impl Controller {
         // Objects deleted while a watch was down vanish from the store without an event.
         let gone_pvs: Vec<String> = self
             .cache
-            .pv_metas()
-            .map(|(k, _)| k)
+            .pv_names()
             .filter(|k| !live_pvs.contains(*k))
             .cloned()
             .collect();
         let gone_claims: Vec<String> = self
             .cache
-            .claim_metas()
-            .map(|(k, _)| k)
+            .claim_keys()
             .filter(|k| !live_claims.contains(*k))
             .cloned()
             .collect();

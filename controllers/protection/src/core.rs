@@ -2,6 +2,7 @@
 //! finalizer. No I/O, no clock; the async layer feeds snapshots in and carries the answer out.
 
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use stowage_common::objects::pod_claims;
 use stowage_common::slim::Pod;
 
@@ -46,8 +47,8 @@ fn has(finalizers: Option<&Vec<String>>, f: &str) -> bool {
 }
 
 /// The decision for a claim given the pods that use it (already filtered by `pod_uses_claim`).
-pub fn decide_pvc(pvc: &PersistentVolumeClaim, users: &[PodRef]) -> Action {
-    let meta = &pvc.metadata;
+/// Only the claim's metadata matters, so a packed claim is decided without decoding it.
+pub fn decide_pvc(meta: &ObjectMeta, users: &[PodRef]) -> Action {
     let protected = has(meta.finalizers.as_ref(), PVC_FINALIZER);
     match (meta.deletion_timestamp.is_some(), protected) {
         (true, true) if users.is_empty() => Action::RemoveFinalizer,
@@ -79,8 +80,8 @@ pub fn decide_pv(pv: &PersistentVolume) -> Action {
 }
 
 /// Whether a change of this object can lead to an action (cheap filter before queueing).
-pub fn pvc_needs_sync(pvc: &PersistentVolumeClaim) -> bool {
-    decide_pvc(pvc, &[]) != Action::Nothing
+pub fn pvc_needs_sync(meta: &ObjectMeta) -> bool {
+    decide_pvc(meta, &[]) != Action::Nothing
 }
 
 /// A pod that can no longer touch its volumes: finished (Succeeded/Failed), or deleted with a zero
@@ -267,7 +268,7 @@ mod tests {
         let p = pod("p", "u1", Some("Running"), &[Vol::Claim("data".into())]);
         let u = users(&c, [&p]);
         assert_eq!(
-            decide_pvc(&c, &u),
+            decide_pvc(&c.metadata, &u),
             Action::WaitForPods(vec![PodRef {
                 name: "p".into(),
                 uid: "u1".into()
@@ -281,7 +282,7 @@ mod tests {
         for phase in ["Succeeded", "Failed"] {
             let p = pod("p", "u1", Some(phase), &[Vol::Claim("data".into())]);
             assert_eq!(
-                decide_pvc(&c, &users(&c, [&p])),
+                decide_pvc(&c.metadata, &users(&c, [&p])),
                 Action::RemoveFinalizer,
                 "{phase}"
             );
@@ -329,9 +330,18 @@ mod tests {
 
     #[test]
     fn claim_finalizer_is_added_only_to_live_claims() {
-        assert_eq!(decide_pvc(&claim("a", false, false), &[]), Action::AddFinalizer);
-        assert_eq!(decide_pvc(&claim("a", true, false), &[]), Action::Nothing);
-        assert_eq!(decide_pvc(&claim("a", false, true), &[]), Action::Nothing);
+        assert_eq!(
+            decide_pvc(&claim("a", false, false).metadata, &[]),
+            Action::AddFinalizer
+        );
+        assert_eq!(
+            decide_pvc(&claim("a", true, false).metadata, &[]),
+            Action::Nothing
+        );
+        assert_eq!(
+            decide_pvc(&claim("a", false, true).metadata, &[]),
+            Action::Nothing
+        );
     }
 
     #[test]
@@ -434,7 +444,7 @@ mod tests {
         #[test]
         fn never_removes_a_claim_a_live_pod_uses(c in arb_claim(), pods in proptest::collection::vec(arb_pod(), 0..6)) {
             let u = users(&c, &pods);
-            let action = decide_pvc(&c, &u);
+            let action = decide_pvc(&c.metadata, &u);
             let name = c.metadata.name.clone().unwrap();
             let live_user = pods.iter().any(|p| {
                 !pod_is_terminated(p) && p.spec.as_ref().unwrap().volumes.iter().flatten().any(|v| {
@@ -469,14 +479,14 @@ mod tests {
         fn actions_converge(c in arb_claim(), pods in proptest::collection::vec(arb_pod(), 0..6)) {
             let u = users(&c, &pods);
             let mut after = c.clone();
-            match decide_pvc(&c, &u) {
+            match decide_pvc(&c.metadata, &u) {
                 Action::AddFinalizer => after.metadata.finalizers.get_or_insert_with(Vec::new).push(PVC_FINALIZER.into()),
                 Action::RemoveFinalizer => after.metadata.finalizers.get_or_insert_with(Vec::new).retain(|f| f != PVC_FINALIZER),
-                Action::WaitForPods(w) => { prop_assert!(!w.is_empty()); prop_assert_eq!(decide_pvc(&after, &u), Action::WaitForPods(w)); return Ok(()); }
+                Action::WaitForPods(w) => { prop_assert!(!w.is_empty()); prop_assert_eq!(decide_pvc(&after.metadata, &u), Action::WaitForPods(w)); return Ok(()); }
                 Action::Nothing => {}
                 Action::WaitForUnbind => prop_assert!(false, "not a claim action"),
             }
-            let again = decide_pvc(&after, &u);
+            let again = decide_pvc(&after.metadata, &u);
             prop_assert_eq!(again, Action::Nothing);
         }
 

@@ -91,19 +91,23 @@ pub async fn run_pvc_protection(cluster: Arc<Informers>, metrics: Metrics) -> an
 }
 
 impl Controller {
-    fn claim(&self, key: &Key) -> Option<Arc<PersistentVolumeClaim>> {
+    /// The stored claim, packed (its metadata reads without decoding).
+    fn stored_claim(&self, key: &Key) -> Option<Arc<Packed<PersistentVolumeClaim>>> {
         self.cluster
             .pvcs
             .store()
             .get(&ObjectRef::new(&key.1).within(&key.0))
-            .map(|c| Arc::new(c.unpack()))
+    }
+
+    fn claim(&self, key: &Key) -> Option<Arc<PersistentVolumeClaim>> {
+        self.stored_claim(key).map(|c| Arc::new(c.unpack()))
     }
 
     fn on_claim(&mut self, f: Feed<Packed<PersistentVolumeClaim>>) {
         match f {
             Feed::Change(Change::Applied(pvc)) => {
                 let key = key_of(&pvc.metadata);
-                if pvc_needs_sync(&pvc.unpack()) {
+                if pvc_needs_sync(&pvc.metadata) {
                     self.queue.add(key);
                 } else if self.waiting.remove(&key).is_some() {
                     // Someone else took the finalizer off: it no longer waits on our account.
@@ -134,7 +138,10 @@ impl Controller {
         };
         // A pod change matters only to claims that are being deleted or lack the finalizer.
         for key in touched {
-            if self.claim(&key).is_some_and(|p| pvc_needs_sync(&p)) {
+            if self
+                .stored_claim(&key)
+                .is_some_and(|p| pvc_needs_sync(&p.metadata))
+            {
                 self.queue.add(key);
             }
         }
@@ -150,7 +157,7 @@ impl Controller {
         let present: std::collections::HashSet<Key> = claims.iter().map(|c| key_of(&c.metadata)).collect();
         self.waiting.retain(|k, _| present.contains(k));
         self.update_waiting_gauge();
-        for c in claims.iter().filter(|c| pvc_needs_sync(&c.unpack())) {
+        for c in claims.iter().filter(|c| pvc_needs_sync(&c.metadata)) {
             self.queue.add(key_of(&c.metadata));
         }
     }
@@ -202,7 +209,7 @@ impl Controller {
             return Ok(());
         };
         let cached = self.cached_users(&pvc, key);
-        match decide_pvc(&pvc, &cached) {
+        match decide_pvc(&pvc.metadata, &cached) {
             Action::Nothing | Action::WaitForUnbind => {
                 if self.waiting.remove(key).is_some() {
                     self.update_waiting_gauge();
@@ -217,7 +224,7 @@ impl Controller {
             Action::RemoveFinalizer => {
                 // The store may not have seen a pod created a moment ago: ask the apiserver.
                 let live = self.live_users(&pvc, key).await?;
-                match decide_pvc(&pvc, &live) {
+                match decide_pvc(&pvc.metadata, &live) {
                     Action::RemoveFinalizer => self.remove_finalizer(&pvc, key).await,
                     Action::WaitForPods(users) => {
                         self.report_waiting(key, &pvc, users);

@@ -78,10 +78,6 @@ impl<K: Packable> Packed<K> {
         obj
     }
 
-    pub fn metadata(&self) -> &ObjectMeta {
-        &self.metadata
-    }
-
     /// Bytes of JSON held beside the decoded metadata (0 when kept whole).
     pub fn packed_len(&self) -> usize {
         match &self.rest {
@@ -112,12 +108,6 @@ impl<K: fmt::Debug> fmt::Debug for Packed<K> {
             Rest::Whole(obj) => d.field("whole", obj),
         };
         d.finish()
-    }
-}
-
-impl<K: Packable> From<K> for Packed<K> {
-    fn from(obj: K) -> Self {
-        Self::new(obj)
     }
 }
 
@@ -217,10 +207,10 @@ mod tests {
         let mut want = full.clone();
         want.metadata.managed_fields = None;
         assert_eq!(packed.unpack(), want);
-        assert!(packed.metadata().managed_fields.is_none());
+        assert!(packed.metadata.managed_fields.is_none());
         // The metadata is readable without unpacking.
         assert_eq!(
-            packed.metadata().finalizers.as_deref(),
+            packed.metadata.finalizers.as_deref(),
             Some(&["kubernetes.io/pv-protection".to_string()][..])
         );
         // Packing what was unpacked changes nothing (the binder stores what it wrote this way).

@@ -61,7 +61,7 @@ impl Cache {
 
     /// A claim's metadata (no decoding).
     pub fn claim_meta(&self, key: &str) -> Option<&ObjectMeta> {
-        self.claims.get(key).map(|c| c.metadata())
+        self.claims.get(key).map(|c| &c.metadata)
     }
 
     pub fn has_pv(&self, name: &str) -> bool {
@@ -72,14 +72,13 @@ impl Cache {
         self.claims.contains_key(key)
     }
 
-    /// PV names and their metadata (no decoding).
-    pub fn pv_metas(&self) -> impl Iterator<Item = (&String, &ObjectMeta)> {
-        self.pvs.iter().map(|(k, p)| (k, p.metadata()))
+    pub fn pv_names(&self) -> impl Iterator<Item = &String> {
+        self.pvs.keys()
     }
 
-    /// Claim keys and their metadata (no decoding).
-    pub fn claim_metas(&self) -> impl Iterator<Item = (&String, &ObjectMeta)> {
-        self.claims.iter().map(|(k, c)| (k, c.metadata()))
+    /// Claim keys (`namespace/name`).
+    pub fn claim_keys(&self) -> impl Iterator<Item = &String> {
+        self.claims.keys()
     }
 
     /// Stores `pv` unless the cache already has a newer version (upstream's storeObjectUpdate:
@@ -91,7 +90,7 @@ impl Cache {
         let pv = pv.into_packed();
         let name = pv.name_any();
         if let Some(old) = self.pvs.get(&name)
-            && (Arc::ptr_eq(old, &pv) || is_newer_version(old.metadata(), pv.metadata()))
+            && (Arc::ptr_eq(old, &pv) || is_newer_version(&old.metadata, &pv.metadata))
         {
             return None;
         }
@@ -133,7 +132,7 @@ impl Cache {
         let c = c.into_packed();
         let key = claim_key(c.as_ref());
         if let Some(old) = self.claims.get(&key)
-            && (Arc::ptr_eq(old, &c) || is_newer_version(old.metadata(), c.metadata()))
+            && (Arc::ptr_eq(old, &c) || is_newer_version(&old.metadata, &c.metadata))
         {
             return false;
         }
