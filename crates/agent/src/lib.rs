@@ -34,7 +34,8 @@ use kube::Api;
 use kube::runtime::watcher;
 use stowage_common::client::ApiArgs;
 use stowage_common::events::Events;
-use stowage_common::informer::{Informer, strip_managed_fields};
+use stowage_common::informer::{Informer, as_decoded};
+use stowage_common::lean::Lean;
 use stowage_common::serve::{self, Health};
 use stowage_loopdriver::csi::registration;
 use stowage_loopdriver::csi::server::{self as csi_server, Endpoint, NodeSettings, socket_path};
@@ -160,27 +161,27 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     // concurrent writes (each loop bounds its own operations).
     let mut watches = JoinSet::new();
     let pods = Informer::spawn(
-        Api::<Pod>::all(client.clone()),
+        Api::<Lean<Pod>>::all(client.clone()),
         watcher::Config::default().fields(&format!("spec.nodeName={}", args.node_name)),
-        strip_managed_fields,
+        as_decoded,
         &mut watches,
     );
     let pvcs = Informer::spawn(
-        Api::<PersistentVolumeClaim>::all(client.clone()),
+        Api::<Lean<PersistentVolumeClaim>>::all(client.clone()),
         watcher::Config::default(),
-        strip_managed_fields,
+        as_decoded,
         &mut watches,
     );
     let pvs = Informer::spawn(
-        Api::<PersistentVolume>::all(client.clone()),
+        Api::<Lean<PersistentVolume>>::all(client.clone()),
         watcher::Config::default(),
-        strip_managed_fields,
+        as_decoded,
         &mut watches,
     );
     let vas = Informer::spawn(
-        Api::<VolumeAttachment>::all(client.clone()),
+        Api::<Lean<VolumeAttachment>>::all(client.clone()),
         watcher::Config::default(),
-        strip_managed_fields,
+        as_decoded,
         &mut watches,
     );
     let ctx = Arc::new(ctx::Ctx {
@@ -221,9 +222,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         ));
         // Its own Node: the volume manager mounts only what `status.volumesAttached` lists.
         let node = Informer::spawn(
-            Api::<Node>::all(client.clone()),
+            Api::<Lean<Node>>::all(client.clone()),
             watcher::Config::default().fields(&format!("metadata.name={}", args.node_name)),
-            strip_managed_fields,
+            as_decoded,
             &mut watches,
         );
         loops.spawn(volumes::run(

@@ -18,6 +18,8 @@ use serde::de::DeserializeOwned;
 use tokio::sync::broadcast;
 use tokio::task::JoinSet;
 
+use crate::lean::Lean;
+
 /// One change seen by the watch.
 #[derive(Debug, Clone)]
 pub enum Change<K> {
@@ -54,9 +56,15 @@ where
     K: Resource<DynamicType = ()> + Clone + Debug + DeserializeOwned + Send + Sync + 'static,
     K::DynamicType: Eq + Hash + Clone,
 {
-    /// Starts the watch on `tasks`. `strip` trims each object before it is stored (e.g. managed
-    /// fields), to keep memory proportional to what controllers read.
-    pub fn spawn(api: Api<K>, config: watcher::Config, strip: fn(&mut K), tasks: &mut JoinSet<()>) -> Self {
+    /// Starts the watch on `tasks`. Objects are decoded without their managed fields (`Lean`);
+    /// `strip` trims each one further before it is stored, to keep memory proportional to what
+    /// controllers read.
+    pub fn spawn(
+        api: Api<Lean<K>>,
+        config: watcher::Config,
+        strip: fn(&mut K),
+        tasks: &mut JoinSet<()>,
+    ) -> Self {
         let (store, mut writer) = reflector::store();
         let reader = store.clone();
         let (tx, _) = broadcast::channel(FEED_CAPACITY);
@@ -65,6 +73,7 @@ where
         tasks.spawn(async move {
             let mut stream = watcher::watcher(api, config)
                 .default_backoff()
+                .map(|ev| ev.map(unlean))
                 .modify(strip)
                 .boxed();
             while let Some(item) = stream.next().await {
@@ -127,10 +136,19 @@ where
     }
 }
 
-/// Drops `managedFields`: nothing in stowage reads them and they are often half of an object.
-pub fn strip_managed_fields<K: Resource>(obj: &mut K) {
-    obj.meta_mut().managed_fields = None;
+fn unlean<K>(ev: Event<Lean<K>>) -> Event<K> {
+    match ev {
+        Event::Apply(o) => Event::Apply(o.0),
+        Event::Delete(o) => Event::Delete(o.0),
+        Event::Init => Event::Init,
+        Event::InitApply(o) => Event::InitApply(o.0),
+        Event::InitDone => Event::InitDone,
+    }
 }
+
+/// The `strip` of an informer whose objects are stored as decoded (`Lean` already left out the
+/// managed fields).
+pub fn as_decoded<K>(_: &mut K) {}
 
 /// The cheap way to compare versions of one object: resourceVersions of one object are
 /// increasing integers in etcd-backed apiservers; anything unparsable compares as "not newer".

@@ -10,7 +10,7 @@ use kube::runtime::watcher;
 use kube::{Api, Client};
 use tokio::task::JoinSet;
 
-use crate::informer::{Informer, strip_managed_fields};
+use crate::informer::{Informer, as_decoded};
 use crate::packed::Packed;
 use crate::slim;
 
@@ -37,14 +37,13 @@ impl Informers {
     pub fn start(client: Client, registry: Registry, tasks: &mut JoinSet<()>) -> Arc<Self> {
         let cfg = watcher::Config::default;
         Arc::new(Self {
-            // Packing already dropped the managed fields.
-            pvs: Informer::spawn(Api::all(client.clone()), cfg(), |_| {}, tasks),
-            pvcs: Informer::spawn(Api::all(client.clone()), cfg(), |_| {}, tasks),
+            pvs: Informer::spawn(Api::all(client.clone()), cfg(), as_decoded, tasks),
+            pvcs: Informer::spawn(Api::all(client.clone()), cfg(), as_decoded, tasks),
             pods: Informer::spawn(Api::all(client.clone()), cfg(), slim::Pod::trim, tasks),
-            nodes: Informer::spawn(Api::all(client.clone()), cfg(), strip_managed_fields, tasks),
-            attachments: Informer::spawn(Api::all(client.clone()), cfg(), strip_managed_fields, tasks),
-            classes: Informer::spawn(Api::all(client.clone()), cfg(), strip_managed_fields, tasks),
-            csi_drivers: Informer::spawn(Api::all(client.clone()), cfg(), strip_managed_fields, tasks),
+            nodes: Informer::spawn(Api::all(client.clone()), cfg(), as_decoded, tasks),
+            attachments: Informer::spawn(Api::all(client.clone()), cfg(), as_decoded, tasks),
+            classes: Informer::spawn(Api::all(client.clone()), cfg(), as_decoded, tasks),
+            csi_drivers: Informer::spawn(Api::all(client.clone()), cfg(), as_decoded, tasks),
             client,
             registry,
         })

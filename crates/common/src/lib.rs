@@ -9,6 +9,7 @@ pub mod inflight;
 pub mod informer;
 pub mod informers;
 pub mod leader;
+pub mod lean;
 pub mod logging;
 pub mod metrics;
 pub mod objects;

@@ -13,8 +13,6 @@ use k8s_openapi::api::core::v1::PersistentVolumeClaimVolumeSource;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde::Deserialize;
 
-use crate::informer::strip_managed_fields;
-
 #[derive(Clone, Debug, Default, PartialEq, Deserialize)]
 pub struct Pod {
     #[serde(default)]
@@ -88,10 +86,10 @@ impl k8s_openapi::Metadata for Pod {
 }
 
 impl Pod {
-    /// Drops what decoding still keeps but nothing reads: managed fields and annotations, volumes
-    /// that name no claim, and the statuses of containers that no longer run.
+    /// Drops what decoding still keeps but nothing reads: annotations, volumes that name no
+    /// claim, and the statuses of containers that no longer run (the informer decodes it without
+    /// managed fields).
     pub fn trim(&mut self) {
-        strip_managed_fields(self);
         self.metadata.annotations = None;
         if let Some(volumes) = self.spec.as_mut().and_then(|s| s.volumes.as_mut()) {
             volumes.retain(|v| v.persistent_volume_claim.is_some() || v.ephemeral.is_some());

@@ -8,7 +8,7 @@ use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
 use k8s_openapi::api::storage::v1::{VolumeAttachmentSource, VolumeAttachmentSpec};
 use kube::api::ObjectMeta;
 use kube::runtime::watcher;
-use stowage_common::informer::{Informer, strip_managed_fields};
+use stowage_common::informer::{Informer, as_decoded};
 
 use crate::world::*;
 
@@ -158,18 +158,18 @@ fn start_with_hidden_attachments(client: &Client) -> Controller {
     let mut tasks = JoinSet::new();
     let cfg = watcher::Config::default;
     let cluster = Arc::new(Informers {
-        pvs: Informer::spawn(Api::all(client.clone()), cfg(), strip_managed_fields, &mut tasks),
-        pvcs: Informer::spawn(Api::all(client.clone()), cfg(), strip_managed_fields, &mut tasks),
-        pods: Informer::spawn(Api::all(client.clone()), cfg(), strip_managed_fields, &mut tasks),
-        nodes: Informer::spawn(Api::all(client.clone()), cfg(), strip_managed_fields, &mut tasks),
+        pvs: Informer::spawn(Api::all(client.clone()), cfg(), as_decoded, &mut tasks),
+        pvcs: Informer::spawn(Api::all(client.clone()), cfg(), as_decoded, &mut tasks),
+        pods: Informer::spawn(Api::all(client.clone()), cfg(), as_decoded, &mut tasks),
+        nodes: Informer::spawn(Api::all(client.clone()), cfg(), as_decoded, &mut tasks),
         attachments: Informer::spawn(
             Api::all(client.clone()),
             cfg().labels(&format!("!{HIDDEN}")),
-            strip_managed_fields,
+            as_decoded,
             &mut tasks,
         ),
-        classes: Informer::spawn(Api::all(client.clone()), cfg(), strip_managed_fields, &mut tasks),
-        csi_drivers: Informer::spawn(Api::all(client.clone()), cfg(), strip_managed_fields, &mut tasks),
+        classes: Informer::spawn(Api::all(client.clone()), cfg(), as_decoded, &mut tasks),
+        csi_drivers: Informer::spawn(Api::all(client.clone()), cfg(), as_decoded, &mut tasks),
         client: client.clone(),
         registry: registry.clone(),
     });
