@@ -25,6 +25,7 @@ use kube::api::{DeleteParams, ObjectMeta, Patch, PatchParams, PostParams};
 use kube::runtime::reflector::ObjectRef;
 use kube::{Api, ResourceExt};
 use stowage_common::events::Events;
+use stowage_common::lean::Lean;
 use tokio::sync::{Semaphore, mpsc};
 
 use crate::actual::Op;
@@ -95,7 +96,8 @@ pub(crate) static HOLD_ATTACH_RESULT: std::sync::Mutex<Option<(String, Arc<tokio
 /// Everything a write task needs; cheap to clone.
 #[derive(Clone)]
 pub(crate) struct Executor {
-    pub(crate) vas: Api<VolumeAttachment>,
+    /// Lean: the objects a write returns are decoded without their managed fields.
+    pub(crate) vas: Api<Lean<VolumeAttachment>>,
     pub(crate) pvs: Api<PersistentVolume>,
     pub(crate) nodes: Api<Node>,
     pub(crate) events: Events,
@@ -235,6 +237,7 @@ impl Controller {
             },
             status: None,
         };
+        let va = Lean(va);
         let owed = Owed::new(
             &w.done,
             vec![Outcome::Attach {
@@ -250,7 +253,7 @@ impl Controller {
             #[cfg(test)]
             {
                 let mut hook = PANIC_ON_ATTACH.lock().unwrap_or_else(|p| p.into_inner());
-                if hook.as_deref() == va.spec.source.persistent_volume_name.as_deref() {
+                if hook.as_deref() == va.0.spec.source.persistent_volume_name.as_deref() {
                     *hook = None;
                     drop(hook);
                     panic!("test hook: attach task panics");
@@ -265,6 +268,7 @@ impl Controller {
                 .vas
                 .create(&PostParams::default(), &va)
                 .await
+                .map(Lean::into_inner)
                 .map_err(Error::Api);
             timer.observe_duration();
             #[cfg(test)]
@@ -272,7 +276,9 @@ impl Controller {
                 let held = HOLD_ATTACH_RESULT
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
-                    .take_if(|(pv, _)| Some(pv.as_str()) == va.spec.source.persistent_volume_name.as_deref());
+                    .take_if(|(pv, _)| {
+                        Some(pv.as_str()) == va.0.spec.source.persistent_volume_name.as_deref()
+                    });
                 if let Some((_, go)) = held {
                     go.notified().await;
                 }
@@ -398,6 +404,7 @@ impl Controller {
                 .vas
                 .patch(&va_name, &PatchParams::default(), &Patch::Merge(&patch))
                 .await
+                .map(Lean::into_inner)
                 .map_err(Error::Api);
             owed.send(Outcome::Release { volume, node, result });
         });
@@ -526,7 +533,7 @@ impl Controller {
                     let result = match w.vas.delete(&j.va_name, &DeleteParams::default()).await {
                         // The apiserver may answer with the object as it was when removed at
                         // once; only one still held by finalizers is still there.
-                        Ok(either) => Ok(either.left().filter(|va| {
+                        Ok(either) => Ok(either.left().map(Lean::into_inner).filter(|va| {
                             va.metadata.deletion_timestamp.is_some() && !va.finalizers().is_empty()
                         })),
                         Err(e) if stowage_common::errors::is_not_found(&e) => Ok(None),

@@ -2,14 +2,14 @@
 //! resourceVersion of the object it was computed from, so a write made on a stale view fails
 //! with 409 instead of overwriting someone else's change.
 
-use std::fmt::Debug;
-
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
 use kube::api::PostParams;
-use kube::{Api, Client, Resource, ResourceExt};
+use kube::{Client, Resource, ResourceExt};
 use prometheus::IntCounterVec;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
+
+use crate::lean::Lean;
 
 #[derive(Clone)]
 pub struct Writes {
@@ -31,37 +31,40 @@ impl Writes {
         Self { client, counter }
     }
 
-    fn claims(&self, c: &PersistentVolumeClaim) -> Api<PersistentVolumeClaim> {
-        Api::namespaced(self.client.clone(), &c.namespace().unwrap_or_default())
-    }
-
-    fn pvs(&self) -> Api<PersistentVolume> {
-        Api::all(self.client.clone())
-    }
-
     fn count(&self, op: &str) {
         self.counter.with_label_values(&[op]).inc();
     }
 
-    /// One counted PUT of `obj`, or of its status subresource.
-    async fn put<K>(&self, api: Api<K>, obj: &K, op: &str, part: Part) -> kube::Result<K>
+    /// One counted PUT of `obj`, or of its status subresource. As `Api::replace` and
+    /// `Api::replace_status` send it, but the object that comes back is decoded `Lean` (without
+    /// managed fields): `Api<K>` would take and return `K`, and these objects are borrowed.
+    async fn put<K>(&self, obj: &K, op: &str, part: Part) -> kube::Result<K>
     where
-        K: Resource + Clone + DeserializeOwned + Serialize + Debug,
+        K: Resource<DynamicType = ()> + DeserializeOwned + Serialize,
     {
         self.count(op);
         let (name, pp) = (obj.name_any(), PostParams::default());
-        match part {
-            Part::Object => api.replace(&name, &pp, obj).await,
-            Part::Status => api.replace_status(&name, &pp, obj).await,
-        }
+        let body = serde_json::to_vec(obj).map_err(kube::Error::SerdeError)?;
+        let req = kube::core::Request::new(K::url_path(&(), obj.meta().namespace.as_deref()));
+        let (req, verb) = match part {
+            Part::Object => (req.replace(&name, &pp, body), "replace"),
+            Part::Status => (
+                req.replace_subresource("status", &name, &pp, body),
+                "replace_status",
+            ),
+        };
+        let mut req = req.map_err(kube::Error::BuildRequest)?;
+        // As `Api` names its requests (kube-client reads it for its tracing spans).
+        req.extensions_mut().insert(verb);
+        self.client.request::<Lean<K>>(req).await.map(Lean::into_inner)
     }
 
     pub async fn replace_pv(&self, pv: &PersistentVolume, op: &str) -> kube::Result<PersistentVolume> {
-        self.put(self.pvs(), pv, op, Part::Object).await
+        self.put(pv, op, Part::Object).await
     }
 
     pub async fn replace_pv_status(&self, pv: &PersistentVolume, op: &str) -> kube::Result<PersistentVolume> {
-        self.put(self.pvs(), pv, op, Part::Status).await
+        self.put(pv, op, Part::Status).await
     }
 
     pub async fn replace_claim(
@@ -69,7 +72,7 @@ impl Writes {
         c: &PersistentVolumeClaim,
         op: &str,
     ) -> kube::Result<PersistentVolumeClaim> {
-        self.put(self.claims(c), c, op, Part::Object).await
+        self.put(c, op, Part::Object).await
     }
 
     pub async fn replace_claim_status(
@@ -77,6 +80,6 @@ impl Writes {
         c: &PersistentVolumeClaim,
         op: &str,
     ) -> kube::Result<PersistentVolumeClaim> {
-        self.put(self.claims(c), c, op, Part::Status).await
+        self.put(c, op, Part::Status).await
     }
 }
