@@ -496,3 +496,64 @@ async fn a_bind_writes_back_every_field_the_objects_carried() {
         Some("daily")
     );
 }
+
+/// The informers and the PUTs decode objects `Lean` (without managed fields): what they hold is
+/// exactly what the apiserver serves, less that one field, which the apiserver does send.
+#[tokio::test]
+async fn stores_and_writes_hold_what_the_apiserver_serves_less_managed_fields() {
+    use kube::runtime::reflector::ObjectRef;
+    use stowage_common::writes::Writes;
+    let mut h = stowage_testkit::InProcess::new().await;
+    h.namespace("app").await;
+    let cluster = h.cluster().await;
+    h.create_pv(pv("pv-lean").capacity("1Gi").class("manual").build())
+        .await;
+    h.create_pvc(pvc("app", "lean").request("1Gi").class("manual").build())
+        .await;
+    let served = h.pvs().get("pv-lean").await.unwrap();
+    assert!(
+        served.metadata.managed_fields.is_some(),
+        "the apiserver sends managed fields"
+    );
+
+    let counter = prometheus::IntCounterVec::new(prometheus::Opts::new("writes", "test"), &["op"]).unwrap();
+    let writes = Writes::new(h.client.clone(), counter);
+    let mut next = served.clone();
+    next.labels_mut().insert("lean".into(), "yes".into());
+    let written = writes.replace_pv(&next, "test").await.unwrap();
+    let mut want = h.pvs().get("pv-lean").await.unwrap();
+    assert!(want.metadata.managed_fields.take().is_some());
+    assert_eq!(written, want, "a PUT's answer");
+
+    let claim = h.pvcs("app").get("lean").await.unwrap();
+    let mut status = claim.clone();
+    status.status.get_or_insert_default().phase = Some("Pending".into());
+    let written = writes.replace_claim_status(&status, "test").await.unwrap();
+    let mut want_claim = h.pvcs("app").get("lean").await.unwrap();
+    assert!(want_claim.metadata.managed_fields.take().is_some());
+    assert_eq!(written, want_claim, "a status PUT's answer");
+
+    // The stores catch up with the writes; then they hold the same objects.
+    let stored_pv = eventually(WAIT, || async {
+        match cluster.pvs.store().get(&ObjectRef::new("pv-lean")) {
+            Some(p) if p.metadata.resource_version == want.metadata.resource_version => Ok(p.unpack()),
+            other => Err(format!(
+                "stored: {:?}",
+                other.map(|p| p.metadata.resource_version.clone())
+            )),
+        }
+    })
+    .await;
+    assert_eq!(stored_pv, want, "the PV informer's object");
+    let stored_claim = eventually(WAIT, || async {
+        match cluster.pvcs.store().get(&ObjectRef::new("lean").within("app")) {
+            Some(c) if c.metadata.resource_version == want_claim.metadata.resource_version => Ok(c.unpack()),
+            other => Err(format!(
+                "stored: {:?}",
+                other.map(|c| c.metadata.resource_version.clone())
+            )),
+        }
+    })
+    .await;
+    assert_eq!(stored_claim, want_claim, "the claim informer's object");
+}
