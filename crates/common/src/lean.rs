@@ -9,8 +9,9 @@
 //! `Lean<K>` decodes `K` through a deserializer that skips the `managedFields` key of the
 //! top-level `metadata` (serde's `IgnoredAny`: the parser steps over it without allocating).
 //! Everything else reaches `K`'s own `Deserialize` unchanged, so `Lean<K>` decodes exactly what
-//! `K` does, less that one field. Watches use it (`Informer::spawn`); the stored objects are
-//! plain `K`.
+//! `K` does, less that one field. Every watch uses it (`Informer::spawn`; the stored objects are
+//! plain `K`), and so do the writes whose answers the controllers decode (`writes::Writes`,
+//! attach/detach's VolumeAttachment writes).
 
 use std::borrow::Cow;
 use std::fmt;

@@ -72,6 +72,7 @@ impl Cache {
         self.claims.contains_key(key)
     }
 
+    /// PV names.
     pub fn pv_names(&self) -> impl Iterator<Item = &String> {
         self.pvs.keys()
     }
