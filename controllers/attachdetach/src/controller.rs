@@ -190,7 +190,7 @@ pub async fn run(cluster: Arc<Informers>, metrics: Metrics, config: Config) -> a
                 Err(RecvError::Closed) => anyhow::bail!("claim watch ended"),
             },
             r = pv_feed.recv() => match r {
-                Ok(Change::Applied(pv) | Change::Deleted(pv)) => c.volume_changed(&pv.unpack()),
+                Ok(Change::Applied(pv) | Change::Deleted(pv)) => c.volume_changed(&pv),
                 Ok(Change::Resynced) | Err(RecvError::Lagged(_)) => c.resync(false),
                 Err(RecvError::Closed) => anyhow::bail!("volume watch ended"),
             },

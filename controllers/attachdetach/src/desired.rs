@@ -8,9 +8,11 @@ use std::sync::Arc;
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
 use k8s_openapi::api::storage::v1::CSIDriver;
 use kube::ResourceExt;
+use serde::Deserialize;
+use stowage_common::packed::Packed;
 use stowage_common::slim::Pod;
 
-use crate::objects::{pv_multi_attach_allowed, unique_volume_name};
+use crate::objects::{PvSpecView, pv_multi_attach_allowed, unique_volume_name};
 use crate::vecmap::VecMap;
 
 /// One attachable volume.
@@ -187,11 +189,30 @@ impl Desired {
     }
 }
 
-/// Read access to the objects a pod's volumes resolve through.
+/// Read access to the objects a pod's volumes resolve through: volumes and claims as the
+/// informers store them, read through views of the few fields resolving needs.
 pub trait Lookup {
-    fn claim(&self, namespace: &str, name: &str) -> Option<Arc<PersistentVolumeClaim>>;
-    fn volume(&self, name: &str) -> Option<Arc<PersistentVolume>>;
+    fn claim(&self, namespace: &str, name: &str) -> Option<Arc<Packed<PersistentVolumeClaim>>>;
+    fn volume(&self, name: &str) -> Option<Arc<Packed<PersistentVolume>>>;
     fn driver(&self, name: &str) -> Option<Arc<CSIDriver>>;
+}
+
+/// What resolving reads of a claim besides its metadata.
+#[derive(Debug, Default, Deserialize)]
+struct ClaimView {
+    spec: Option<ClaimSpecView>,
+    status: Option<ClaimStatusView>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct ClaimSpecView {
+    volume_name: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct ClaimStatusView {
+    phase: Option<String>,
 }
 
 /// A driver needs attaching unless its CSIDriver object says otherwise; no object means yes.
@@ -210,7 +231,7 @@ pub fn pod_volumes(pod: &Pod, lookup: &impl Lookup) -> Vec<VolumeSpec> {
         let Some(claim) = lookup.claim(&ns, &pc.claim) else {
             continue;
         };
-        if !pc.usable(pod, &claim) {
+        if !pc.usable(pod, &claim.metadata) {
             continue;
         }
         let Some(spec) = resolve_claim(&claim, lookup) else {
@@ -223,32 +244,36 @@ pub fn pod_volumes(pod: &Pod, lookup: &impl Lookup) -> Vec<VolumeSpec> {
     out
 }
 
-fn resolve_claim(claim: &PersistentVolumeClaim, lookup: &impl Lookup) -> Option<VolumeSpec> {
-    let bound = claim.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Bound");
-    let pv_name = claim
-        .spec
-        .as_ref()?
-        .volume_name
-        .as_deref()
-        .filter(|v| !v.is_empty())?;
+fn resolve_claim(claim: &Packed<PersistentVolumeClaim>, lookup: &impl Lookup) -> Option<VolumeSpec> {
+    // The stored JSON decoded as a claim when stored, and the view is a subset of that type:
+    // an error here is a bug, and the claim then resolves nowhere until its next event.
+    let view = match claim.view::<ClaimView>() {
+        Ok(v) => v,
+        Err(e) => {
+            tracing::error!(claim = ?claim.metadata.name, error = %e, "stored claim does not read back");
+            return None;
+        }
+    };
+    let bound = view.status.and_then(|s| s.phase).as_deref() == Some("Bound");
+    let pv_name = view.spec?.volume_name.filter(|v| !v.is_empty())?;
     if !bound {
         return None;
     }
-    let pv = lookup.volume(pv_name)?;
-    let claim_ref_uid = pv.spec.as_ref()?.claim_ref.as_ref()?.uid.as_deref();
-    if claim_ref_uid != claim.uid().as_deref() {
+    let pv = PvSpecView::of(&*lookup.volume(&pv_name)?);
+    let claim_ref_uid = pv.claim_ref.as_ref()?.uid.as_deref();
+    if claim_ref_uid != claim.metadata.uid.as_deref() {
         return None;
     }
-    let csi = pv.spec.as_ref()?.csi.as_ref()?;
+    let csi = pv.csi.as_ref()?;
     if !driver_attachable(lookup.driver(&csi.driver).as_deref()) {
         return None;
     }
     Some(VolumeSpec {
         name: unique_volume_name(&csi.driver, &csi.volume_handle),
-        pv_name: pv_name.to_string(),
+        pv_name,
+        multi_attach: pv_multi_attach_allowed(&pv),
         driver: csi.driver.clone(),
         handle: csi.volume_handle.clone(),
-        multi_attach: pv_multi_attach_allowed(&pv),
     })
 }
 
@@ -270,19 +295,20 @@ mod tests {
     }
 
     impl Lookup for Fake {
-        fn claim(&self, ns: &str, name: &str) -> Option<Arc<PersistentVolumeClaim>> {
+        // Packed here, as the informers store them.
+        fn claim(&self, ns: &str, name: &str) -> Option<Arc<Packed<PersistentVolumeClaim>>> {
             self.claims
                 .iter()
                 .find(|c| c.namespace().as_deref() == Some(ns) && c.name_any() == name)
                 .cloned()
-                .map(Arc::new)
+                .map(|c| Arc::new(Packed::new(c)))
         }
-        fn volume(&self, name: &str) -> Option<Arc<PersistentVolume>> {
+        fn volume(&self, name: &str) -> Option<Arc<Packed<PersistentVolume>>> {
             self.pvs
                 .iter()
                 .find(|p| p.name_any() == name)
                 .cloned()
-                .map(Arc::new)
+                .map(|p| Arc::new(Packed::new(p)))
         }
         fn driver(&self, name: &str) -> Option<Arc<CSIDriver>> {
             self.drivers

@@ -33,7 +33,7 @@ use crate::controller::Controller;
 use crate::core::{Action, ForceReason};
 use crate::error::Error;
 use crate::metrics::{Metrics, Snapshot};
-use crate::objects::pv_finalizer_change;
+use crate::objects::{PvSpecView, pv_finalizer_change};
 use crate::results::Outcome;
 
 /// What a write task still owes the decision loop: a failure report for each piece of work it
@@ -303,21 +303,18 @@ impl Controller {
             .collect();
         for name in names {
             self.pv_dirty.remove(&name);
-            let Some(pv) = self
-                .cluster
-                .pvs
-                .store()
-                .get(&ObjectRef::new(&name))
-                .map(|p| p.unpack())
-            else {
+            let Some(pv) = self.cluster.pvs.store().get(&ObjectRef::new(&name)) else {
                 continue;
             };
-            let Some(add) = pv_finalizer_change(&pv, self.pv_attachments.contains_key(&name)) else {
+            let attached = self.pv_attachments.contains_key(&name);
+            let Some(add) = pv_finalizer_change(&pv.metadata, &PvSpecView::of(&pv), attached) else {
                 continue;
             };
             let mut fins: Vec<String> = pv
-                .finalizers()
+                .metadata
+                .finalizers
                 .iter()
+                .flatten()
                 .filter(|f| *f != stowage_common::objects::LOOP_ATTACHER_FINALIZER)
                 .cloned()
                 .collect();
@@ -325,7 +322,7 @@ impl Controller {
                 fins.push(stowage_common::objects::LOOP_ATTACHER_FINALIZER.into());
             }
             let patch = serde_json::json!({
-                "metadata": { "finalizers": fins, "resourceVersion": pv.resource_version() }
+                "metadata": { "finalizers": fins, "resourceVersion": pv.metadata.resource_version }
             });
             self.pv_patching.insert(name.clone());
             let w = self.executor.clone();

@@ -11,6 +11,7 @@ use kube::ResourceExt;
 use kube::runtime::reflector::ObjectRef;
 use stowage_common::informer::is_newer;
 use stowage_common::informers::Informers;
+use stowage_common::packed::Packed;
 use stowage_common::slim::Pod;
 
 use crate::actual::Actual;
@@ -18,21 +19,19 @@ use crate::controller::Controller;
 use crate::core::pass_unaffected;
 use crate::desired::{Lookup, PodRef, pod_volumes};
 use crate::objects::{
-    NodeInfo, VaState, pod_claims, pod_is_active, pod_node, pv_finalizer_change, split_unique_volume_name,
-    unique_volume_name,
+    NodeInfo, PvSpecView, VaState, pod_claims, pod_is_active, pod_node, pv_finalizer_change,
+    split_unique_volume_name, unique_volume_name,
 };
 
 /// Resolves pod volumes through the shared stores.
 pub(crate) struct Stores<'a>(&'a Informers);
 
 impl Lookup for Stores<'_> {
-    fn claim(&self, namespace: &str, name: &str) -> Option<Arc<PersistentVolumeClaim>> {
-        let packed = self.0.pvcs.store().get(&ObjectRef::new(name).within(namespace))?;
-        Some(Arc::new(packed.unpack()))
+    fn claim(&self, namespace: &str, name: &str) -> Option<Arc<Packed<PersistentVolumeClaim>>> {
+        self.0.pvcs.store().get(&ObjectRef::new(name).within(namespace))
     }
-    fn volume(&self, name: &str) -> Option<Arc<PersistentVolume>> {
-        let packed = self.0.pvs.store().get(&ObjectRef::new(name))?;
-        Some(Arc::new(packed.unpack()))
+    fn volume(&self, name: &str) -> Option<Arc<Packed<PersistentVolume>>> {
+        self.0.pvs.store().get(&ObjectRef::new(name))
     }
     fn driver(&self, name: &str) -> Option<Arc<CSIDriver>> {
         self.0.csi_drivers.store().get(&ObjectRef::new(name))
@@ -158,18 +157,20 @@ impl Controller {
         }
     }
 
-    pub(crate) fn volume_changed(&mut self, pv: &PersistentVolume) {
-        if pv_finalizer_change(pv, self.pv_attachments.contains_key(&pv.name_any())).is_some() {
-            self.pv_dirty.insert(pv.name_any());
+    pub(crate) fn volume_changed(&mut self, pv: &Packed<PersistentVolume>) {
+        let name = pv.metadata.name.clone().unwrap_or_default();
+        let spec = PvSpecView::of(pv);
+        if pv_finalizer_change(&pv.metadata, &spec, self.pv_attachments.contains_key(&name)).is_some() {
+            self.pv_dirty.insert(name.clone());
             self.touch();
         }
-        if let Some(cr) = pv.spec.as_ref().and_then(|s| s.claim_ref.as_ref())
-            && let (Some(ns), Some(name)) = (cr.namespace.as_deref(), cr.name.as_deref())
+        if let Some(cr) = &spec.claim_ref
+            && let (Some(ns), Some(claim)) = (cr.namespace.as_deref(), cr.name.as_deref())
         {
-            self.claim_changed(ns, name);
+            self.claim_changed(ns, claim);
         }
         // Attachments that arrived before their volume can be placed now.
-        if let Some(waiting) = self.unresolved.remove(&pv.name_any()) {
+        if let Some(waiting) = self.unresolved.remove(&name) {
             for name in waiting {
                 if let Some(va) = self.cluster.attachments.store().get(&ObjectRef::new(&name)) {
                     self.va_applied(&va);
@@ -315,8 +316,8 @@ impl Controller {
             .pvs
             .store()
             .get(&ObjectRef::new(pv_name))
-            .map(|p| p.unpack());
-        let Some(csi) = pv.as_ref().and_then(|p| p.spec.as_ref()?.csi.as_ref()) else {
+            .map(|p| PvSpecView::of(&p));
+        let Some(csi) = pv.and_then(|p| p.csi) else {
             // Left alone until its volume shows up, as upstream skips it.
             if remember {
                 self.unresolved
@@ -329,8 +330,8 @@ impl Controller {
         Some((
             unique_volume_name(&csi.driver, &csi.volume_handle),
             va.spec.node_name.clone(),
-            csi.driver.clone(),
-            csi.volume_handle.clone(),
+            csi.driver,
+            csi.volume_handle,
         ))
     }
 
@@ -428,7 +429,7 @@ impl Controller {
             .pvs
             .store()
             .get(&ObjectRef::new(name))
-            .is_some_and(|pv| pv_finalizer_change(&pv.unpack(), attached).is_none());
+            .is_some_and(|pv| pv_finalizer_change(&pv.metadata, &PvSpecView::of(&pv), attached).is_none());
         if settled {
             self.pv_dirty.remove(name);
         }

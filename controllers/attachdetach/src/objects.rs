@@ -5,8 +5,11 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use k8s_openapi::api::core::v1::{Node, PersistentVolume};
 use k8s_openapi::api::storage::v1::VolumeAttachment;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::ResourceExt;
+use serde::Deserialize;
 use sha2::{Digest, Sha256};
+use stowage_common::packed::Packed;
 use stowage_common::slim::Pod;
 
 /// Set by a kubelet (or stowage-agent) that leaves attach/detach to the controller.
@@ -70,23 +73,71 @@ pub use stowage_common::pv::LOOP_DRIVER;
 /// Why a `loop.stowage.dev` volume goes to one node at a time, for the multi-attach event.
 pub const LOOP_SINGLE_NODE_RULE: &str = "loop.stowage.dev volumes that are not ReadOnlyMany are attached to one node at a time: ext4 on a loop image is corrupted when two kernels mount it read-write";
 
+/// What attach/detach reads of a PV's spec. Pod and attachment events each read their volume,
+/// and this view decodes only these fields from the stored JSON (`PvSpecView::of`) instead of
+/// building the whole `PersistentVolume` and cloning its metadata.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PvSpecView {
+    #[serde(default)]
+    pub access_modes: Vec<String>,
+    pub claim_ref: Option<RefView>,
+    pub csi: Option<CsiView>,
+}
+
+/// The claim a volume is bound to.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+pub struct RefView {
+    pub namespace: Option<String>,
+    pub name: Option<String>,
+    pub uid: Option<String>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CsiView {
+    pub driver: String,
+    pub volume_handle: String,
+}
+
+impl PvSpecView {
+    /// The view of a stored volume. Its JSON decoded as a `PersistentVolume` when stored, and
+    /// these fields have that type's names and types, so this cannot fail short of a bug; if it
+    /// did, the volume reads as one without a spec (not resolvable, no finalizer change) and
+    /// the error is logged.
+    pub fn of(pv: &Packed<PersistentVolume>) -> Self {
+        #[derive(Deserialize)]
+        struct Wire {
+            #[serde(default)]
+            spec: Option<PvSpecView>,
+        }
+        match pv.view::<Wire>() {
+            Ok(w) => w.spec.unwrap_or_default(),
+            Err(e) => {
+                tracing::error!(pv = ?pv.metadata.name, error = %e, "stored volume does not read back");
+                Self::default()
+            }
+        }
+    }
+
+    fn is_loop(&self) -> bool {
+        self.csi.as_ref().is_some_and(|c| c.driver == LOOP_DRIVER)
+    }
+}
+
 /// What the built-in attacher's finalizer on a PV needs, as external-attacher keeps it: on a
 /// `loop.stowage.dev` PV while any VolumeAttachment names it (so the PV cannot vanish under an
 /// attachment that a restarted controller could then no longer map), off once none does.
 /// `Some(true)`: add, `Some(false)`: remove, `None`: nothing. No finalizer is added to a PV
 /// being deleted (the apiserver refuses new finalizers then).
-pub fn pv_finalizer_change(pv: &PersistentVolume, attached: bool) -> Option<bool> {
-    let is_loop = pv
-        .spec
-        .as_ref()
-        .and_then(|s| s.csi.as_ref())
-        .is_some_and(|c| c.driver == LOOP_DRIVER);
-    let has = pv
-        .finalizers()
+pub fn pv_finalizer_change(meta: &ObjectMeta, spec: &PvSpecView, attached: bool) -> Option<bool> {
+    let has = meta
+        .finalizers
         .iter()
+        .flatten()
         .any(|f| f == stowage_common::objects::LOOP_ATTACHER_FINALIZER);
-    match (is_loop && attached, has) {
-        (true, false) if pv.metadata.deletion_timestamp.is_none() => Some(true),
+    match (spec.is_loop() && attached, has) {
+        (true, false) if meta.deletion_timestamp.is_none() => Some(true),
         (false, true) => Some(false),
         _ => None,
     }
@@ -96,13 +147,9 @@ pub fn pv_finalizer_change(pv: &PersistentVolume, attached: bool) -> Option<bool
 /// treated as shareable, as upstream does. Exception: a `loop.stowage.dev` volume is shareable
 /// only when every mode is ReadOnlyMany (the agent then attaches and mounts it read-only), since
 /// two kernels writing one ext4 image corrupt it, whatever the PV's modes claim.
-pub fn pv_multi_attach_allowed(pv: &PersistentVolume) -> bool {
-    let spec = pv.spec.as_ref();
-    let modes = spec.and_then(|s| s.access_modes.as_deref()).unwrap_or_default();
-    if spec
-        .and_then(|s| s.csi.as_ref())
-        .is_some_and(|c| c.driver == LOOP_DRIVER)
-    {
+pub fn pv_multi_attach_allowed(spec: &PvSpecView) -> bool {
+    let modes = &spec.access_modes;
+    if spec.is_loop() {
         return !modes.is_empty() && modes.iter().all(|m| m == "ReadOnlyMany");
     }
     modes.is_empty() || modes.iter().any(|m| m == "ReadWriteMany" || m == "ReadOnlyMany")
@@ -250,6 +297,10 @@ mod access_mode_tests {
 
     fn pv(driver: &str, modes: &[&str]) -> PersistentVolume {
         PersistentVolume {
+            metadata: ObjectMeta {
+                name: Some("v".into()),
+                ..Default::default()
+            },
             spec: Some(PersistentVolumeSpec {
                 access_modes: Some(modes.iter().map(|m| m.to_string()).collect()),
                 csi: Some(CSIPersistentVolumeSource {
@@ -263,43 +314,75 @@ mod access_mode_tests {
         }
     }
 
+    /// The view the controller reads, through a stored (packed) copy as in the informer.
+    fn view(pv: &PersistentVolume) -> PvSpecView {
+        PvSpecView::of(&Packed::new(pv.clone()))
+    }
+
+    fn change(pv: &PersistentVolume, attached: bool) -> Option<bool> {
+        pv_finalizer_change(&pv.metadata, &view(pv), attached)
+    }
+
+    fn shared(pv: &PersistentVolume) -> bool {
+        pv_multi_attach_allowed(&view(pv))
+    }
+
+    #[test]
+    fn the_view_holds_what_the_volume_says() {
+        let mut v = pv("nfs.csi.example", &["ReadWriteOnce", "ReadOnlyMany"]);
+        v.spec.as_mut().unwrap().claim_ref = Some(k8s_openapi::api::core::v1::ObjectReference {
+            namespace: Some("app".into()),
+            name: Some("c".into()),
+            uid: Some("u-1".into()),
+            resource_version: Some("7".into()),
+            ..Default::default()
+        });
+        assert_eq!(
+            view(&v),
+            PvSpecView {
+                access_modes: vec!["ReadWriteOnce".into(), "ReadOnlyMany".into()],
+                claim_ref: Some(RefView {
+                    namespace: Some("app".into()),
+                    name: Some("c".into()),
+                    uid: Some("u-1".into())
+                }),
+                csi: Some(CsiView {
+                    driver: "nfs.csi.example".into(),
+                    volume_handle: "h".into()
+                }),
+            }
+        );
+        assert_eq!(view(&PersistentVolume::default()), PvSpecView::default());
+    }
+
     #[test]
     fn the_pv_finalizer_follows_the_attachments_of_loop_volumes() {
         use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
         let mut v = pv(LOOP_DRIVER, &["ReadWriteOnce"]);
-        assert_eq!(pv_finalizer_change(&v, true), Some(true));
-        assert_eq!(pv_finalizer_change(&v, false), None);
+        assert_eq!(change(&v, true), Some(true));
+        assert_eq!(change(&v, false), None);
         v.metadata.finalizers = Some(vec![stowage_common::objects::LOOP_ATTACHER_FINALIZER.into()]);
-        assert_eq!(pv_finalizer_change(&v, true), None);
-        assert_eq!(pv_finalizer_change(&v, false), Some(false));
+        assert_eq!(change(&v, true), None);
+        assert_eq!(change(&v, false), Some(false));
         // Being deleted: released when nothing names it, never added.
         v.metadata.deletion_timestamp = Some(Time(k8s_openapi::jiff::Timestamp::UNIX_EPOCH));
-        assert_eq!(pv_finalizer_change(&v, false), Some(false));
+        assert_eq!(change(&v, false), Some(false));
         v.metadata.finalizers = None;
-        assert_eq!(pv_finalizer_change(&v, true), None);
+        assert_eq!(change(&v, true), None);
         // Other drivers' volumes are their attacher's business.
         let other = pv("nfs.csi.example", &["ReadWriteMany"]);
-        assert_eq!(pv_finalizer_change(&other, true), None);
+        assert_eq!(change(&other, true), None);
     }
 
     #[test]
     fn loop_volumes_are_shared_only_when_read_only_many() {
-        assert!(!pv_multi_attach_allowed(&pv(LOOP_DRIVER, &["ReadWriteMany"])));
-        assert!(!pv_multi_attach_allowed(&pv(
-            LOOP_DRIVER,
-            &["ReadOnlyMany", "ReadWriteOnce"]
-        )));
-        assert!(!pv_multi_attach_allowed(&pv(LOOP_DRIVER, &[])));
-        assert!(pv_multi_attach_allowed(&pv(LOOP_DRIVER, &["ReadOnlyMany"])));
+        assert!(!shared(&pv(LOOP_DRIVER, &["ReadWriteMany"])));
+        assert!(!shared(&pv(LOOP_DRIVER, &["ReadOnlyMany", "ReadWriteOnce"])));
+        assert!(!shared(&pv(LOOP_DRIVER, &[])));
+        assert!(shared(&pv(LOOP_DRIVER, &["ReadOnlyMany"])));
         // Other drivers keep upstream's rule.
-        assert!(pv_multi_attach_allowed(&pv(
-            "nfs.csi.example",
-            &["ReadWriteMany"]
-        )));
-        assert!(pv_multi_attach_allowed(&pv("nfs.csi.example", &[])));
-        assert!(!pv_multi_attach_allowed(&pv(
-            "nfs.csi.example",
-            &["ReadWriteOnce"]
-        )));
+        assert!(shared(&pv("nfs.csi.example", &["ReadWriteMany"])));
+        assert!(shared(&pv("nfs.csi.example", &[])));
+        assert!(!shared(&pv("nfs.csi.example", &["ReadWriteOnce"])));
     }
 }

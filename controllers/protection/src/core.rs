@@ -118,7 +118,7 @@ pub fn pod_uses_claim(pod: &Pod, pvc: &PersistentVolumeClaim) -> bool {
     };
     pod_claims(pod)
         .iter()
-        .any(|c| c.claim == claim && c.usable(pod, pvc))
+        .any(|c| c.claim == claim && c.usable(pod, &pvc.metadata))
 }
 
 /// The live users of `pvc` among `pods`, sorted.

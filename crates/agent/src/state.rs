@@ -227,7 +227,7 @@ fn resolve(info: &PodInfo, pod: &Pod, pod_claim: &PodClaim, view: &View) -> Resu
     let claim_name = &pod_claim.claim;
     let pvc = (view.pvc)(&info.namespace, claim_name)
         .ok_or_else(|| format!("persistentvolumeclaim \"{claim_name}\" not found"))?;
-    if !pod_claim.usable(pod, &pvc) {
+    if !pod_claim.usable(pod, &pvc.metadata) {
         return Err(format!(
             "persistentvolumeclaim \"{claim_name}\" was not created for this pod"
         ));

@@ -2,7 +2,7 @@
 //! "which claims does a pod use", so persistentVolumeClaim and generic ephemeral volumes are
 //! resolved alike everywhere (upstream: `pkg/volume/util` and `component-helpers/storage/ephemeral`).
 
-use k8s_openapi::api::core::v1::PersistentVolumeClaim;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
 use crate::slim::PodRead;
 
@@ -37,7 +37,8 @@ impl PodClaim {
     /// May `pod` use `claim` for this volume? A persistentVolumeClaim volume may use any claim of
     /// its name; a generic ephemeral one only the claim the pod controls (upstream's
     /// `ephemeral.VolumeIsForPod`): a claim of the same name made by someone else is not it.
-    pub fn usable<P: PodRead + ?Sized>(&self, pod: &P, claim: &PersistentVolumeClaim) -> bool {
+    /// Only the claim's metadata is read.
+    pub fn usable<P: PodRead + ?Sized>(&self, pod: &P, claim: &ObjectMeta) -> bool {
         !self.ephemeral || claim_is_for_pod(pod, claim)
     }
 }
@@ -79,13 +80,13 @@ pub fn pod_terminated<P: PodRead + ?Sized>(pod: &P) -> bool {
     pod.meta().deletion_timestamp.is_some() && !pod.any_running()
 }
 
-/// Is `claim` controlled by `pod` (an ownerReference with `controller: true` and the pod's UID)?
-pub fn claim_is_for_pod<P: PodRead + ?Sized>(pod: &P, claim: &PersistentVolumeClaim) -> bool {
+/// Is the claim of metadata `claim` controlled by `pod` (an ownerReference with
+/// `controller: true` and the pod's UID)?
+pub fn claim_is_for_pod<P: PodRead + ?Sized>(pod: &P, claim: &ObjectMeta) -> bool {
     let Some(uid) = pod.meta().uid.as_deref().filter(|u| !u.is_empty()) else {
         return false;
     };
     claim
-        .metadata
         .owner_references
         .iter()
         .flatten()
@@ -97,7 +98,7 @@ mod tests {
     use k8s_openapi::api::core::v1::{
         EmptyDirVolumeSource, EphemeralVolumeSource, PersistentVolumeClaimVolumeSource, Pod, PodSpec, Volume,
     };
-    use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 
     use super::*;
 
@@ -136,13 +137,11 @@ mod tests {
         }
     }
 
-    fn claim(owners: Vec<OwnerReference>) -> PersistentVolumeClaim {
-        PersistentVolumeClaim {
-            metadata: ObjectMeta {
-                name: Some("web-0-scratch".into()),
-                owner_references: Some(owners),
-                ..Default::default()
-            },
+    /// A claim's metadata: all that deciding its use reads.
+    fn claim(owners: Vec<OwnerReference>) -> ObjectMeta {
+        ObjectMeta {
+            name: Some("web-0-scratch".into()),
+            owner_references: Some(owners),
             ..Default::default()
         }
     }
