@@ -146,6 +146,32 @@ pub fn percent_of_floor(throughput: f64, floor: Option<f64>) -> Option<f64> {
     floor.and_then(|f| ratio(throughput, f)).map(|r| r * 100.0)
 }
 
+/// The issue's bars against upstream (stowage's p99 over upstream's p50, CPU over upstream's)
+/// set beside what the bare writer of the floor row reaches on the same bars in the same run, so
+/// a bar that even a writer with no logic misses on this machine reads as such. Uses the lifted
+/// rows, else the first mode that has both controllers.
+fn against_upstream(rows: &[&RunResult], floor: &RunResult) -> Option<String> {
+    let pair = |mode: &str| {
+        let find = |i: &str| {
+            rows.iter()
+                .find(|r| r.mode == mode && r.implementation == i && r.converged)
+        };
+        find("stowage").zip(find("upstream"))
+    };
+    let (s, u) = pair("lifted").or_else(|| rows.iter().find_map(|r| pair(&r.mode)))?;
+    let p99_over_p50 = |r: &RunResult| r.p99_ms.zip(u.p50_ms).and_then(|(a, b)| ratio(a, b));
+    Some(format!(
+        "Against {mode} upstream, stowage and {f}: p99 over upstream's p50 {} and {}; CPU over \
+         upstream's {} and {}.",
+        opt(p99_over_p50(s), 2),
+        opt(p99_over_p50(floor), 2),
+        opt(ratio(s.cpu_s, u.cpu_s), 2),
+        opt(ratio(floor.cpu_s, u.cpu_s), 2),
+        mode = s.mode,
+        f = floor.implementation,
+    ))
+}
+
 impl Report {
     pub fn markdown(&self) -> String {
         let mut out = String::new();
@@ -220,6 +246,9 @@ impl Report {
                     "\nFloor: {} at {:.1} objects/s (the best floor row; % of floor divides by it).",
                     f.implementation, f.throughput_per_s
                 );
+                if let Some(line) = against_upstream(&rows, f) {
+                    let _ = writeln!(out, "\n{line}");
+                }
             }
             for n in notes {
                 let _ = writeln!(out, "\n¹ {n}");
@@ -453,6 +482,14 @@ mod tests {
         assert!(find("| lifted | stowage |").contains("| 160.0 | 80 |"));
         assert!(find("| lifted | **stowage/upstream** |").contains("| 0.31 | 3.20 | |"));
         assert!(md.contains("Floor: floor@64 at 200.0 objects/s"), "{md}");
+        // The bars against upstream, for stowage and for the best floor row.
+        assert!(
+            md.contains(
+                "Against lifted upstream, stowage and floor@64: p99 over upstream's p50 2.00 and \
+                 2.00; CPU over upstream's 0.25 and 0.05."
+            ),
+            "{md}"
+        );
         // Per-object table: CPU and RSS per 1,000 objects.
         assert!(
             find("| burst-100 | lifted | stowage |").ends_with("| 160.0 | 80 | 0.25 | 2.500 | 25 | 250.0 |")
