@@ -259,7 +259,7 @@ fn resolve_claim(claim: &Packed<PersistentVolumeClaim>, lookup: &impl Lookup) ->
     if !bound {
         return None;
     }
-    let pv = PvSpecView::of(&*lookup.volume(&pv_name)?);
+    let pv = PvSpecView::of(&*lookup.volume(&pv_name)?)?;
     let claim_ref_uid = pv.claim_ref.as_ref()?.uid.as_deref();
     if claim_ref_uid != claim.metadata.uid.as_deref() {
         return None;

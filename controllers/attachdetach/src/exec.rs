@@ -307,7 +307,9 @@ impl Controller {
                 continue;
             };
             let attached = self.pv_attachments.contains_key(&name);
-            let Some(add) = pv_finalizer_change(&pv.metadata, &PvSpecView::of(&pv), attached) else {
+            let Some(add) =
+                PvSpecView::of(&pv).and_then(|spec| pv_finalizer_change(&pv.metadata, &spec, attached))
+            else {
                 continue;
             };
             let mut fins: Vec<String> = pv

@@ -159,15 +159,16 @@ impl Controller {
 
     pub(crate) fn volume_changed(&mut self, pv: &Packed<PersistentVolume>) {
         let name = pv.metadata.name.clone().unwrap_or_default();
-        let spec = PvSpecView::of(pv);
-        if pv_finalizer_change(&pv.metadata, &spec, self.pv_attachments.contains_key(&name)).is_some() {
-            self.pv_dirty.insert(name.clone());
-            self.touch();
-        }
-        if let Some(cr) = &spec.claim_ref
-            && let (Some(ns), Some(claim)) = (cr.namespace.as_deref(), cr.name.as_deref())
-        {
-            self.claim_changed(ns, claim);
+        if let Some(spec) = PvSpecView::of(pv) {
+            if pv_finalizer_change(&pv.metadata, &spec, self.pv_attachments.contains_key(&name)).is_some() {
+                self.pv_dirty.insert(name.clone());
+                self.touch();
+            }
+            if let Some(cr) = &spec.claim_ref
+                && let (Some(ns), Some(claim)) = (cr.namespace.as_deref(), cr.name.as_deref())
+            {
+                self.claim_changed(ns, claim);
+            }
         }
         // Attachments that arrived before their volume can be placed now.
         if let Some(waiting) = self.unresolved.remove(&name) {
@@ -316,7 +317,7 @@ impl Controller {
             .pvs
             .store()
             .get(&ObjectRef::new(pv_name))
-            .map(|p| PvSpecView::of(&p));
+            .and_then(|p| PvSpecView::of(&p));
         let Some(csi) = pv.and_then(|p| p.csi) else {
             // Left alone until its volume shows up, as upstream skips it.
             if remember {
@@ -429,7 +430,10 @@ impl Controller {
             .pvs
             .store()
             .get(&ObjectRef::new(name))
-            .is_some_and(|pv| pv_finalizer_change(&pv.metadata, &PvSpecView::of(&pv), attached).is_none());
+            .is_some_and(|pv| {
+                PvSpecView::of(&pv)
+                    .is_some_and(|spec| pv_finalizer_change(&pv.metadata, &spec, attached).is_none())
+            });
         if settled {
             self.pv_dirty.remove(name);
         }

@@ -103,19 +103,19 @@ pub struct CsiView {
 impl PvSpecView {
     /// The view of a stored volume. Its JSON decoded as a `PersistentVolume` when stored, and
     /// these fields have that type's names and types, so this cannot fail short of a bug; if it
-    /// did, the volume reads as one without a spec (not resolvable, no finalizer change) and
-    /// the error is logged.
-    pub fn of(pv: &Packed<PersistentVolume>) -> Self {
+    /// did, the error is logged and `None` leaves the volume as it is: not resolved for a pod,
+    /// its finalizer neither added nor removed.
+    pub fn of(pv: &Packed<PersistentVolume>) -> Option<Self> {
         #[derive(Deserialize)]
         struct Wire {
             #[serde(default)]
             spec: Option<PvSpecView>,
         }
         match pv.view::<Wire>() {
-            Ok(w) => w.spec.unwrap_or_default(),
+            Ok(w) => Some(w.spec.unwrap_or_default()),
             Err(e) => {
                 tracing::error!(pv = ?pv.metadata.name, error = %e, "stored volume does not read back");
-                Self::default()
+                None
             }
         }
     }
@@ -316,7 +316,7 @@ mod access_mode_tests {
 
     /// The view the controller reads, through a stored (packed) copy as in the informer.
     fn view(pv: &PersistentVolume) -> PvSpecView {
-        PvSpecView::of(&Packed::new(pv.clone()))
+        PvSpecView::of(&Packed::new(pv.clone())).unwrap()
     }
 
     fn change(pv: &PersistentVolume, attached: bool) -> Option<bool> {
