@@ -14,6 +14,8 @@
 #   BENCH_QPS=50 BENCH_BURST=100     client limits of both in mode `equal`
 #   BENCH_STATIC_SIZES=1000,10000 BENCH_BURST_SIZE=10000,50000 (lists) BENCH_ATTACH_PODS BENCH_ATTACH_NODES BENCH_EXPAND_SIZE
 #   BENCH_STALL_TIMEOUT=120s   a run gives up when nothing progresses for this long
+#   BENCH_ROUNDS=1             run each workload's whole plan this many times in turn; the report
+#                              adds each round's ratios against upstream and the floor, and medians
 #   BENCH_STOWAGE_ARGS="..."   extra flags for every stowage-controller run (space-separated)
 set -euo pipefail
 top=$(cd "$(dirname "$0")/../.." && pwd)

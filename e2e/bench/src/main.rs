@@ -25,7 +25,7 @@ use serde_json::json;
 
 use crate::controller::{Impl, Limits, Setup, default_bin};
 use crate::objects::Objects;
-use crate::report::{Machine, Report, RunResult};
+use crate::report::{Machine, Report, RunResult, round_name};
 use crate::workload::{Env, Spec, Workload};
 
 /// kube-controller-manager's `--kube-api-qps` / `--kube-api-burst` defaults.
@@ -166,6 +166,11 @@ struct Args {
         default_value = "equal,defaults"
     )]
     modes: Vec<Mode>,
+    /// Rounds of each workload: its whole plan (the floor sweep, then the controllers) runs this
+    /// many times in turn, and the report adds each round's bars against upstream and their
+    /// medians, so how far one run's ratio moves on this machine shows in one invocation.
+    #[arg(long, env = "BENCH_ROUNDS", default_value_t = 1)]
+    rounds: usize,
     /// Size preset; the options below override single sizes.
     #[arg(long, env = "BENCH_SIZES", default_value = "full")]
     sizes: Sizes,
@@ -343,6 +348,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         timeout: args.run_timeout,
     };
 
+    let rounds = args.rounds.max(1);
     let mut report = Report {
         started_unix: stamp,
         machine,
@@ -351,8 +357,12 @@ async fn run(args: Args) -> anyhow::Result<()> {
             "upstream_defaults": UPSTREAM_DEFAULTS, "stowage_defaults": sdef.to_string(),
             "floor_concurrency": args.floor_concurrency,
             "concurrency": args.concurrency, "stall_timeout_s": args.stall_timeout.as_secs(),
+            "rounds": rounds,
         }),
-        workloads: workloads.iter().map(|w| (w.name(), w.describe())).collect(),
+        workloads: workloads
+            .iter()
+            .flat_map(|w| (1..=rounds).map(move |k| (round_name(&w.name(), k, rounds), w.describe())))
+            .collect(),
         results: Vec::new(),
     };
     // Runs whose flags are identical (stowage's defaults may equal the `equal` limits) are run once.
@@ -364,10 +374,11 @@ async fn run(args: Args) -> anyhow::Result<()> {
         (args.qps, args.burst),
         sdef,
     );
-    for w in &workloads {
+    for (w, k) in workloads.iter().flat_map(|w| (1..=rounds).map(move |k| (w, k))) {
+        let name = round_name(&w.name(), k, rounds);
         for p in &runs {
             let (mode_name, which) = (p.mode, p.which);
-            let key = (w.name(), which, p.effective.to_string());
+            let key = (name.clone(), which, p.effective.to_string());
             if let Some(prev) = by_config.get(&key) {
                 let mut r = prev.clone();
                 r.note = Some(format!(
@@ -378,7 +389,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
                 report.results.push(r);
                 continue;
             }
-            eprintln!("stowage-bench: {} / {mode_name} / {}", w.name(), which.name());
+            eprintln!("stowage-bench: {name} / {mode_name} / {}", which.name());
             let spec = Spec {
                 workload: w,
                 which,
@@ -386,10 +397,10 @@ async fn run(args: Args) -> anyhow::Result<()> {
                 limits: p.flags,
                 effective: p.effective,
             };
-            let r = workload::run_one(&env, &spec).await?;
+            let mut r = workload::run_one(&env, &spec).await?;
+            r.workload = name.clone();
             eprintln!(
-                "stowage-bench: {} / {mode_name} / {}: {}",
-                w.name(),
+                "stowage-bench: {name} / {mode_name} / {}: {}",
                 which.name(),
                 outcome(&r, "")
             );

@@ -146,30 +146,85 @@ pub fn percent_of_floor(throughput: f64, floor: Option<f64>) -> Option<f64> {
     floor.and_then(|f| ratio(throughput, f)).map(|r| r * 100.0)
 }
 
-/// The issue's bars against upstream (stowage's p99 over upstream's p50, CPU over upstream's)
-/// set beside what the bare writer of the floor row reaches on the same bars in the same run, so
-/// a bar that even a writer with no logic misses on this machine reads as such. Uses the lifted
-/// rows, else the first mode that has both controllers.
-fn against_upstream(rows: &[&RunResult], floor: &RunResult) -> Option<String> {
+/// The issue's bars against upstream in one table (stowage against upstream, and the best floor
+/// row against upstream on the same bars), from the lifted rows, else the first mode that has
+/// both controllers.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Bars<'a> {
+    pub mode: &'a str,
+    pub floor: &'a str,
+    /// Stowage's objects/s over upstream's.
+    pub throughput: Option<f64>,
+    /// % of floor of stowage and of upstream.
+    pub stowage_pct: Option<f64>,
+    pub upstream_pct: Option<f64>,
+    /// p99 over upstream's p50: stowage's, the floor row's.
+    pub stowage_p99: Option<f64>,
+    pub floor_p99: Option<f64>,
+    /// CPU over upstream's: stowage's, the floor row's.
+    pub stowage_cpu: Option<f64>,
+    pub floor_cpu: Option<f64>,
+}
+
+pub fn bars<'a>(rows: &[&'a RunResult], floor: &'a RunResult) -> Option<Bars<'a>> {
     let pair = |mode: &str| {
         let find = |i: &str| {
             rows.iter()
+                .copied()
                 .find(|r| r.mode == mode && r.implementation == i && r.converged)
         };
         find("stowage").zip(find("upstream"))
     };
     let (s, u) = pair("lifted").or_else(|| rows.iter().find_map(|r| pair(&r.mode)))?;
     let p99_over_p50 = |r: &RunResult| r.p99_ms.zip(u.p50_ms).and_then(|(a, b)| ratio(a, b));
-    Some(format!(
-        "Against {mode} upstream, stowage and {f}: p99 over upstream's p50 {} and {}; CPU over \
+    let pct = |r: &RunResult| percent_of_floor(r.throughput_per_s, Some(floor.throughput_per_s));
+    Some(Bars {
+        mode: &s.mode,
+        floor: &floor.implementation,
+        throughput: ratio(s.throughput_per_s, u.throughput_per_s),
+        stowage_pct: pct(s),
+        upstream_pct: pct(u),
+        stowage_p99: p99_over_p50(s),
+        floor_p99: p99_over_p50(floor),
+        stowage_cpu: ratio(s.cpu_s, u.cpu_s),
+        floor_cpu: ratio(floor.cpu_s, u.cpu_s),
+    })
+}
+
+/// The bars as one sentence under a workload's table, so a bar that even a writer with no logic
+/// misses on this machine reads as such.
+fn against_upstream(b: &Bars) -> String {
+    format!(
+        "Against {} upstream, stowage and {}: p99 over upstream's p50 {} and {}; CPU over \
          upstream's {} and {}.",
-        opt(p99_over_p50(s), 2),
-        opt(p99_over_p50(floor), 2),
-        opt(ratio(s.cpu_s, u.cpu_s), 2),
-        opt(ratio(floor.cpu_s, u.cpu_s), 2),
-        mode = s.mode,
-        f = floor.implementation,
-    ))
+        b.mode,
+        b.floor,
+        opt(b.stowage_p99, 2),
+        opt(b.floor_p99, 2),
+        opt(b.stowage_cpu, 2),
+        opt(b.floor_cpu, 2),
+    )
+}
+
+/// `name` of round `k` of `rounds` (`BENCH_ROUNDS`): unchanged when there is one round.
+pub fn round_name(name: &str, k: usize, rounds: usize) -> String {
+    match rounds {
+        0 | 1 => name.to_string(),
+        _ => format!("{name} round {k}"),
+    }
+}
+
+const ROUND: &str = " round ";
+
+fn median(mut v: Vec<f64>) -> Option<f64> {
+    v.retain(|x| x.is_finite());
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    match n {
+        0 => None,
+        _ if n % 2 == 1 => Some(v[n / 2]),
+        _ => Some((v[n / 2 - 1] + v[n / 2]) / 2.0),
+    }
 }
 
 impl Report {
@@ -246,8 +301,8 @@ impl Report {
                     "\nFloor: {} at {:.1} objects/s (the best floor row; % of floor divides by it).",
                     f.implementation, f.throughput_per_s
                 );
-                if let Some(line) = against_upstream(&rows, f) {
-                    let _ = writeln!(out, "\n{line}");
+                if let Some(b) = bars(&rows, f) {
+                    let _ = writeln!(out, "\n{}", against_upstream(&b));
                 }
             }
             for n in notes {
@@ -261,8 +316,63 @@ impl Report {
             }
             out.push('\n');
         }
+        out.push_str(&self.rounds());
         out.push_str(&self.per_object());
         out.push_str(&self.scaling());
+        out
+    }
+
+    /// For workloads run in rounds: each round's bars against upstream and the floor, and their
+    /// medians, so one invocation shows how far a single run's ratio moves on this machine.
+    fn rounds(&self) -> String {
+        let mut bases: Vec<&str> = self
+            .workloads
+            .iter()
+            .filter_map(|(name, _)| name.split_once(ROUND).map(|(base, _)| base))
+            .collect();
+        bases.dedup();
+        let mut out = String::new();
+        for base in bases {
+            let mut table = Vec::new();
+            for (name, _) in self
+                .workloads
+                .iter()
+                .filter(|(n, _)| n.split_once(ROUND).is_some_and(|(b, _)| b == base))
+            {
+                let rows: Vec<&RunResult> = self.results.iter().filter(|r| &r.workload == name).collect();
+                if let Some(b) = best_floor(rows.iter().copied()).and_then(|f| bars(&rows, f)) {
+                    let round = name.rsplit(ROUND).next().unwrap_or_default().to_string();
+                    table.push((round, b));
+                }
+            }
+            if table.is_empty() {
+                continue;
+            }
+            let _ = write!(
+                out,
+                "### {base}: the rounds\n\n| round | stowage/upstream objects/s | % of floor (upstream, stowage) | p99 over upstream's p50 (stowage, floor) | CPU over upstream's (stowage, floor) |\n|---|---|---|---|---|\n"
+            );
+            let pair = |a: Option<f64>, b: Option<f64>, d: usize| format!("{}, {}", opt(a, d), opt(b, d));
+            for (round, b) in &table {
+                let _ = writeln!(
+                    out,
+                    "| {round} | {} | {} | {} | {} |",
+                    opt(b.throughput, 2),
+                    pair(b.upstream_pct, b.stowage_pct, 0),
+                    pair(b.stowage_p99, b.floor_p99, 2),
+                    pair(b.stowage_cpu, b.floor_cpu, 2),
+                );
+            }
+            let med = |f: fn(&Bars) -> Option<f64>| median(table.iter().filter_map(|(_, b)| f(b)).collect());
+            let _ = writeln!(
+                out,
+                "| **median** | **{}** | {} | {} | {} |\n",
+                opt(med(|b| b.throughput), 2),
+                pair(med(|b| b.upstream_pct), med(|b| b.stowage_pct), 0),
+                pair(med(|b| b.stowage_p99), med(|b| b.floor_p99), 2),
+                pair(med(|b| b.stowage_cpu), med(|b| b.floor_cpu), 2),
+            );
+        }
         out
     }
 
@@ -508,6 +618,55 @@ mod tests {
             "{md}"
         );
         assert!(!md.contains("Floor:"));
+    }
+
+    #[test]
+    fn rounds_get_a_table_of_their_bars_and_medians() {
+        assert_eq!(round_name("attach-10x2", 1, 1), "attach-10x2");
+        assert_eq!(round_name("attach-10x2", 2, 3), "attach-10x2 round 2");
+        assert_eq!(median(vec![3.0, 1.0, 2.0]), Some(2.0));
+        assert_eq!(median(vec![4.0, 1.0, 2.0, 3.0]), Some(2.5));
+        assert_eq!(median(vec![]), None);
+        let mut results = Vec::new();
+        let names: Vec<String> = (1..=3).map(|k| round_name("attach-100x2", k, 3)).collect();
+        // Stowage's wall time per round: 1.0, 0.5, 2.0 s against upstream's 1.0 s.
+        for (name, wall) in names.iter().zip([1.0, 0.5, 2.0]) {
+            let mut f = row(name, "floor", "floor@64", 100, 0.5, 0.1, 10.0);
+            f.p99_ms = Some(400.0);
+            results.push(f);
+            results.push(row(name, "lifted", "upstream", 100, 1.0, 1.0, 100.0));
+            results.push(row(name, "lifted", "stowage", 100, wall, 0.5, 30.0));
+        }
+        let names: Vec<&str> = names.iter().map(String::as_str).collect();
+        let md = report(results, &names).markdown();
+        assert!(md.contains("### attach-100x2: the rounds"), "{md}");
+        assert!(
+            md.contains("| 1 | 1.00 | 50, 50 | 2.00, 4.00 | 0.50, 0.10 |"),
+            "{md}"
+        );
+        assert!(
+            md.contains("| 2 | 2.00 | 50, 100 | 2.00, 4.00 | 0.50, 0.10 |"),
+            "{md}"
+        );
+        assert!(
+            md.contains("| 3 | 0.50 | 50, 25 | 2.00, 4.00 | 0.50, 0.10 |"),
+            "{md}"
+        );
+        assert!(
+            md.contains("| **median** | **1.00** | 50, 50 | 2.00, 4.00 | 0.50, 0.10 |"),
+            "{md}"
+        );
+        // One round: no such table.
+        let md = report(
+            vec![
+                row("attach-100x2", "floor", "floor@64", 100, 0.5, 0.1, 10.0),
+                row("attach-100x2", "lifted", "upstream", 100, 1.0, 1.0, 100.0),
+                row("attach-100x2", "lifted", "stowage", 100, 1.0, 0.5, 30.0),
+            ],
+            &["attach-100x2"],
+        )
+        .markdown();
+        assert!(!md.contains("the rounds"), "{md}");
     }
 
     #[test]
