@@ -307,8 +307,8 @@ impl Controller {
                 continue;
             };
             let attached = self.pv_attachments.contains_key(&name);
-            let Some(add) =
-                PvSpecView::of(&pv).and_then(|spec| pv_finalizer_change(&pv.metadata, &spec, attached))
+            let Some(add) = PvSpecView::of(&pv)
+                .and_then(|spec| pv_finalizer_change(&pv.metadata, spec.is_loop(), attached))
             else {
                 continue;
             };

@@ -160,7 +160,13 @@ impl Controller {
     pub(crate) fn volume_changed(&mut self, pv: &Packed<PersistentVolume>) {
         let name = pv.metadata.name.clone().unwrap_or_default();
         if let Some(spec) = PvSpecView::of(pv) {
-            if pv_finalizer_change(&pv.metadata, &spec, self.pv_attachments.contains_key(&name)).is_some() {
+            if pv_finalizer_change(
+                &pv.metadata,
+                spec.is_loop(),
+                self.pv_attachments.contains_key(&name),
+            )
+            .is_some()
+            {
                 self.pv_dirty.insert(name.clone());
                 self.touch();
             }
@@ -410,7 +416,7 @@ impl Controller {
             .persistent_volume_name
             .as_deref()
             .unwrap_or_default();
-        if unaffected && self.pv_settled(pv) {
+        if unaffected && self.pv_settled(pv, &driver) {
             self.backlog += 1;
             return false;
         }
@@ -419,21 +425,20 @@ impl Controller {
     }
 
     /// Whether the PV's attacher finalizer is already as it should be (nothing for the next
-    /// pass to patch): then it leaves the set the pass checks.
-    fn pv_settled(&mut self, name: &str) -> bool {
+    /// pass to patch): then it leaves the set the pass checks. `driver`: the PV's CSI driver, as
+    /// the attachment was just resolved through it, so only the PV's metadata is read here.
+    fn pv_settled(&mut self, name: &str, driver: &str) -> bool {
         if self.pv_patching.contains(name) {
             return false;
         }
         let attached = self.pv_attachments.contains_key(name);
+        let is_loop = driver == crate::objects::LOOP_DRIVER;
         let settled = self
             .cluster
             .pvs
             .store()
             .get(&ObjectRef::new(name))
-            .is_some_and(|pv| {
-                PvSpecView::of(&pv)
-                    .is_some_and(|spec| pv_finalizer_change(&pv.metadata, &spec, attached).is_none())
-            });
+            .is_some_and(|pv| pv_finalizer_change(&pv.metadata, is_loop, attached).is_none());
         if settled {
             self.pv_dirty.remove(name);
         }

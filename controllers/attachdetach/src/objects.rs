@@ -120,7 +120,7 @@ impl PvSpecView {
         }
     }
 
-    fn is_loop(&self) -> bool {
+    pub fn is_loop(&self) -> bool {
         self.csi.as_ref().is_some_and(|c| c.driver == LOOP_DRIVER)
     }
 }
@@ -129,14 +129,15 @@ impl PvSpecView {
 /// `loop.stowage.dev` PV while any VolumeAttachment names it (so the PV cannot vanish under an
 /// attachment that a restarted controller could then no longer map), off once none does.
 /// `Some(true)`: add, `Some(false)`: remove, `None`: nothing. No finalizer is added to a PV
-/// being deleted (the apiserver refuses new finalizers then).
-pub fn pv_finalizer_change(meta: &ObjectMeta, spec: &PvSpecView, attached: bool) -> Option<bool> {
+/// being deleted (the apiserver refuses new finalizers then). `is_loop`: the PV's CSI driver is
+/// the built-in one (callers that resolved the driver already need not read the PV again).
+pub fn pv_finalizer_change(meta: &ObjectMeta, is_loop: bool, attached: bool) -> Option<bool> {
     let has = meta
         .finalizers
         .iter()
         .flatten()
         .any(|f| f == stowage_common::objects::LOOP_ATTACHER_FINALIZER);
-    match (spec.is_loop() && attached, has) {
+    match (is_loop && attached, has) {
         (true, false) if meta.deletion_timestamp.is_none() => Some(true),
         (false, true) => Some(false),
         _ => None,
@@ -320,7 +321,7 @@ mod access_mode_tests {
     }
 
     fn change(pv: &PersistentVolume, attached: bool) -> Option<bool> {
-        pv_finalizer_change(&pv.metadata, &view(pv), attached)
+        pv_finalizer_change(&pv.metadata, view(pv).is_loop(), attached)
     }
 
     fn shared(pv: &PersistentVolume) -> bool {

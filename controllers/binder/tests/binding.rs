@@ -534,26 +534,28 @@ async fn stores_and_writes_hold_what_the_apiserver_serves_less_managed_fields() 
     assert_eq!(written, want_claim, "a status PUT's answer");
 
     // The stores catch up with the writes; then they hold the same objects.
-    let stored_pv = eventually(WAIT, || async {
-        match cluster.pvs.store().get(&ObjectRef::new("pv-lean")) {
-            Some(p) if p.metadata.resource_version == want.metadata.resource_version => Ok(p.unpack()),
-            other => Err(format!(
-                "stored: {:?}",
-                other.map(|p| p.metadata.resource_version.clone())
-            )),
-        }
-    })
-    .await;
+    let stored_pv = stored_at(cluster.pvs.store(), ObjectRef::new("pv-lean"), &want).await;
     assert_eq!(stored_pv, want, "the PV informer's object");
-    let stored_claim = eventually(WAIT, || async {
-        match cluster.pvcs.store().get(&ObjectRef::new("lean").within("app")) {
-            Some(c) if c.metadata.resource_version == want_claim.metadata.resource_version => Ok(c.unpack()),
+    let key = ObjectRef::new("lean").within("app");
+    let stored_claim = stored_at(cluster.pvcs.store(), key, &want_claim).await;
+    assert_eq!(stored_claim, want_claim, "the claim informer's object");
+}
+
+/// The object a store holds once it has caught up with `want`'s resourceVersion, unpacked.
+async fn stored_at<K: stowage_common::packed::Packable>(
+    store: &kube::runtime::reflector::Store<stowage_common::packed::Packed<K>>,
+    key: kube::runtime::reflector::ObjectRef<stowage_common::packed::Packed<K>>,
+    want: &K,
+) -> K {
+    let rv = &want.metadata().resource_version;
+    eventually(WAIT, || async {
+        match store.get(&key) {
+            Some(o) if &o.metadata.resource_version == rv => Ok(o.unpack()),
             other => Err(format!(
                 "stored: {:?}",
-                other.map(|c| c.metadata.resource_version.clone())
+                other.map(|o| o.metadata.resource_version.clone())
             )),
         }
     })
-    .await;
-    assert_eq!(stored_claim, want_claim, "the claim informer's object");
+    .await
 }
