@@ -17,6 +17,7 @@
 #   BENCH_ROUNDS=1             run each workload's whole plan this many times in turn; the report
 #                              adds each round's ratios against upstream and the floor, and medians
 #   BENCH_STOWAGE_ARGS="..."   extra flags for every stowage-controller run (space-separated)
+#   BENCH_UPSTREAM_ARGS="..."  extra flags for every kube-controller-manager run (space-separated)
 set -euo pipefail
 top=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$top"

@@ -62,6 +62,8 @@ pub struct Setup {
     pub stowage_bin: PathBuf,
     /// Extra flags of every stowage-controller run (`--stowage-args`).
     pub stowage_args: Vec<String>,
+    /// Extra flags of every kube-controller-manager run (`--upstream-args`).
+    pub upstream_args: Vec<String>,
     pub kubeconfig: PathBuf,
     pub log_dir: PathBuf,
     pub image_dir: PathBuf,
@@ -113,7 +115,8 @@ impl Controller {
                     // No serving endpoint: nothing scrapes it, and it would need authn/authz wiring.
                     "--secure-port=0",
                 ])
-                .arg(format!("--controllers={controllers}"));
+                .arg(format!("--controllers={controllers}"))
+                .args(&setup.upstream_args);
                 c
             }
             Impl::Stowage => {

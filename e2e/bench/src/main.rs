@@ -210,6 +210,11 @@ struct Args {
     /// to compare a setting side by side); space-separated.
     #[arg(long, env = "BENCH_STOWAGE_ARGS", default_value = "")]
     stowage_args: String,
+    /// Extra flags for kube-controller-manager in every upstream run (e.g.
+    /// `--kube-api-content-type=application/json`, to see what its protobuf transport is worth);
+    /// space-separated.
+    #[arg(long, env = "BENCH_UPSTREAM_ARGS", default_value = "")]
+    upstream_args: String,
     #[arg(long, env = "BENCH_KCM_BIN")]
     kcm_bin: Option<PathBuf>,
     /// Volumes (and pods) of workload `agent`.
@@ -340,6 +345,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
             kcm_bin,
             stowage_bin,
             stowage_args: args.stowage_args.split_whitespace().map(String::from).collect(),
+            upstream_args: args.upstream_args.split_whitespace().map(String::from).collect(),
             kubeconfig: cp.kubeconfig(),
             log_dir: log_dir.clone(),
             image_dir,
@@ -358,6 +364,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
             "floor_concurrency": args.floor_concurrency,
             "concurrency": args.concurrency, "stall_timeout_s": args.stall_timeout.as_secs(),
             "rounds": rounds,
+            "stowage_args": args.stowage_args, "upstream_args": args.upstream_args,
         }),
         workloads: workloads
             .iter()
