@@ -228,8 +228,29 @@ fn median(mut v: Vec<f64>) -> Option<f64> {
 }
 
 impl Report {
+    /// A line naming the extra flags the controllers ran with (`BENCH_UPSTREAM_ARGS`,
+    /// `BENCH_STOWAGE_ARGS`), so that tables read on their own do not pass for the defaults.
+    fn extra_flags(&self) -> String {
+        let flags = |key: &str| {
+            self.settings
+                .get(key)
+                .and_then(|v| v.as_str())
+                .map(str::trim)
+                .filter(|f| !f.is_empty())
+        };
+        let parts: Vec<String> = [("upstream", "upstream_args"), ("stowage", "stowage_args")]
+            .into_iter()
+            .filter_map(|(who, key)| flags(key).map(|f| format!("{who} with `{f}`")))
+            .collect();
+        if parts.is_empty() {
+            String::new()
+        } else {
+            format!("Extra flags in every run: {}.\n\n", parts.join("; "))
+        }
+    }
+
     pub fn markdown(&self) -> String {
-        let mut out = String::new();
+        let mut out = self.extra_flags();
         for (name, what) in &self.workloads {
             let rows: Vec<&RunResult> = self.results.iter().filter(|r| &r.workload == name).collect();
             if rows.is_empty() {
@@ -543,6 +564,29 @@ mod tests {
                 .collect(),
             results,
         }
+    }
+
+    #[test]
+    fn extra_flags_are_named_above_the_tables() {
+        let rows = vec![row("attach-10x2", "lifted", "upstream", 10, 1.0, 0.1, 10.0)];
+        let mut r = report(rows, &["attach-10x2"]);
+        assert!(r.markdown().starts_with("### attach-10x2"), "{}", r.markdown());
+        r.settings = serde_json::json!({
+            "upstream_args": " --kube-api-content-type=application/json ",
+            "stowage_args": "",
+        });
+        let md = r.markdown();
+        assert!(
+            md.starts_with(
+                "Extra flags in every run: upstream with `--kube-api-content-type=application/json`.\n\n### attach-10x2"
+            ),
+            "{md}"
+        );
+        r.settings = serde_json::json!({"upstream_args": "--a", "stowage_args": "--b=1 --c"});
+        assert!(
+            r.markdown()
+                .starts_with("Extra flags in every run: upstream with `--a`; stowage with `--b=1 --c`.")
+        );
     }
 
     #[test]
