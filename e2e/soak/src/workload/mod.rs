@@ -254,6 +254,16 @@ fn growable(c: &ClaimState) -> bool {
     CLASSES[c.class].looped && c.volume.is_some() && c.size_mi < 64
 }
 
+/// The claims the churn may delete: all but the first grown loop claim, kept as the witness the
+/// end check of expansions (`expansion-reached-size`) needs whichever claims the dice pick.
+fn deletable(claims: &BTreeMap<String, ClaimState>) -> Vec<String> {
+    let witness = claims
+        .iter()
+        .find(|(_, c)| CLASSES[c.class].looped && c.sizes_mi.len() > 1)
+        .map(|(n, _)| n);
+    claims.keys().filter(|n| Some(*n) != witness).cloned().collect()
+}
+
 #[derive(Debug)]
 enum Op {
     CreateClaim,
@@ -314,7 +324,7 @@ fn choose(ctx: &Ctx, rng: &mut Rng, near_end: bool) -> Option<Op> {
         menu.push((8, Op::Expand(c.clone())));
     }
     if w.claims.len() > 3
-        && let Some(c) = rng.pick(&w.claims.keys().cloned().collect::<Vec<_>>())
+        && let Some(c) = rng.pick(&deletable(&w.claims))
     {
         menu.push((9, Op::DeleteClaim(c.clone())));
     }
@@ -363,5 +373,45 @@ async fn execute(ctx: &Arc<Ctx>, rng: &mut Rng, op: Op) {
         Op::DeleteClaim(c) => claims::delete_claim(ctx, &c).await,
         Op::Drain(n) => nodes::drain(ctx, rng, &n).await,
         Op::OutOfService(n) => nodes::out_of_service(ctx, rng, &n).await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn claim(class: usize, sizes_mi: &[u64]) -> ClaimState {
+        ClaimState {
+            class,
+            uid: String::new(),
+            size_mi: *sizes_mi.last().unwrap(),
+            sizes_mi: sizes_mi.to_vec(),
+            resize_since: None,
+            generation: 0,
+            maybe_next: false,
+            fs_uuid: None,
+            pod: None,
+            selected_node: None,
+            volume: Some("pv".into()),
+            io: Arc::default(),
+        }
+    }
+
+    #[test]
+    fn the_first_grown_loop_claim_is_never_deleted_by_churn() {
+        let ext = CLASSES.iter().position(|c| !c.looped).unwrap();
+        let mut claims = BTreeMap::new();
+        claims.insert("c0001".to_string(), claim(0, &[16]));
+        claims.insert("c0002".to_string(), claim(ext, &[64, 72]));
+        claims.insert("c0003".to_string(), claim(2, &[16, 24]));
+        claims.insert("c0004".to_string(), claim(1, &[32, 40]));
+        // The grown external claim is no witness (the end check follows loop claims only); the
+        // first grown loop claim is, and the second stays deletable.
+        assert_eq!(deletable(&claims), ["c0001", "c0002", "c0004"]);
+        claims.remove("c0003");
+        assert_eq!(deletable(&claims), ["c0001", "c0002"]);
+        // Nothing grown yet: everything may go.
+        let fresh: BTreeMap<_, _> = [("c0001".to_string(), claim(0, &[16]))].into();
+        assert_eq!(deletable(&fresh), ["c0001"]);
     }
 }
