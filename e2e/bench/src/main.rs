@@ -269,17 +269,25 @@ impl Args {
     }
 }
 
-#[tokio::main]
-async fn main() {
+fn main() {
     let mut args = Args::parse();
     let r = match args.command.take() {
-        Some(Command::Floor(f)) => floor::run(f).await,
-        None => run(args).await,
+        // The floor writer runs on one thread, as stowage-controller does: the yardstick is the
+        // cheapest client this stack makes, so no controller beats it by its runtime alone.
+        Some(Command::Floor(f)) => {
+            runtime(tokio::runtime::Builder::new_current_thread()).and_then(|rt| rt.block_on(floor::run(f)))
+        }
+        // The driver blocks in place (process stops, the control plane's start): many threads.
+        None => runtime(tokio::runtime::Builder::new_multi_thread()).and_then(|rt| rt.block_on(run(args))),
     };
     if let Err(e) = r {
         eprintln!("stowage-bench: {e:#}");
         std::process::exit(1);
     }
+}
+
+fn runtime(mut builder: tokio::runtime::Builder) -> anyhow::Result<tokio::runtime::Runtime> {
+    builder.enable_all().build().context("start the tokio runtime")
 }
 
 async fn run(args: Args) -> anyhow::Result<()> {
