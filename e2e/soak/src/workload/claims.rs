@@ -1,6 +1,5 @@
 //! Claims: created in every class, grown, deleted.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use kube::ResourceExt;
@@ -37,20 +36,7 @@ pub(super) async fn create_claim(ctx: &Ctx, rng: &mut Rng) {
             ctx.world().class_order.retain(|c| *c != class);
             ctx.world().claims.insert(
                 name.clone(),
-                ClaimState {
-                    class,
-                    uid: made.uid().unwrap_or_default(),
-                    size_mi,
-                    sizes_mi: vec![size_mi],
-                    resize_since: None,
-                    generation: 0,
-                    maybe_next: false,
-                    fs_uuid: None,
-                    pod: None,
-                    selected_node: None,
-                    volume: None,
-                    io: Arc::default(),
-                },
+                ClaimState::new(class, made.uid().unwrap_or_default(), size_mi),
             );
             ctx.record.op(
                 "create-claim",

@@ -109,6 +109,26 @@ pub struct ClaimState {
     pub io: Arc<tokio::sync::Mutex<()>>,
 }
 
+impl ClaimState {
+    /// A claim just created with `size_mi`: no pod, no volume, nothing written yet.
+    pub(super) fn new(class: usize, uid: String, size_mi: u64) -> Self {
+        Self {
+            class,
+            uid,
+            size_mi,
+            sizes_mi: vec![size_mi],
+            resize_since: None,
+            generation: 0,
+            maybe_next: false,
+            fs_uuid: None,
+            pod: None,
+            selected_node: None,
+            volume: None,
+            io: Arc::default(),
+        }
+    }
+}
+
 /// A claim the workload deleted, for the end checks.
 #[derive(Clone, Debug)]
 pub struct Deleted {
@@ -381,20 +401,11 @@ mod tests {
     use super::*;
 
     fn claim(class: usize, sizes_mi: &[u64]) -> ClaimState {
-        ClaimState {
-            class,
-            uid: String::new(),
-            size_mi: *sizes_mi.last().unwrap(),
-            sizes_mi: sizes_mi.to_vec(),
-            resize_since: None,
-            generation: 0,
-            maybe_next: false,
-            fs_uuid: None,
-            pod: None,
-            selected_node: None,
-            volume: Some("pv".into()),
-            io: Arc::default(),
-        }
+        let mut c = ClaimState::new(class, String::new(), sizes_mi[0]);
+        c.size_mi = *sizes_mi.last().unwrap();
+        c.sizes_mi = sizes_mi.to_vec();
+        c.volume = Some("pv".into());
+        c
     }
 
     #[test]
