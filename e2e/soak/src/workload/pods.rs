@@ -237,6 +237,16 @@ async fn verify(ctx: Arc<Ctx>, claim: String, pod: PodRef) {
             Some(b) if maybe_next && *b == host::pattern(seed, &uid2, generation + 1) => Some(generation + 1),
             Some(_) => None,
         };
+        // A node powered off (or a kill's teardown) may unmount the volume between the look at
+        // the mount table and the read: the read then saw the bare directory, which says nothing
+        // about the volume's data. Only a read from a mount still in place is evidence.
+        if found.is_none() && pod_mount(&ctx, &pod, &volume).is_none_or(|m| m.source != mount.source) {
+            ctx.record.note(
+                "pattern-read-mount-gone",
+                &format!("{claim}: the mount went during the read"),
+            );
+            continue;
+        }
         ctx.record.checks("pattern-intact", 1);
         if found.is_none() {
             ctx.record.violation(
