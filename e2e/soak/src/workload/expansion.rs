@@ -17,7 +17,7 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::ResourceExt;
 use kube::api::{Api, ListParams, Patch, PatchParams};
 
-use super::pods::{move_pod, pod_mount, start_pod};
+use super::pods::{move_pod, pod_mount, start_pod, still_mounted};
 use super::{CLASSES, Ctx, PodRef};
 use crate::host;
 use crate::rng::Rng;
@@ -131,7 +131,7 @@ pub(super) async fn check_fs_grown(
         }
         Ok(Err(e)) => {
             // Unless the mount went meanwhile, a mounted volume's device must show its superblock.
-            if pod_mount(ctx, pod, volume).is_some_and(|m| m.source == mount.source) {
+            if still_mounted(ctx, pod, volume, &mount.source) {
                 ctx.record.violation(
                     &format!("fs-size:{claim}:{}", pod.uid),
                     "no ext file system on a mounted volume's device",

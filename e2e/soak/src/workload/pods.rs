@@ -152,6 +152,13 @@ pub(super) fn pod_mount(ctx: &Ctx, pod: &PodRef, volume: &str) -> Option<host::M
         .find(|m| m.target == target)
 }
 
+/// Whether the pod's mount of `volume` is still the one from `source`. A node power-off or a
+/// kill's teardown can unmount a volume between a look at the mount table and a read or write;
+/// only I/O through a mount still in place afterwards says anything about the volume.
+pub(super) fn still_mounted(ctx: &Ctx, pod: &PodRef, volume: &str, source: &str) -> bool {
+    pod_mount(ctx, pod, volume).is_some_and(|m| m.source == source)
+}
+
 /// Waits until the agent has mounted the pod's volume, then checks the data the previous pod
 /// left (pattern generation, file-system UUID) and writes the next generation.
 async fn verify(ctx: Arc<Ctx>, claim: String, pod: PodRef) {
@@ -240,7 +247,7 @@ async fn verify(ctx: Arc<Ctx>, claim: String, pod: PodRef) {
         // A node powered off (or a kill's teardown) may unmount the volume between the look at
         // the mount table and the read: the read then saw the bare directory, which says nothing
         // about the volume's data. Only a read from a mount still in place is evidence.
-        if found.is_none() && pod_mount(&ctx, &pod, &volume).is_none_or(|m| m.source != mount.source) {
+        if found.is_none() && !still_mounted(&ctx, &pod, &volume, &mount.source) {
             ctx.record.note(
                 "pattern-read-mount-gone",
                 &format!("{claim}: the mount went during the read"),
@@ -282,7 +289,7 @@ async fn verify(ctx: Arc<Ctx>, claim: String, pod: PodRef) {
             (Err(e), _) => {
                 // A mounted ext4 always has a UUID: unless the mount went meanwhile (then look
                 // again), a probe that finds none means the device holds something else.
-                if pod_mount(&ctx, &pod, &volume).is_some_and(|m| m.source == mount.source) {
+                if still_mounted(&ctx, &pod, &volume, &mount.source) {
                     ctx.record.violation(
                         &format!("uuid-missing:{claim}:{}", pod.uid),
                         "no file-system UUID on a mounted volume",
@@ -305,20 +312,20 @@ async fn verify(ctx: Arc<Ctx>, claim: String, pod: PodRef) {
         let bytes = host::pattern(seed, &uid, next);
         let dir = target.clone();
         let wrote = tokio::task::spawn_blocking(move || host::write_pattern(&dir, &bytes)).await;
+        // A write that returned while the mount went away may have landed in the bare
+        // directory: then the volume holds either generation, as after a failed write.
+        let landed = matches!(wrote, Ok(Ok(()))) && still_mounted(&ctx, &pod, &volume, &mount.source);
         let mut w = ctx.world();
         if let Some(c) = w.claims.get_mut(&claim) {
             if let Ok(u) = &uuid {
                 c.fs_uuid.get_or_insert_with(|| u.clone());
             }
-            match wrote {
-                Ok(Ok(())) => {
-                    c.generation = next;
-                    c.maybe_next = false;
-                }
-                _ => {
-                    c.generation = next - 1;
-                    c.maybe_next = true;
-                }
+            if landed {
+                c.generation = next;
+                c.maybe_next = false;
+            } else {
+                c.generation = next - 1;
+                c.maybe_next = true;
             }
             if let Some(p) = c.pod.as_mut()
                 && p.uid == pod.uid
