@@ -20,10 +20,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::{Node, PersistentVolume};
-use k8s_openapi::api::storage::v1::{VolumeAttachment, VolumeAttachmentSource, VolumeAttachmentSpec};
 use kube::api::{DeleteParams, ObjectMeta, Patch, PatchParams, PostParams};
 use kube::runtime::reflector::ObjectRef;
 use kube::{Api, ResourceExt};
+use stowage_common::attachment::{VolumeAttachment, VolumeAttachmentSource, VolumeAttachmentSpec};
 use stowage_common::events::Events;
 use stowage_common::lean::Lean;
 use tokio::sync::{Semaphore, mpsc};
@@ -466,6 +466,7 @@ impl Controller {
                     .start_timer();
                 let result = patch_node_status(&w.nodes, &node, &volumes)
                     .await
+                    .map(Box::new)
                     .map_err(Error::Api);
                 timer.observe_duration();
                 // A node that is gone advertises nothing any more.
@@ -476,7 +477,7 @@ impl Controller {
                         None
                     }
                     Ok(n) => {
-                        fresh = Some(Some(n.clone()));
+                        fresh = Some(Some(Node::clone(n)));
                         None
                     }
                 };

@@ -6,9 +6,10 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use k8s_openapi::api::core::v1::{Node, PersistentVolume, PersistentVolumeClaim};
-use k8s_openapi::api::storage::v1::{CSIDriver, VolumeAttachment};
+use k8s_openapi::api::storage::v1::CSIDriver;
 use kube::ResourceExt;
 use kube::runtime::reflector::ObjectRef;
+use stowage_common::attachment::VolumeAttachment;
 use stowage_common::informer::is_newer;
 use stowage_common::informers::Informers;
 use stowage_common::packed::Packed;

@@ -4,11 +4,11 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use k8s_openapi::api::core::v1::{Node, PersistentVolume};
-use k8s_openapi::api::storage::v1::VolumeAttachment;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::ResourceExt;
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
+use stowage_common::attachment::VolumeAttachment;
 use stowage_common::packed::Packed;
 use stowage_common::slim::Pod;
 

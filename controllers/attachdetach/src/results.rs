@@ -4,9 +4,9 @@
 use std::time::Instant;
 
 use k8s_openapi::api::core::v1::Node;
-use k8s_openapi::api::storage::v1::VolumeAttachment;
 use kube::runtime::reflector::ObjectRef;
 use kube::{Resource, ResourceExt};
+use stowage_common::attachment::VolumeAttachment;
 
 use crate::controller::{Controller, STATUS_RETRY};
 use crate::core::{ForceReason, pass_unaffected};
@@ -31,7 +31,8 @@ pub(crate) enum Outcome {
     },
     Status {
         node: String,
-        result: Result<Node, Error>,
+        /// Boxed: a `Node` is ~1.5 KB, and every outcome is moved at that size.
+        result: Result<Box<Node>, Error>,
     },
     Release {
         volume: String,

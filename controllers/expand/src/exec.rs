@@ -6,10 +6,10 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
-use k8s_openapi::api::storage::v1::VolumeAttachment;
 use k8s_openapi::jiff::Timestamp;
 use kube::runtime::reflector::Store;
 use kube::{Client, Resource, ResourceExt};
+use stowage_common::attachment::VolumeAttachment;
 use stowage_common::events::Events;
 use stowage_common::writes::Writes;
 use stowage_loopdriver::{ImageError, ImageStore};

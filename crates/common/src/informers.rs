@@ -5,11 +5,12 @@ use std::sync::Arc;
 
 use crate::metrics::Registry;
 use k8s_openapi::api::core::v1::{Node, PersistentVolume, PersistentVolumeClaim};
-use k8s_openapi::api::storage::v1::{CSIDriver, StorageClass, VolumeAttachment};
+use k8s_openapi::api::storage::v1::{CSIDriver, StorageClass};
 use kube::runtime::watcher;
 use kube::{Api, Client};
 use tokio::task::JoinSet;
 
+use crate::attachment::VolumeAttachment;
 use crate::informer::{Informer, as_decoded};
 use crate::packed::Packed;
 use crate::slim;
@@ -27,6 +28,7 @@ pub struct Informers {
     /// they are stored: read-only, never written back.
     pub pods: Informer<slim::Pod>,
     pub nodes: Informer<Node>,
+    /// `attachment::VolumeAttachment`: the API type with its inline PV spec boxed.
     pub attachments: Informer<VolumeAttachment>,
     pub classes: Informer<StorageClass>,
     pub csi_drivers: Informer<CSIDriver>,

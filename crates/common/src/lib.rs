@@ -1,5 +1,6 @@
 //! Plumbing shared by `stowage-controller` and `stowage-agent`.
 
+pub mod attachment;
 pub mod backoff;
 pub mod client;
 pub mod clientmetrics;
