@@ -90,45 +90,46 @@ impl k8s_openapi::Metadata for VolumeAttachment {
     }
 }
 
-impl From<api::VolumeAttachment> for VolumeAttachment {
-    fn from(va: api::VolumeAttachment) -> Self {
-        Self {
-            metadata: va.metadata,
-            spec: VolumeAttachmentSpec {
-                attacher: va.spec.attacher,
-                node_name: va.spec.node_name,
-                source: VolumeAttachmentSource {
-                    persistent_volume_name: va.spec.source.persistent_volume_name,
-                    inline_volume_spec: va.spec.source.inline_volume_spec.map(Box::new),
-                },
-            },
-            status: va.status,
-        }
-    }
-}
-
-impl From<VolumeAttachment> for api::VolumeAttachment {
-    fn from(va: VolumeAttachment) -> Self {
-        Self {
-            metadata: va.metadata,
-            spec: api::VolumeAttachmentSpec {
-                attacher: va.spec.attacher,
-                node_name: va.spec.node_name,
-                source: api::VolumeAttachmentSource {
-                    persistent_volume_name: va.spec.source.persistent_volume_name,
-                    inline_volume_spec: va.spec.source.inline_volume_spec.map(|b| *b),
-                },
-            },
-            status: va.status,
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::lean::Lean;
     use serde_json::json;
+
+    // Conversions to compare with the API type: nothing outside these tests converts.
+    impl From<api::VolumeAttachment> for VolumeAttachment {
+        fn from(va: api::VolumeAttachment) -> Self {
+            Self {
+                metadata: va.metadata,
+                spec: VolumeAttachmentSpec {
+                    attacher: va.spec.attacher,
+                    node_name: va.spec.node_name,
+                    source: VolumeAttachmentSource {
+                        persistent_volume_name: va.spec.source.persistent_volume_name,
+                        inline_volume_spec: va.spec.source.inline_volume_spec.map(Box::new),
+                    },
+                },
+                status: va.status,
+            }
+        }
+    }
+
+    impl From<VolumeAttachment> for api::VolumeAttachment {
+        fn from(va: VolumeAttachment) -> Self {
+            Self {
+                metadata: va.metadata,
+                spec: api::VolumeAttachmentSpec {
+                    attacher: va.spec.attacher,
+                    node_name: va.spec.node_name,
+                    source: api::VolumeAttachmentSource {
+                        persistent_volume_name: va.spec.source.persistent_volume_name,
+                        inline_volume_spec: va.spec.source.inline_volume_spec.map(|b| *b),
+                    },
+                },
+                status: va.status,
+            }
+        }
+    }
 
     fn full() -> serde_json::Value {
         json!({
