@@ -51,7 +51,7 @@ pub(crate) struct Controller {
     pub(crate) tasks: JoinSet<()>,
     pub(crate) cluster: Arc<Informers>,
     pub(crate) config: Config,
-    pub(crate) executor: Executor,
+    pub(crate) executor: Arc<Executor>,
     pub(crate) desired: Desired,
     pub(crate) actual: Actual,
     pub(crate) nodes: Nodes,
@@ -109,7 +109,7 @@ pub async fn run(cluster: Arc<Informers>, metrics: Metrics, config: Config) -> a
     let client = cluster.client.clone();
     let mut c = Controller {
         tasks: JoinSet::new(),
-        executor: Executor {
+        executor: Arc::new(Executor {
             vas: Api::all(client.clone()),
             pvs: Api::all(client.clone()),
             nodes: Api::all(client.clone()),
@@ -118,7 +118,7 @@ pub async fn run(cluster: Arc<Informers>, metrics: Metrics, config: Config) -> a
             done: done_tx,
             attach_slots: Arc::new(Semaphore::new(config.max_attaches_in_flight.max(1))),
             detach_slots: Arc::new(Semaphore::new(config.max_detaches_in_flight.max(1))),
-        },
+        }),
         cluster,
         config: config.clone(),
         desired: Desired::default(),

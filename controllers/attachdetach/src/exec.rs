@@ -93,8 +93,9 @@ pub(crate) static PANIC_ON_ATTACH: std::sync::Mutex<Option<String>> = std::sync:
 pub(crate) static HOLD_ATTACH_RESULT: std::sync::Mutex<Option<(String, Arc<tokio::sync::Notify>)>> =
     std::sync::Mutex::new(None);
 
-/// Everything a write task needs; cheap to clone.
-#[derive(Clone)]
+/// Everything a write task needs. Shared behind one `Arc` (`Controller::executor`): kube's `Api`
+/// carries its resource's names and path as owned strings, so a copy per task allocated a dozen
+/// times for each API handle.
 pub(crate) struct Executor {
     /// Lean: the objects a write returns are decoded without their managed fields.
     pub(crate) vas: Api<Lean<VolumeAttachment>>,

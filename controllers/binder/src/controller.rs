@@ -85,7 +85,7 @@ pub(crate) struct Controller {
     /// Which pods use which claim (delayed-binding events, Recycle waiting for pods).
     pub(crate) pods: PodIndex,
     pub(crate) cluster: Arc<Informers>,
-    pub(crate) executor: Executor,
+    pub(crate) executor: Arc<Executor>,
 }
 
 pub async fn run(cluster: Arc<Informers>, metrics: Metrics, config: Config) -> anyhow::Result<()> {
@@ -106,14 +106,14 @@ pub async fn run(cluster: Arc<Informers>, metrics: Metrics, config: Config) -> a
         last_event: HashMap::new(),
         failing: HashMap::new(),
         pods: PodIndex::default(),
-        executor: Executor {
+        executor: Arc::new(Executor {
             pvs: Api::all(client.clone()),
             events: Events::new(client.clone(), "stowage-binder"),
             client,
             metrics,
             image_dir: config.image_dir.clone(),
             live: Arc::default(),
-        },
+        }),
         cluster,
     };
     ctl.pods_resync();

@@ -21,8 +21,9 @@ use crate::objects::*;
 use crate::results::Outcome;
 use stowage_common::writes::Writes;
 
-/// Everything a write task needs; cheap to clone.
-#[derive(Clone)]
+/// Everything a write task needs. Shared behind one `Arc` (`Controller::executor`): kube's `Api`
+/// carries its resource's names and path as owned strings, so a copy per task allocated a dozen
+/// times for each API handle.
 pub(crate) struct Executor {
     pub(crate) client: Client,
     pub(crate) pvs: Api<PersistentVolume>,

@@ -57,7 +57,7 @@ pub(crate) struct Controller {
     pub(crate) pvs: HashMap<String, Arc<PersistentVolume>>,
     /// Claims with a resize status, and when this process started their expansion.
     pub(crate) resizing: HashMap<String, Option<Instant>>,
-    pub(crate) executor: Executor,
+    pub(crate) executor: Arc<Executor>,
 }
 
 pub async fn run(cluster: Arc<Informers>, metrics: Metrics, config: Config) -> anyhow::Result<()> {
@@ -72,14 +72,14 @@ pub async fn run(cluster: Arc<Informers>, metrics: Metrics, config: Config) -> a
         claims: HashMap::new(),
         pvs: HashMap::new(),
         resizing: HashMap::new(),
-        executor: Executor {
+        executor: Arc::new(Executor {
             events: Events::new(client.clone(), "stowage-expand"),
             client,
             last_events: Arc::default(),
             metrics,
             image_dir: config.image_dir.clone(),
             attachments: cluster.attachments.store().clone(),
-        },
+        }),
         cluster,
     };
     ctl.resync();

@@ -24,7 +24,9 @@ use stowage_common::errors::MetricLabel;
 /// The last event published per claim, so a state that persists is reported once.
 pub(crate) type LastEvents = Arc<Mutex<HashMap<String, (String, String)>>>;
 
-#[derive(Clone)]
+/// Everything a write task needs. Shared behind one `Arc` (`Controller::executor`): kube's `Api`
+/// carries its resource's names and path as owned strings, so a copy per task allocated a dozen
+/// times for each API handle.
 pub(crate) struct Executor {
     pub(crate) client: Client,
     pub(crate) events: Events,
