@@ -22,8 +22,8 @@ use crate::results::Outcome;
 use stowage_common::writes::Writes;
 
 /// Everything a write task needs. Shared behind one `Arc` (`Controller::executor`): kube's `Api`
-/// carries its resource's names and path as owned strings, so a copy per task allocated a dozen
-/// times for each API handle.
+/// carries its resource's names and path as owned strings, and a client handle allocates when
+/// cloned, so a copy per write task cost a dozen allocations.
 pub(crate) struct Executor {
     pub(crate) client: Client,
     pub(crate) pvs: Api<PersistentVolume>,

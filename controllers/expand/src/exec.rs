@@ -24,9 +24,8 @@ use stowage_common::errors::MetricLabel;
 /// The last event published per claim, so a state that persists is reported once.
 pub(crate) type LastEvents = Arc<Mutex<HashMap<String, (String, String)>>>;
 
-/// Everything a write task needs. Shared behind one `Arc` (`Controller::executor`): kube's `Api`
-/// carries its resource's names and path as owned strings, so a copy per task allocated a dozen
-/// times for each API handle.
+/// Everything a write task needs. Shared behind one `Arc` (`Controller::executor`): a copy per
+/// write task would clone the client handle and the image path, which allocate.
 pub(crate) struct Executor {
     pub(crate) client: Client,
     pub(crate) events: Events,
