@@ -112,7 +112,7 @@ pub async fn run(cluster: Arc<Informers>, metrics: Metrics, config: Config) -> a
             client,
             metrics,
             image_dir: config.image_dir.clone(),
-            live: Arc::default(),
+            live: Default::default(),
         }),
         cluster,
     };

@@ -31,7 +31,7 @@ pub(crate) struct Executor {
     pub(crate) metrics: Metrics,
     pub(crate) image_dir: PathBuf,
     /// The newest live list of built-in handles (see `live_handles`).
-    pub(crate) live: Arc<tokio::sync::Mutex<Option<LiveHandles>>>,
+    pub(crate) live: tokio::sync::Mutex<Option<LiveHandles>>,
 }
 
 /// Built-in handle → PV names, from a live list started at `started`.

@@ -22,7 +22,7 @@ use crate::results::Outcome;
 use stowage_common::errors::MetricLabel;
 
 /// The last event published per claim, so a state that persists is reported once.
-pub(crate) type LastEvents = Arc<Mutex<HashMap<String, (String, String)>>>;
+pub(crate) type LastEvents = Mutex<HashMap<String, (String, String)>>;
 
 /// Everything a write task needs. Shared behind one `Arc` (`Controller::executor`): a copy per
 /// write task would clone the client handle and the image path, which allocate.

@@ -26,7 +26,7 @@ async fn a_sharer_the_cache_has_not_seen_yet_keeps_the_image() {
         client: h.client.clone(),
         metrics: Metrics::new(&h.registry),
         image_dir: h.images.path().to_path_buf(),
-        live: Arc::default(),
+        live: Default::default(),
     };
     // The cache knows only the volume being deleted.
     let mut cache = Cache::default();
@@ -69,7 +69,7 @@ fn executor(h: &InProcess) -> Executor {
         client: h.client.clone(),
         metrics: Metrics::new(&h.registry),
         image_dir: h.images.path().to_path_buf(),
-        live: Arc::default(),
+        live: Default::default(),
     }
 }
 
