@@ -237,6 +237,10 @@ state = "{state}"
                 url = cp.url()
             ),
         )?;
+        // Disk-based eviction and image GC are off, as kind and minikube turn them off: this
+        // node's file systems are the build machine's, which a cold build fills to within a
+        // few per cent, and a kubelet under DiskPressure evicts the test's pods (exit 137) and
+        // may delete the images it cannot pull again (pullPolicy Never).
         let config = self.dir.join("kubelet.yaml");
         std::fs::write(
             &config,
@@ -265,8 +269,10 @@ syncFrequency: 10s
 fileCheckFrequency: 10s
 evictionHard:
   memory.available: 1Mi
-  nodefs.available: 1%
-  imagefs.available: 1%
+  nodefs.available: \"0%\"
+  nodefs.inodesFree: \"0%\"
+  imagefs.available: \"0%\"
+imageGCHighThresholdPercent: 100
 ",
                 port = free_port(),
                 sock = self.containerd_sock.display(),
@@ -330,9 +336,14 @@ evictionHard:
     }
 
     pub fn log_tail(&self, name: &str) -> String {
+        self.log_lines(name, "", 30)
+    }
+
+    /// The last `n` lines of a component's log that contain `needle` (all lines when empty).
+    pub fn log_lines(&self, name: &str, needle: &str, n: usize) -> String {
         let log = std::fs::read_to_string(self.dir.join(format!("{name}.log"))).unwrap_or_default();
-        let lines: Vec<&str> = log.lines().collect();
-        lines[lines.len().saturating_sub(30)..].join("\n")
+        let lines: Vec<&str> = log.lines().filter(|l| l.contains(needle)).collect();
+        lines[lines.len().saturating_sub(n)..].join("\n")
     }
 
     pub fn dir(&self) -> &Path {
