@@ -95,7 +95,28 @@ tests: {{image: {{repository: localhost/curl, tag: stowage, pullPolicy: Never}},
         .await
         .unwrap_or_else(|e| {
             k.show("helm test failed");
-            panic!("{e}")
+            // How the test pods ended (exit code, reason), the namespace's Events and the
+            // kubelet's lines on them: an eviction or a kill leaves no trace in the checker's
+            // own log, which is already in `e`.
+            let status = k
+                .run(&[
+                    "get",
+                    "pod",
+                    "-n",
+                    "stowage",
+                    "-l",
+                    "app.kubernetes.io/component=test",
+                    "-o",
+                    "jsonpath={range .items[*]}{.metadata.name}: {.status.containerStatuses[*].state}{\"\\n\"}{end}",
+                ])
+                .unwrap_or_else(|e| e);
+            let events = k
+                .run(&["get", "events", "-n", "stowage", "--sort-by=.lastTimestamp"])
+                .unwrap_or_else(|e| e);
+            let kubelet = node.log_lines("kubelet", "st-stowage-test", 40);
+            panic!(
+                "{e}\ntest pods:\n{status}\nevents:\n{events}\nkubelet on the test pods:\n{kubelet}"
+            )
         });
     println!("{out}");
     for want in [
