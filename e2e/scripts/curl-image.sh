@@ -22,8 +22,6 @@ done
 . /etc/os-release
 suite=${STOWAGE_DEBIAN_SUITE:-${VERSION_CODENAME:?no VERSION_CODENAME in /etc/os-release}}
 arch=$(dpkg --print-architecture)
-oci_arch=$arch
-[ "$arch" = ppc64el ] && oci_arch=ppc64le
 sources=${STOWAGE_DEBIAN_SOURCES:-/etc/apt/sources.list.d/debian.sources}
 [ -f "$sources" ] || { echo "curl-image: no $sources; set STOWAGE_DEBIAN_SOURCES" >&2; exit 1; }
 
@@ -57,44 +55,16 @@ if [ ! -s "$layer/layer.tar.gz" ]; then
   gzip -n -6 "$part/layer.tar"
   rm -rf "$layer" && mv "$part" "$layer"
 fi
-if [ -s "$archive" ] && [ "$(cat "$out/curl-image.stamp" 2>/dev/null)" = "$key" ]; then
+stamp="$key $(sha256sum <"$(dirname "$0")/oci.sh" | cut -c1-16)"
+if [ -s "$archive" ] && [ "$(cat "$out/curl-image.stamp" 2>/dev/null)" = "$stamp" ]; then
   echo "curl-image: cached ($key)"
   exit 0
 fi
 
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-layout="$tmp/layout"
-mkdir -p "$layout/blobs/sha256"
-add_blob() { # add_blob FILE → "<sha256 hex> <size>"
-  local d
-  d=$(sha256sum <"$1" | cut -d' ' -f1)
-  cp "$1" "$layout/blobs/sha256/$d"
-  echo "$d $(stat -c %s "$1")"
-}
-read -r layer_digest layer_size <<<"$(add_blob "$layer/layer.tar.gz")"
-jq -n --arg arch "$oci_arch" --arg diff "sha256:$(cat "$layer/diff_id")" '{
-  created: "1970-01-01T00:00:00Z", architecture: $arch, os: "linux",
-  config: {Cmd: ["sh"], Env: ["PATH=/usr/local/bin:/usr/bin:/bin"], WorkingDir: "/"},
-  rootfs: {type: "layers", diff_ids: [$diff]}}' >"$tmp/config.json"
-read -r config_digest config_size <<<"$(add_blob "$tmp/config.json")"
-jq -n --arg cd "sha256:$config_digest" --argjson cs "$config_size" \
-  --arg l "sha256:$layer_digest" --argjson ls "$layer_size" '{
-  schemaVersion: 2, mediaType: "application/vnd.oci.image.manifest.v1+json",
-  config: {mediaType: "application/vnd.oci.image.config.v1+json", digest: $cd, size: $cs},
-  layers: [{mediaType: "application/vnd.oci.image.layer.v1.tar+gzip", digest: $l, size: $ls}]}' \
-  >"$tmp/manifest.json"
-read -r manifest_digest manifest_size <<<"$(add_blob "$tmp/manifest.json")"
-jq -n --arg md "sha256:$manifest_digest" --argjson ms "$manifest_size" --arg arch "$oci_arch" \
-  --arg ref "$ref" '{
-  schemaVersion: 2, mediaType: "application/vnd.oci.image.index.v1+json",
-  manifests: [{mediaType: "application/vnd.oci.image.manifest.v1+json", digest: $md, size: $ms,
-    platform: {architecture: $arch, os: "linux"},
-    annotations: {"io.containerd.image.name": $ref, "org.opencontainers.image.ref.name": "stowage"}}]}' \
-  >"$layout/index.json"
-echo '{"imageLayoutVersion":"1.0.0"}' >"$layout/oci-layout"
-tar --sort=name --mtime=@0 --owner=0 --group=0 --numeric-owner -C "$layout" \
-  -cf "$archive.partial" oci-layout index.json blobs
-mv "$archive.partial" "$archive"
-echo "$key" >"$out/curl-image.stamp"
+# shellcheck source=e2e/scripts/oci.sh
+. "$(dirname "$0")/oci.sh"
+oci_archive "$archive" "$ref" "$layer/layer.tar.gz" "$(cat "$layer/diff_id")" \
+  '{"Cmd": ["sh"], "Env": ["PATH=/usr/local/bin:/usr/bin:/bin"], "WorkingDir": "/"}'
+layer_size=$(stat -c %s "$layer/layer.tar.gz")
+echo "$stamp" >"$out/curl-image.stamp"
 echo "curl-image: $archive ($ref, $((layer_size / 1024 / 1024)) MiB)"
