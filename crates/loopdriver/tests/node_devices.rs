@@ -538,3 +538,93 @@ async fn a_detach_returns_only_once_the_kernel_has_freed_a_device_held_open() {
     );
     assert!(s.loops().is_empty(), "{:?}", s.loops());
 }
+
+/// A second stage of a volume already staged at the same path, asking the other mode (rw on a
+/// read-only staging mount, or ro on a read-write one), is an incompatible existing stage: CSI's
+/// AlreadyExists, never OK, and the mount is left as it was.
+#[tokio::test]
+async fn a_second_stage_asking_another_mode_is_already_exists() {
+    let d = driver("stage-mode");
+    d.create("v", 64 << 20).await;
+    let staging = d.path("stage/v");
+    let staged_ro = || {
+        let table = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+        table
+            .lines()
+            .find(|l| l.split(' ').nth(4) == Some(staging.to_str().unwrap()))
+            .map(|l| l.split(' ').nth(5).unwrap().split(',').any(|o| o == "ro"))
+            .expect("staged")
+    };
+
+    // Staged read-write: a read-only stage of the same path is refused, the mount stays rw.
+    d.stage("v", Mode::SingleNodeWriter, false, HashMap::new())
+        .await
+        .unwrap();
+    let e = d
+        .stage("v", Mode::SingleNodeReaderOnly, false, HashMap::new())
+        .await
+        .expect_err("ro asked on a rw staging mount");
+    assert_eq!(e.code(), Code::AlreadyExists, "{e}");
+    assert!(!staged_ro(), "the rw staging mount is left as it was");
+    // The same mode again is still idempotent.
+    d.stage("v", Mode::SingleNodeWriter, false, HashMap::new())
+        .await
+        .unwrap();
+    d.unstage("v").await;
+
+    // Staged read-only (formatted by the writer above): a read-write stage is refused.
+    d.stage("v", Mode::MultiNodeReaderOnly, false, HashMap::new())
+        .await
+        .unwrap();
+    assert!(staged_ro());
+    let e = d
+        .stage("v", Mode::SingleNodeWriter, false, HashMap::new())
+        .await
+        .expect_err("rw asked on a ro staging mount");
+    assert_eq!(e.code(), Code::AlreadyExists, "{e}");
+    assert!(staged_ro(), "the ro staging mount is left as it was");
+    d.stage("v", Mode::MultiNodeReaderOnly, false, HashMap::new())
+        .await
+        .unwrap();
+    d.unstage("v").await;
+    assert!(d.s.loops().is_empty() && d.s.mounts().is_empty());
+}
+
+/// Stats of a Block volume published at its target: healthy when the device node bound there is
+/// the volume's loop device (the mount table shows devtmpfs for such a bind, not the loop
+/// device), abnormal when another device is bound there.
+#[tokio::test]
+async fn block_volume_stats_are_healthy_on_its_device_and_abnormal_on_another() {
+    let d = driver("block-stats");
+    d.create("v", 64 << 20).await;
+    d.create("w", 64 << 20).await;
+    let target = d.path("pods/p/dev");
+    d.stage("v", Mode::SingleNodeWriter, true, HashMap::new())
+        .await
+        .unwrap();
+    d.publish("v", &target, Mode::SingleNodeWriter, true)
+        .await
+        .unwrap();
+    let ok = d.stats("v", &target).await;
+    let cond = ok.volume_condition.clone().unwrap();
+    assert!(!cond.abnormal, "{cond:?}");
+    assert_eq!(total_bytes(&ok), 64 << 20);
+    d.unpublish("v", &target).await.unwrap();
+
+    // Another volume's device bound at the target v's stats are asked about.
+    d.stage("w", Mode::SingleNodeWriter, true, HashMap::new())
+        .await
+        .unwrap();
+    d.publish("w", &target, Mode::SingleNodeWriter, true)
+        .await
+        .unwrap();
+    let wrong = d.stats("v", &target).await.volume_condition.unwrap();
+    assert!(
+        wrong.abnormal && wrong.message.contains("not the volume's loop device"),
+        "{wrong:?}"
+    );
+    d.unpublish("w", &target).await.unwrap();
+    d.unstage("w").await;
+    d.unstage("v").await;
+    assert!(d.s.loops().is_empty() && d.s.mounts().is_empty());
+}

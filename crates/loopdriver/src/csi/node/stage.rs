@@ -127,8 +127,18 @@ impl NodeService {
         };
         let devno = sys::rdev(Path::new(&staged.device)).await;
         if let Some(m) = self.mounted(&staging).await? {
-            if Some(m.devno) == devno {
+            if Some(m.devno) == devno && m.read_only() == read_only {
                 return Ok(());
+            }
+            if Some(m.devno) == devno {
+                // Same device, other mode: answering OK would hand a writer a read-only mount
+                // (writes fail later) or a reader a writable one (a reader mode's promise broken).
+                return Err(Status::already_exists(format!(
+                    "volume {id} is already staged at {} {}, and {} was asked; unstage it first",
+                    staging.display(),
+                    mode_word(m.read_only()),
+                    mode_word(read_only)
+                )));
             }
             return Err(Status::already_exists(format!(
                 "staging path {} holds another device ({}:{}) than volume {id}",
@@ -172,4 +182,8 @@ impl NodeService {
         }
         Ok(())
     }
+}
+
+fn mode_word(read_only: bool) -> &'static str {
+    if read_only { "read-only" } else { "read-write" }
 }

@@ -88,6 +88,18 @@ impl NodeService {
         match (&mount, devno) {
             (None, _) => problems.push(format!("{} is not mounted", path.display())),
             (Some(_), None) => problems.push(format!("no loop device backs volume {id} on this node")),
+            // Block: the bind of a device node shows devtmpfs's numbers in the mount table; the
+            // device is the one the bound node names (its rdev).
+            (Some(_), Some(d)) if !meta.is_dir() => match sys::rdev(&path).await {
+                Some(bound) if bound == d => {}
+                Some(bound) => problems.push(format!(
+                    "{} is the device node {}:{}, not the volume's loop device",
+                    path.display(),
+                    bound.0,
+                    bound.1
+                )),
+                None => problems.push(format!("{} is not a block device node", path.display())),
+            },
             (Some(m), Some(d)) if m.devno != d => problems.push(format!(
                 "{} is mounted from {}:{}, not from the volume's loop device",
                 path.display(),
