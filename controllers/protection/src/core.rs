@@ -84,14 +84,10 @@ pub fn pvc_needs_sync(meta: &ObjectMeta) -> bool {
     decide_pvc(meta, &[]) != Action::Nothing
 }
 
-/// A pod that can no longer touch its volumes: finished (Succeeded/Failed), or deleted with a zero
-/// grace period (the kubelet is done with it, or it was force-deleted and only waits for its own
-/// finalizers; counting it would let a pod finalizer that waits for the claim deadlock both).
-pub fn pod_is_terminated(pod: &Pod) -> bool {
-    let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
-    if matches!(phase, Some("Succeeded" | "Failed")) {
-        return true;
-    }
+/// A pod the kubelet is done with, or that was force-deleted: deleted with a zero grace period
+/// (upstream's `podIsShutDown`). It only waits for its own finalizers, so counting it as the user
+/// of its generic ephemeral claim could deadlock a pod finalizer that waits for that claim.
+pub fn pod_is_shut_down(pod: &Pod) -> bool {
     pod.metadata.deletion_timestamp.is_some() && pod.metadata.deletion_grace_period_seconds == Some(0)
 }
 
@@ -105,20 +101,23 @@ pub fn claim_names(pod: &Pod) -> Vec<String> {
     out
 }
 
-/// Whether `pod` is a live user of `pvc`. Unlike upstream, an unscheduled pod counts too: it may
-/// be bound to a node any moment, and keeping the claim a little longer is the safe mistake.
-/// An ephemeral volume's claim counts only if the pod owns it (a same-named claim made by
-/// someone else is never used by that pod).
+/// Whether `pod` uses `pvc`, by upstream's rule (`podUsesPVCForDeletion`): any pod that names the
+/// claim in a `persistentVolumeClaim` volume, whatever its phase or deletion state (a Succeeded,
+/// Failed or force-deleted pod may still have the volume mounted on its node until the kubelet
+/// has torn it down and the pod object is gone); a generic ephemeral volume's claim only while
+/// the pod owns it and is not shut down (`pod_is_shut_down`). Unlike upstream, a pod not yet
+/// scheduled counts too: it may be bound to a node any moment, and keeping the claim a little
+/// longer is the safe mistake.
 pub fn pod_uses_claim(pod: &Pod, pvc: &PersistentVolumeClaim) -> bool {
-    if pod.metadata.namespace != pvc.metadata.namespace || pod_is_terminated(pod) {
+    if pod.metadata.namespace != pvc.metadata.namespace {
         return false;
     }
     let Some(claim) = pvc.metadata.name.as_deref() else {
         return false;
     };
-    pod_claims(pod)
-        .iter()
-        .any(|c| c.claim == claim && c.usable(pod, &pvc.metadata))
+    pod_claims(pod).iter().any(|c| {
+        c.claim == claim && (!c.ephemeral || (!pod_is_shut_down(pod) && c.usable(pod, &pvc.metadata)))
+    })
 }
 
 /// The live users of `pvc` among `pods`, sorted.
@@ -277,13 +276,13 @@ mod tests {
     }
 
     #[test]
-    fn finished_or_force_deleted_pods_do_not_count() {
+    fn finished_or_force_deleted_pods_still_hold_a_named_claim() {
         let c = claim("data", true, true);
         for phase in ["Succeeded", "Failed"] {
             let p = pod("p", "u1", Some(phase), &[Vol::Claim("data".into())]);
-            assert_eq!(
-                decide_pvc(&c.metadata, &users(&c, [&p])),
-                Action::RemoveFinalizer,
+            assert!(pod_uses_claim(&p, &c), "{phase}");
+            assert!(
+                matches!(decide_pvc(&c.metadata, &users(&c, [&p])), Action::WaitForPods(_)),
                 "{phase}"
             );
         }
@@ -295,7 +294,26 @@ mod tests {
             "a pod still in its grace period uses the claim"
         );
         p.metadata.deletion_grace_period_seconds = Some(0);
-        assert!(!pod_uses_claim(&p, &c));
+        assert!(
+            pod_uses_claim(&p, &c),
+            "force-deleted but still there (finalizers): its volume may still be mounted"
+        );
+    }
+
+    #[test]
+    fn a_shut_down_pod_releases_only_its_ephemeral_claim() {
+        let c = owned(claim("p-scratch", true, true), "u1");
+        for phase in ["Succeeded", "Failed", "Running"] {
+            let p = pod("p", "u1", Some(phase), &[Vol::Ephemeral("scratch".into())]);
+            assert!(pod_uses_claim(&p, &c), "{phase}: not shut down");
+        }
+        let mut p = pod("p", "u1", Some("Running"), &[Vol::Ephemeral("scratch".into())]);
+        p.metadata.deletion_timestamp = Some(ts());
+        p.metadata.deletion_grace_period_seconds = Some(30);
+        assert!(pod_uses_claim(&p, &c), "in its grace period");
+        p.metadata.deletion_grace_period_seconds = Some(0);
+        assert!(!pod_uses_claim(&p, &c), "shut down");
+        assert_eq!(decide_pvc(&c.metadata, &users(&c, [&p])), Action::RemoveFinalizer);
     }
 
     #[test]
@@ -439,17 +457,21 @@ mod tests {
     }
 
     proptest! {
-        /// The claim's finalizer goes only when it is being deleted and no live pod that refers
-        /// to it (by name, or as its own ephemeral claim) exists.
+        /// The claim's finalizer goes only when it is being deleted and no pod uses it: none
+        /// names it, and none that is not shut down has it as its own ephemeral claim.
         #[test]
         fn never_removes_a_claim_a_live_pod_uses(c in arb_claim(), pods in proptest::collection::vec(arb_pod(), 0..6)) {
             let u = users(&c, &pods);
             let action = decide_pvc(&c.metadata, &u);
             let name = c.metadata.name.clone().unwrap();
+            // Upstream's rule: a named claim whatever the pod's state; an owned ephemeral claim
+            // unless the pod is shut down (deleted with a zero grace period).
             let live_user = pods.iter().any(|p| {
-                !pod_is_terminated(p) && p.spec.as_ref().unwrap().volumes.iter().flatten().any(|v| {
+                let shut_down = p.metadata.deletion_timestamp.is_some() && p.metadata.deletion_grace_period_seconds == Some(0);
+                p.spec.as_ref().unwrap().volumes.iter().flatten().any(|v| {
                     v.persistent_volume_claim.as_ref().is_some_and(|s| s.claim_name == name)
-                        || (v.ephemeral.is_some()
+                        || (!shut_down
+                            && v.ephemeral.is_some()
                             && format!("{}-{}", p.metadata.name.as_ref().unwrap(), v.name) == name
                             && c.metadata.owner_references.iter().flatten().any(|o| Some(&o.uid) == p.metadata.uid.as_ref()))
                 })

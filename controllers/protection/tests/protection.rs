@@ -223,9 +223,10 @@ async fn claim_used_by_a_running_pod_waits_with_an_event_then_goes() {
         events_before
     );
 
-    // A finished pod no longer counts; the running one still holds the claim.
+    // A finished pod still counts (upstream: its volume may still be mounted on its node until
+    // the pod object goes); once the running one goes, the finished one alone holds the claim.
     set_pod_phase(&pods, "app2", "Succeeded").await;
-    // (The recorder folds this note, equal to the first one, into that event's series.)
+    pods.delete("app", &force()).await.unwrap();
     eventually(BOUND, || async {
         let n = env.metric("stowage_protection_claim_in_use_events_total", None);
         if n == 3.0 {
@@ -235,9 +236,12 @@ async fn claim_used_by_a_running_pod_waits_with_an_event_then_goes() {
         }
     })
     .await;
-    claims.get("data").await.expect("still used by app");
+    claims
+        .get("data")
+        .await
+        .expect("still named by the finished app2");
 
-    pods.delete("app", &force()).await.unwrap();
+    pods.delete("app2", &force()).await.unwrap();
     eventually(BOUND, || gone(&claims, "data")).await;
     eventually(BOUND, || async {
         let w = env.metric("stowage_protection_claims_waiting_on_pods", None);
@@ -376,6 +380,146 @@ async fn missing_claim_finalizer_is_added_and_ephemeral_claims_are_protected() {
 
     pods.delete("web", &force()).await.unwrap();
     eventually(BOUND, || gone(&claims, "web-scratch")).await;
+}
+
+/// Upstream's `podUsesPVC`: a pod that names a claim keeps it whatever its phase, also when it
+/// was force-deleted and waits for its own finalizers (its volume may still be mounted on the
+/// node); only the generic ephemeral claim of a shut-down pod is released.
+#[tokio::test]
+async fn finished_and_force_deleted_pods_keep_the_claims_they_name() {
+    let env = start(Which::Pvc).await;
+    let ns = "done";
+    env.namespace(ns).await;
+    let claims: Api<PersistentVolumeClaim> = Api::namespaced(env.client.clone(), ns);
+    let pods: Api<Pod> = Api::namespaced(env.client.clone(), ns);
+    const HOLD: &str = "stowage.dev/test-hold";
+    let hold = |pod: &str| {
+        let pods = pods.clone();
+        let pod = pod.to_string();
+        async move {
+            pods.patch(
+                &pod,
+                &PatchParams::default(),
+                &Patch::Merge(json!({"metadata": {"finalizers": [HOLD]}})),
+            )
+            .await
+            .unwrap();
+        }
+    };
+    let release = |pod: &str| {
+        let pods = pods.clone();
+        let pod = pod.to_string();
+        async move {
+            pods.patch(
+                &pod,
+                &PatchParams::default(),
+                &Patch::Merge(json!({"metadata": {"finalizers": null}})),
+            )
+            .await
+            .unwrap();
+        }
+    };
+
+    for (claim, pod) in [("a", "succeeded"), ("b", "failed"), ("c", "forced")] {
+        claims
+            .create(&PostParams::default(), &builders::pvc(ns, claim).build())
+            .await
+            .unwrap();
+        pods.create(
+            &PostParams::default(),
+            &builders::pod(ns, pod).claim("v", claim).node("n1").build(),
+        )
+        .await
+        .unwrap();
+    }
+    set_pod_phase(&pods, "succeeded", "Succeeded").await;
+    set_pod_phase(&pods, "failed", "Failed").await;
+    set_pod_phase(&pods, "forced", "Running").await;
+    // Force-deleted, still there behind a finalizer: deletionGracePeriodSeconds 0.
+    hold("forced").await;
+    pods.delete("forced", &force()).await.unwrap();
+    let forced = pods.get("forced").await.unwrap();
+    assert_eq!(forced.metadata.deletion_grace_period_seconds, Some(0));
+
+    // An ephemeral claim of a pod shut down the same way is released (upstream's one exception).
+    let mut eph_pod = builders::pod(ns, "web").node("n1").build();
+    let spec = PersistentVolumeClaimSpec {
+        access_modes: Some(vec!["ReadWriteOnce".into()]),
+        resources: Some(VolumeResourceRequirements {
+            requests: Some(BTreeMap::from([("storage".to_string(), Quantity("1Gi".into()))])),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    eph_pod.spec.as_mut().unwrap().volumes = Some(vec![Volume {
+        name: "scratch".into(),
+        ephemeral: Some(EphemeralVolumeSource {
+            volume_claim_template: Some(PersistentVolumeClaimTemplate {
+                metadata: None,
+                spec: spec.clone(),
+            }),
+        }),
+        ..Default::default()
+    }]);
+    let web = pods.create(&PostParams::default(), &eph_pod).await.unwrap();
+    claims
+        .create(
+            &PostParams::default(),
+            &PersistentVolumeClaim {
+                metadata: ObjectMeta {
+                    name: Some("web-scratch".into()),
+                    namespace: Some(ns.into()),
+                    owner_references: Some(vec![OwnerReference {
+                        api_version: "v1".into(),
+                        kind: "Pod".into(),
+                        name: "web".into(),
+                        uid: web.metadata.uid.clone().unwrap(),
+                        controller: Some(true),
+                        block_owner_deletion: Some(true),
+                    }]),
+                    ..Default::default()
+                },
+                spec: Some(spec),
+                status: None,
+            },
+        )
+        .await
+        .unwrap();
+    hold("web").await;
+    pods.delete("web", &force()).await.unwrap();
+
+    for claim in ["a", "b", "c", "web-scratch"] {
+        claims.delete(claim, &DeleteParams::default()).await.unwrap();
+    }
+    eventually(BOUND, || gone(&claims, "web-scratch")).await;
+    // Every claim is synced by now (the waiting gauge counts the three), and each names its pod.
+    eventually(BOUND, || async {
+        let w = env.metric("stowage_protection_claims_waiting_on_pods", None);
+        if w == 3.0 {
+            Ok(())
+        } else {
+            Err(format!("waiting gauge {w}"))
+        }
+    })
+    .await;
+    for (claim, pod) in [("a", "succeeded"), ("b", "failed"), ("c", "forced")] {
+        let c = claims
+            .get(claim)
+            .await
+            .unwrap_or_else(|e| panic!("claim {claim} of pod {pod} was freed: {e}"));
+        assert!(c.metadata.deletion_timestamp.is_some());
+        let notes = env.in_use_notes(ns, claim).await;
+        assert!(notes.iter().any(|n| n.contains(pod)), "{claim}: {notes:?}");
+    }
+
+    // The pods go: their claims follow.
+    release("forced").await;
+    release("web").await;
+    pods.delete("succeeded", &force()).await.unwrap();
+    pods.delete("failed", &force()).await.unwrap();
+    for claim in ["a", "b", "c"] {
+        eventually(BOUND, || gone(&claims, claim)).await;
+    }
 }
 
 #[tokio::test]
