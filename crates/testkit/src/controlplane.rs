@@ -1,7 +1,8 @@
 //! The real control plane: upstream etcd and kube-apiserver (built by `make controlplane` from the
 //! Kubernetes Go modules) on loopback ports, with a throw-away data dir, a CA and serving cert made
 //! on the fly, a service-account signing key, RBAC, the default admission plugins, and an admin
-//! token written into a kubeconfig.
+//! token written into a kubeconfig. For a real cluster of more than one node the apiserver also
+//! serves the nodes' network namespaces (`start_for_nodes`).
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -41,18 +42,40 @@ pub struct ControlPlane {
     apiserver: Mutex<Option<Child>>,
     apiserver_cmd: Vec<String>,
     etcd_cmd: Vec<String>,
+    /// The address nodes and pods reach the apiserver at.
+    node_host: &'static str,
 }
 
 impl ControlPlane {
     /// Starts etcd and kube-apiserver in a fresh temporary directory and waits for `/readyz`.
     pub fn start() -> anyhow::Result<Self> {
+        Self::start_for_nodes(1)
+    }
+
+    /// `start`, for a real cluster of `nodes` nodes (`realnode::RealNode::start_cluster`).
+    pub fn start_for_nodes(nodes: usize) -> anyhow::Result<Self> {
         let tmp = tempfile::Builder::new().prefix("stowage-cp-").tempdir()?;
         let dir = tmp.path().to_path_buf();
-        Self::start_in(dir, Some(tmp))
+        Self::start_in_for_nodes(dir, Some(tmp), nodes)
     }
 
     /// Starts in `dir` (created if missing; its contents are replaced).
     pub fn start_in(dir: PathBuf, tmp: Option<tempfile::TempDir>) -> anyhow::Result<Self> {
+        Self::start_in_for_nodes(dir, tmp, 1)
+    }
+
+    /// `start_in`, for a real cluster of `nodes` nodes. With more than one, the apiserver binds
+    /// every address, not loopback only: the other nodes are in network namespaces of their own
+    /// and reach it at `realnode::HOST_IP` (then in the serving certificate).
+    pub fn start_in_for_nodes(
+        dir: PathBuf,
+        tmp: Option<tempfile::TempDir>,
+        nodes: usize,
+    ) -> anyhow::Result<Self> {
+        let node_host = match nodes {
+            0 | 1 => "127.0.0.1",
+            _ => crate::realnode::HOST_IP,
+        };
         std::fs::create_dir_all(&dir)?;
         let etcd_bin = binary("etcd")?;
         let apiserver_bin = binary("kube-apiserver")?;
@@ -76,20 +99,28 @@ impl ControlPlane {
         ];
         let etcd = spawn_etcd(&etcd_cmd, &dir)?;
 
-        write_pki(&dir)?;
-        std::fs::write(
-            dir.join("tokens.csv"),
-            format!(
-                "{ADMIN_TOKEN},admin,admin-uid,system:masters\n{},system:node:{},node-uid,system:nodes\n",
-                crate::realnode::NODE_TOKEN,
-                crate::realnode::NODE_NAME
-            ),
-        )?;
+        write_pki(&dir, node_host)?;
+        let mut tokens = format!("{ADMIN_TOKEN},admin,admin-uid,system:masters\n");
+        for i in 0..crate::realnode::MAX_NODES {
+            let uid = match i {
+                0 => "node-uid".to_string(),
+                _ => format!("node{}-uid", i + 1),
+            };
+            tokens.push_str(&format!(
+                "{},system:node:{},{uid},system:nodes\n",
+                crate::realnode::node_token(i),
+                crate::realnode::node_name(i)
+            ));
+        }
+        std::fs::write(dir.join("tokens.csv"), tokens)?;
         let d = |f: &str| dir.join(f).display().to_string();
         let apiserver_cmd = vec![
             apiserver_bin.display().to_string(),
             format!("--etcd-servers=http://127.0.0.1:{client_port}"),
-            "--bind-address=127.0.0.1".into(),
+            match node_host {
+                "127.0.0.1" => "--bind-address=127.0.0.1".into(),
+                _ => "--bind-address=0.0.0.0".into(),
+            },
             "--advertise-address=127.0.0.1".into(),
             format!("--secure-port={port}"),
             format!("--cert-dir={}", d("certs")),
@@ -117,6 +148,7 @@ impl ControlPlane {
             apiserver: Mutex::new(None),
             apiserver_cmd,
             etcd_cmd,
+            node_host,
         };
         cp.start_apiserver()?;
         Ok(cp)
@@ -233,6 +265,16 @@ impl ControlPlane {
         format!("https://127.0.0.1:{}", self.port)
     }
 
+    /// The address the nodes of a real cluster and their pods reach the apiserver at (the
+    /// chart's `apiServer.host`): loopback for one node, `realnode::HOST_IP` for more.
+    pub fn node_host(&self) -> &str {
+        self.node_host
+    }
+
+    pub fn node_url(&self) -> String {
+        format!("https://{}:{}", self.node_host, self.port)
+    }
+
     pub fn dir(&self) -> &Path {
         &self.dir
     }
@@ -321,8 +363,9 @@ pub(crate) fn log_file(dir: &Path, name: &str) -> anyhow::Result<std::fs::File> 
     std::fs::File::create(dir.join(name)).with_context(|| format!("create {name}"))
 }
 
-/// A CA, a serving certificate for 127.0.0.1/localhost signed by it, and a service-account key.
-fn write_pki(dir: &Path) -> anyhow::Result<()> {
+/// A CA, a serving certificate for 127.0.0.1/localhost (and `node_host`) signed by it, and a
+/// service-account key.
+fn write_pki(dir: &Path, node_host: &str) -> anyhow::Result<()> {
     use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair, SanType};
     let ca_key = KeyPair::generate()?;
     let mut ca_params = CertificateParams::new(Vec::<String>::new())?;
@@ -338,6 +381,11 @@ fn write_pki(dir: &Path) -> anyhow::Result<()> {
     params
         .subject_alt_names
         .push(SanType::IpAddress(std::net::IpAddr::from([127, 0, 0, 1])));
+    if node_host != "127.0.0.1" {
+        params
+            .subject_alt_names
+            .push(SanType::IpAddress(node_host.parse()?));
+    }
     params
         .distinguished_name
         .push(DnType::CommonName, "kube-apiserver");

@@ -18,11 +18,16 @@ struct Args {
     /// OCI image archives to import into the real node's containerd.
     #[arg(long = "image")]
     images: Vec<PathBuf>,
+    /// With --real-node: how many nodes (`realnode`, `realnode2`); the second runs in network and
+    /// mount namespaces of its own, and nodes and pods reach the apiserver at the host's veth
+    /// address.
+    #[arg(long, default_value_t = 1, requires = "real_node")]
+    nodes: usize,
 }
 
 fn main() {
     let args = Args::parse();
-    let cp = match stowage_testkit::ControlPlane::start_in(args.dir, None) {
+    let cp = match stowage_testkit::ControlPlane::start_in_for_nodes(args.dir, None, args.nodes) {
         Ok(cp) => cp,
         Err(e) => {
             eprintln!("stowage-devcluster: {e:#}");
@@ -34,16 +39,20 @@ fn main() {
         cp.url(),
         cp.kubeconfig().display()
     );
-    let node = if args.real_node {
-        match stowage_testkit::realnode::RealNode::start(&cp, &args.images) {
-            Ok(n) => {
-                println!(
-                    "node {} ready (kubelet root {}, node IP {})",
-                    stowage_testkit::realnode::NODE_NAME,
-                    n.kubelet_dir.display(),
-                    n.node_ip
-                );
-                Some(n)
+    let cluster = if args.real_node {
+        match stowage_testkit::realnode::RealNode::start_cluster(&cp, &args.images, args.nodes) {
+            Ok(c) => {
+                for n in c.nodes() {
+                    let netns = n.netns().map(|ns| format!(", netns {ns}")).unwrap_or_default();
+                    println!(
+                        "node {} ready (kubelet root {}, node IP {}{netns})",
+                        n.name,
+                        n.kubelet_dir.display(),
+                        n.node_ip
+                    );
+                }
+                println!("nodes and pods reach the apiserver at {}", cp.node_url());
+                Some(c)
             }
             Err(e) => {
                 eprintln!("stowage-devcluster: real node: {e:#}");
@@ -59,7 +68,7 @@ fn main() {
         .build()
         .expect("tokio runtime");
     rt.block_on(stowage_common::shutdown::signalled());
-    drop(node);
+    drop(cluster);
     cp.stop();
     let _ = std::fs::remove_dir_all(cp.dir().join("etcd"));
 }

@@ -1,10 +1,14 @@
-//! A real single-node cluster on this machine: the test control plane plus kube-controller-manager
-//! (its storage controllers off: stowage runs them), kube-scheduler, containerd + runc with a
-//! bridge CNI, and a kubelet, all built or installed by `make deps controlplane`. Pods are real
-//! containers; the kubelet drives CSI drivers through their node plugins.
+//! A real cluster on this machine: the test control plane plus kube-controller-manager (its
+//! storage controllers off: stowage runs them), kube-scheduler, and per node containerd + runc
+//! with a bridge CNI and a kubelet, all built or installed by `make deps controlplane`. Pods are
+//! real containers; the kubelet drives CSI drivers through their node plugins.
+//!
+//! Node 1 (`realnode`) runs in the host's namespaces; a second node (`realnode2`,
+//! `RealNode::start_cluster`) in network and mount namespaces of its own (`nodens`), with
+//! its own cgroup root.
 //!
 //! What it takes on these machines (cgroup v1, no CAP_SYS_RESOURCE, `/` a private mount, no
-//! registry) is in docs/development.md. Dropping the value stops everything it started (by PID)
+//! registry) is in docs/development.md. Dropping a node stops everything it started (by PID)
 //! and removes what they leave: containers, mounts, network namespaces, the bridge, cgroups,
 //! sockets outside its directory, and the sysctls the kubelet changed.
 
@@ -19,11 +23,19 @@ use base64::Engine;
 use crate::ControlPlane;
 use crate::controlplane::{binary, log_file};
 use crate::process::{free_port, spawn_tied, stop};
+pub use nodens::HOST_IP;
+use nodens::Isolation;
 
-/// The node's name, and its bearer token (`system:node:realnode` in `system:nodes`, so the Node
-/// authorizer admits the kubelet); every test control plane accepts it.
+mod nodens;
+
+/// The first node's name, and its bearer token (`system:node:realnode` in `system:nodes`, so the
+/// Node authorizer admits the kubelet); every test control plane accepts it.
 pub const NODE_NAME: &str = "realnode";
 pub const NODE_TOKEN: &str = "stowage-node-token";
+/// The second node's name (`node_name(1)`).
+pub const NODE2_NAME: &str = "realnode2";
+/// The most nodes `start_cluster` starts (every test control plane has their tokens).
+pub const MAX_NODES: usize = 2;
 /// KCM without the controllers stowage replaces.
 pub const KCM_CONTROLLERS: &str = "*,-persistentvolume-binder-controller,-persistentvolume-attach-detach-controller,\
 -persistentvolume-expander-controller,-persistentvolume-protection-controller,-persistentvolumeclaim-protection-controller";
@@ -31,7 +43,6 @@ pub const KCM_CONTROLLERS: &str = "*,-persistentvolume-binder-controller,-persis
 pub const BUSYBOX_IMAGE: &str = "localhost/busybox:stowage";
 pub const PAUSE_IMAGE: &str = "localhost/pause:stowage";
 const BRIDGE: &str = "stowbr0";
-const POD_SUBNET: &str = "10.244.0.0/24";
 /// Sysctls the kubelet sets; put back on clean-up.
 const SYSCTLS: &[&str] = &[
     "vm/overcommit_memory",
@@ -40,9 +51,33 @@ const SYSCTLS: &[&str] = &[
     "net/ipv4/ip_forward",
 ];
 
+/// The name of node `index` (0-based): `realnode`, `realnode2`, ...
+pub fn node_name(index: usize) -> String {
+    match index {
+        0 => NODE_NAME.to_string(),
+        i => format!("{NODE_NAME}{}", i + 1),
+    }
+}
+
+/// The bearer token of node `index`'s kubelet.
+pub fn node_token(index: usize) -> String {
+    match index {
+        0 => NODE_TOKEN.to_string(),
+        _ => format!("{NODE_TOKEN}-{}", node_name(index)),
+    }
+}
+
 pub struct RealNode {
+    pub name: String,
+    index: usize,
     dir: PathBuf,
+    /// The kubelet's root dir as the kubelet and pods see it: the same path on every node (the
+    /// chart's one `agent.kubeletDir`).
     pub kubelet_dir: PathBuf,
+    /// Where this node's kubelet files are on the host (`kubelet_dir` on node 1).
+    kubelet_backing: PathBuf,
+    /// Node 2's own namespaces; `None` for node 1 (the host's).
+    isolation: Option<Isolation>,
     kubeconfig: PathBuf,
     containerd_sock: PathBuf,
     kubelet_cmd: Vec<String>,
@@ -53,7 +88,7 @@ pub struct RealNode {
     pub node_ip: String,
 }
 
-fn run(cmd: &mut Command) -> anyhow::Result<String> {
+pub(crate) fn run(cmd: &mut Command) -> anyhow::Result<String> {
     let out = cmd.output().with_context(|| format!("run {cmd:?}"))?;
     if !out.status.success() {
         bail!(
@@ -79,9 +114,45 @@ fn node_ip() -> anyhow::Result<String> {
 }
 
 impl RealNode {
-    /// Starts the node against `cp` and imports the OCI archives `images` into containerd.
+    /// Starts node 1 (`realnode`, in the host's namespaces) against `cp`, with KCM and the
+    /// scheduler, and imports the OCI archives `images` into its containerd.
     pub fn start(cp: &ControlPlane, images: &[PathBuf]) -> anyhow::Result<Self> {
-        for tool in ["containerd", "runc", "ctr", "ip"] {
+        Self::start_node(cp, images, 0, None)
+    }
+
+    /// Starts `realnode2` beside node 1 (`self`), in namespaces of its own, against `cp`, which
+    /// must have been started for two nodes (`ControlPlane::start_for_nodes`). Drop it before
+    /// node 1 (node 1 restores the sysctls both kubelets change).
+    pub fn start_second(&self, cp: &ControlPlane, images: &[PathBuf]) -> anyhow::Result<Self> {
+        Self::start_node(cp, images, 1, Some(&self.kubelet_dir))
+    }
+
+    /// Starts `nodes` nodes (1 or 2), each Ready before this returns; `cp` must have been started
+    /// for as many (`ControlPlane::start_for_nodes`).
+    pub fn start_cluster(cp: &ControlPlane, images: &[PathBuf], nodes: usize) -> anyhow::Result<Cluster> {
+        if !(1..=MAX_NODES).contains(&nodes) {
+            bail!("a real cluster has 1 to {MAX_NODES} nodes, not {nodes}");
+        }
+        let mut cluster = Cluster {
+            nodes: vec![Self::start(cp, images)?],
+        };
+        for index in 1..nodes {
+            let shared = cluster.nodes[0].kubelet_dir.clone();
+            let node = Self::start_node(cp, images, index, Some(&shared))?;
+            cluster.nodes.push(node);
+        }
+        Ok(cluster)
+    }
+
+    /// Node `index`; every node but the first in its own namespaces, its kubelet root bound at
+    /// `shared_kubelet_dir` (node 1's).
+    fn start_node(
+        cp: &ControlPlane,
+        images: &[PathBuf],
+        index: usize,
+        shared_kubelet_dir: Option<&Path>,
+    ) -> anyhow::Result<Self> {
+        for tool in ["containerd", "runc", "ctr", "ip", "unshare", "nsenter"] {
             if which(tool).is_none() {
                 bail!("{tool} is not installed: run `make deps`");
             }
@@ -89,34 +160,82 @@ impl RealNode {
         if !Path::new("/usr/lib/cni/bridge").exists() {
             bail!("/usr/lib/cni/bridge is missing: run `make deps`");
         }
-        let dir = cp.dir().join("realnode");
+        let name = node_name(index);
+        if index > 0 && cp.node_host() != HOST_IP {
+            bail!(
+                "{name}: start the control plane with ControlPlane::start_for_nodes, so the node reaches it"
+            );
+        }
+        let dir = cp.dir().join(&name);
         std::fs::create_dir_all(&dir)?;
         let dir = std::fs::canonicalize(&dir)?;
-        let saved_sysctls = SYSCTLS
-            .iter()
-            .filter_map(|s| {
-                let v = std::fs::read_to_string(format!("/proc/sys/{s}")).ok()?;
-                Some((s.to_string(), v.trim().to_string()))
-            })
-            .collect();
+        // Node 1 puts back the global ones both kubelets change; the rest are per network
+        // namespace, and node 2's goes with it.
+        let saved_sysctls = match index {
+            0 => SYSCTLS
+                .iter()
+                .filter_map(|s| {
+                    let v = std::fs::read_to_string(format!("/proc/sys/{s}")).ok()?;
+                    Some((s.to_string(), v.trim().to_string()))
+                })
+                .collect(),
+            _ => vec![],
+        };
+        let isolation = (index > 0).then(|| Isolation::new(index, &dir));
+        let kubelet_backing = dir.join("kubelet");
         let mut node = Self {
-            kubelet_dir: dir.join("kubelet"),
+            name,
+            index,
+            kubelet_dir: shared_kubelet_dir.map_or_else(|| kubelet_backing.clone(), Path::to_path_buf),
+            kubelet_backing,
             kubeconfig: dir.join("kubelet.kubeconfig"),
             containerd_sock: dir.join("containerd/containerd.sock"),
             dir,
             kubelet_cmd: vec![],
             children: Mutex::new(vec![]),
             saved_sysctls,
-            node_ip: node_ip()?,
+            node_ip: match &isolation {
+                Some(iso) => iso.ip.clone(),
+                None => node_ip()?,
+            },
+            isolation,
         };
+        // From here on, dropping `node` removes whatever a failed step left.
+        if let Some(iso) = &node.isolation {
+            iso.create(&node.kubelet_dir, &node.kubelet_backing)?;
+            make_cgroup_root(&node.name)?;
+        }
         node.start_containerd()?;
         for image in images {
             node.import(image)?;
         }
-        node.start_kcm_and_scheduler(cp)?;
+        if index == 0 {
+            node.start_kcm_and_scheduler(cp)?;
+        }
         node.start_kubelet(cp)?;
         node.wait_ready(cp, Duration::from_secs(120))?;
         Ok(node)
+    }
+
+    /// `program` in the node's namespaces.
+    fn command(&self, program: impl AsRef<std::ffi::OsStr>) -> Command {
+        match &self.isolation {
+            Some(iso) => iso.command(program),
+            None => Command::new(program),
+        }
+    }
+
+    /// The mount table as the node's kubelet and pods see it.
+    pub fn mount_table(&self) -> String {
+        match &self.isolation {
+            Some(iso) => iso.mount_table().unwrap_or_default(),
+            None => std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default(),
+        }
+    }
+
+    /// Node 2's network namespace (`ip netns exec <it>`), `None` on node 1.
+    pub fn netns(&self) -> Option<&str> {
+        self.isolation.as_ref().map(|i| i.netns.as_str())
     }
 
     fn spawn(&self, name: &str, mut cmd: Command) -> anyhow::Result<()> {
@@ -139,7 +258,15 @@ impl RealNode {
         std::fs::write(
             cni.join("10-stowage.conflist"),
             format!(
-                r#"{{"cniVersion":"0.4.0","name":"stowage","plugins":[{{"type":"bridge","bridge":"{BRIDGE}","isGateway":true,"ipMasq":true,"ipam":{{"type":"host-local","ranges":[[{{"subnet":"{POD_SUBNET}"}}]],"routes":[{{"dst":"0.0.0.0/0"}}]}}}},{{"type":"portmap","capabilities":{{"portMappings":true}}}}]}}"#
+                r#"{{"cniVersion":"0.4.0","name":"{network}","plugins":[{{"type":"bridge","bridge":"{bridge}","isGateway":true,"ipMasq":true,"ipam":{{"type":"host-local","ranges":[[{{"subnet":"10.244.{index}.0/24"}}]],"routes":[{{"dst":"0.0.0.0/0"}}]}}}},{{"type":"portmap","capabilities":{{"portMappings":true}}}}]}}"#,
+                // Node 1's as they always were; a distinct network name keeps host-local's
+                // address records apart.
+                network = match self.index {
+                    0 => "stowage".to_string(),
+                    i => format!("stowage{}", i + 1),
+                },
+                bridge = self.bridge(),
+                index = self.index,
             ),
         )?;
         let d = |p: &str| c.join(p).display().to_string();
@@ -176,7 +303,7 @@ state = "{state}"
             cni = cni.display(),
         );
         std::fs::write(c.join("config.toml"), config)?;
-        let mut cmd = Command::new("containerd");
+        let mut cmd = self.command("containerd");
         cmd.arg("--config").arg(c.join("config.toml"));
         self.spawn("containerd", cmd)?;
         wait_for(Duration::from_secs(30), "containerd socket", || {
@@ -222,19 +349,26 @@ state = "{state}"
     }
 
     fn start_kubelet(&mut self, cp: &ControlPlane) -> anyhow::Result<()> {
-        std::fs::create_dir_all(&self.kubelet_dir)?;
-        // Mount propagation (Bidirectional for CSI node plugins) needs a shared mount; `/` is a
-        // private one here.
         let kd = self.kubelet_dir.display().to_string();
-        run(Command::new("mount").args(["--bind", &kd, &kd]))?;
-        run(Command::new("mount").args(["--make-rshared", &kd]))?;
+        // Mount propagation (Bidirectional for CSI node plugins) needs a shared mount; `/` is a
+        // private one here. Node 2's namespace has its own already (`Isolation::create`).
+        if self.isolation.is_none() {
+            std::fs::create_dir_all(&self.kubelet_dir)?;
+            run(Command::new("mount").args(["--bind", &kd, &kd]))?;
+            run(Command::new("mount").args(["--make-rshared", &kd]))?;
+        }
+        // Node 1 in the host's network namespace reaches the apiserver on loopback; the others
+        // on the host's veth address.
+        let (url, token) = match self.index {
+            0 => (cp.url(), NODE_TOKEN.to_string()),
+            i => (cp.node_url(), node_token(i)),
+        };
         let ca = std::fs::read(cp.dir().join("ca.crt"))?;
         let ca_b64 = base64::engine::general_purpose::STANDARD.encode(ca);
         std::fs::write(
             &self.kubeconfig,
             format!(
-                "apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster:\n    server: {url}\n    certificate-authority-data: {ca_b64}\nusers:\n- name: node\n  user:\n    token: {NODE_TOKEN}\ncontexts:\n- name: c\n  context:\n    cluster: c\n    user: node\ncurrent-context: c\n",
-                url = cp.url()
+                "apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster:\n    server: {url}\n    certificate-authority-data: {ca_b64}\nusers:\n- name: node\n  user:\n    token: {token}\ncontexts:\n- name: c\n  context:\n    cluster: c\n    user: node\ncurrent-context: c\n",
             ),
         )?;
         // Disk-based eviction and image GC are off, as kind and minikube turn them off: this
@@ -273,7 +407,12 @@ evictionHard:
   nodefs.inodesFree: \"0%\"
   imagefs.available: \"0%\"
 imageGCHighThresholdPercent: 100
-",
+{cgroup_root}",
+                // Its own cgroup root keeps node 2's kubepods apart from node 1's.
+                cgroup_root = match self.index {
+                    0 => String::new(),
+                    _ => format!("cgroupRoot: /{}\n", self.name),
+                },
                 port = free_port(),
                 sock = self.containerd_sock.display(),
                 logs = self.dir.join("pod-logs").display(),
@@ -285,7 +424,7 @@ imageGCHighThresholdPercent: 100
             format!("--kubeconfig={}", self.kubeconfig.display()),
             format!("--root-dir={kd}"),
             format!("--cert-dir={}", self.dir.join("kubelet-pki").display()),
-            format!("--hostname-override={NODE_NAME}"),
+            format!("--hostname-override={}", self.name),
             format!("--node-ip={}", self.node_ip),
             "--v=1".into(),
         ];
@@ -293,7 +432,7 @@ imageGCHighThresholdPercent: 100
     }
 
     fn spawn_kubelet(&self) -> anyhow::Result<()> {
-        let mut cmd = Command::new(&self.kubelet_cmd[0]);
+        let mut cmd = self.command(&self.kubelet_cmd[0]);
         cmd.args(&self.kubelet_cmd[1..]);
         self.spawn("kubelet", cmd)
     }
@@ -325,7 +464,7 @@ imageGCHighThresholdPercent: 100
                 .args([
                     "get",
                     "node",
-                    NODE_NAME,
+                    &self.name,
                     "-o",
                     "jsonpath={.status.conditions[?(@.type==\"Ready\")].status}",
                 ])
@@ -358,10 +497,15 @@ imageGCHighThresholdPercent: 100
             let (_, mut c) = children.remove(i);
             stop(&mut c, Duration::from_secs(20));
         }
-        // Containers: every process in a kubepods cgroup, then the shims of our containerd.
+        // Containers: every process in a kubepods cgroup (node 1: every node's; node 2: those
+        // under its cgroup root), then the shims of our containerd.
         let sock = self.containerd_sock.display().to_string();
+        let pods = match self.index {
+            0 => "/kubepods".to_string(),
+            _ => format!("/{}/", self.name),
+        };
         kill_matching(|pid| {
-            std::fs::read_to_string(format!("/proc/{pid}/cgroup")).is_ok_and(|c| c.contains("/kubepods"))
+            std::fs::read_to_string(format!("/proc/{pid}/cgroup")).is_ok_and(|c| c.contains(&pods))
         });
         kill_matching(|pid| {
             std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| {
@@ -372,29 +516,73 @@ imageGCHighThresholdPercent: 100
         while let Some((_, mut c)) = children.pop() {
             stop(&mut c, Duration::from_secs(10));
         }
-        for m in crate::host::mounts_under(&self.dir) {
-            let _ = Command::new("umount").arg("-l").arg(&m).status();
-        }
-        // Pod network namespaces the CNI plugins made, and the bridge.
-        if let Ok(out) = run(Command::new("ip").args(["netns", "list"])) {
-            for ns in out.lines().filter_map(|l| l.split_whitespace().next()) {
-                if ns.starts_with("cni-") {
-                    let _ = Command::new("ip").args(["netns", "delete", ns]).status();
+        match &self.isolation {
+            // Its mounts, pod network namespaces, bridge and hard-coded paths are all in its
+            // own namespaces.
+            Some(iso) => {
+                iso.remove(&[&self.dir, &self.kubelet_dir]);
+                remove_cgroups(&[&self.name]);
+            }
+            None => {
+                for m in crate::host::mounts_under(&self.dir) {
+                    let _ = Command::new("umount").arg("-l").arg(&m).status();
                 }
+                // Pod network namespaces the CNI plugins made, and the bridge.
+                if let Ok(out) = run(Command::new("ip").args(["netns", "list"])) {
+                    for ns in out.lines().filter_map(|l| l.split_whitespace().next()) {
+                        if ns.starts_with("cni-") {
+                            let _ = Command::new("ip").args(["netns", "delete", ns]).status();
+                        }
+                    }
+                }
+                let _ = Command::new("ip")
+                    .args(["link", "delete", BRIDGE])
+                    .stderr(Stdio::null())
+                    .status();
+                remove_cgroups(&["kubepods", "k8s.io"]);
+                // Paths the kubelet hard-codes outside its own dirs.
+                let _ = std::fs::remove_file("/var/lib/kubelet/device-plugins/kubelet.sock");
             }
         }
-        let _ = Command::new("ip")
-            .args(["link", "delete", BRIDGE])
-            .stderr(Stdio::null())
-            .status();
-        remove_cgroups();
         for (k, v) in &self.saved_sysctls {
             let _ = std::fs::write(format!("/proc/sys/{k}"), v);
         }
-        // Paths the kubelet and containerd hard-code outside their own dirs.
-        let _ = std::fs::remove_file("/var/lib/kubelet/device-plugins/kubelet.sock");
         let _ = std::fs::remove_dir_all(self.dir.join("containerd"));
-        let _ = std::fs::remove_dir_all(&self.kubelet_dir);
+        let _ = std::fs::remove_dir_all(&self.kubelet_backing);
+    }
+
+    fn bridge(&self) -> String {
+        match self.index {
+            0 => BRIDGE.to_string(),
+            i => format!("stowbr{i}"),
+        }
+    }
+}
+
+/// The nodes of a real cluster (`RealNode::start_cluster`); dropping it stops them, the last
+/// first.
+pub struct Cluster {
+    nodes: Vec<RealNode>,
+}
+
+impl Cluster {
+    pub fn nodes(&self) -> &[RealNode] {
+        &self.nodes
+    }
+}
+
+impl std::ops::Index<usize> for Cluster {
+    type Output = RealNode;
+    fn index(&self, i: usize) -> &RealNode {
+        &self.nodes[i]
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        while let Some(node) = self.nodes.pop() {
+            drop(node);
+        }
     }
 }
 
@@ -442,16 +630,39 @@ fn kill_matching(matches: impl Fn(i32) -> bool) {
     std::thread::sleep(Duration::from_millis(300));
 }
 
-/// Removes the cgroups the kubelet and containerd made (`kubepods`, `k8s.io`) in every v1
-/// hierarchy (and the v2 root), deepest first.
-fn remove_cgroups() {
-    let Ok(rd) = std::fs::read_dir("/sys/fs/cgroup") else {
-        return;
-    };
-    let mut roots: Vec<PathBuf> = rd.flatten().map(|e| e.path()).collect();
+/// A cgroup `/<name>` in every hierarchy, for a kubelet's `cgroupRoot` (it must exist), with
+/// the cpus and memory nodes of the root (a v1 cpuset starts with none).
+fn make_cgroup_root(name: &str) -> anyhow::Result<()> {
+    // Not the tmpfs that holds the v1 hierarchies.
+    for root in cgroup_roots()
+        .into_iter()
+        .filter(|r| r.join("cgroup.procs").exists())
+    {
+        let dir = root.join(name);
+        std::fs::create_dir_all(&dir).with_context(|| format!("create {}", dir.display()))?;
+        for f in ["cpuset.cpus", "cpuset.mems"] {
+            if let Ok(v) = std::fs::read_to_string(root.join(f)) {
+                std::fs::write(dir.join(f), v.trim()).with_context(|| format!("write {f}"))?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Every v1 hierarchy, and the v2 root.
+fn cgroup_roots() -> Vec<PathBuf> {
+    let mut roots: Vec<PathBuf> = std::fs::read_dir("/sys/fs/cgroup")
+        .map(|rd| rd.flatten().map(|e| e.path()).filter(|p| p.is_dir()).collect())
+        .unwrap_or_default();
     roots.push(PathBuf::from("/sys/fs/cgroup"));
-    for root in roots {
-        for name in ["kubepods", "k8s.io"] {
+    roots
+}
+
+/// Removes the cgroups `names` (the kubelet's and containerd's: `kubepods`, `k8s.io`; node 2's
+/// cgroup root) in every hierarchy, deepest first.
+fn remove_cgroups(names: &[&str]) {
+    for root in cgroup_roots() {
+        for name in names {
             let top = root.join(name);
             if top.is_dir() {
                 let mut dirs = vec![];

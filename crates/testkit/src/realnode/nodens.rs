@@ -1,0 +1,209 @@
+//! The network and mount namespaces of a real node other than the first (`realnode2`).
+//!
+//! One kernel plays every node. The agent DaemonSet's hostNetwork pods run on each node, so each
+//! node needs its own ports: node 2's containerd and kubelet run in a network namespace of their
+//! own, joined to the host by a veth pair with private test addresses and no default route
+//! (nothing leaves this machine). The chart has one `agent.kubeletDir` for all nodes, so node 2's
+//! kubelet root must sit at node 1's path: in a mount namespace of its own, node 2's kubelet dir
+//! is bound over that path and made rshared there (after the namespace was made private, so it is
+//! no peer of the host's mounts), and the agent's Bidirectional mounts reach node 2's kubelet and
+//! pods, not node 1's. The paths the kubelet, containerd and the CNI plugins hard-code get private
+//! dirs in that namespace too.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::atomic::Ordering;
+
+use super::run;
+
+/// The host's address on every other node's veth: the apiserver's address for those nodes and
+/// for the pods of all nodes (node 1 is in the host's network namespace, where it is local too).
+pub const HOST_IP: &str = "10.250.0.1";
+
+/// Host paths each node must have its own of: the kubelet's device-plugin socket dir and
+/// container log links (hard-coded), containerd's pod network namespaces, shim sockets and runc
+/// state (hard-coded in 1.6), the CNI plugins' IPAM and result store, and the chart's default
+/// `agent.rootDir` (the agent's CSI stage records, which are per node).
+const PRIVATE: &[&str] = &[
+    "/var/lib/kubelet/device-plugins",
+    "/var/log/containers",
+    "/run/netns",
+    "/run/containerd",
+    "/var/lib/cni",
+    "/var/lib/stowage",
+];
+
+/// Host mounts node 2's mount namespace keeps (besides `/` and the ones holding its own files).
+/// Its copies of the rest (other tests' volumes and network namespaces, node 1's kubelet mounts)
+/// would keep those file systems and namespaces alive for as long as the namespace lives.
+const KEEP: &[&str] = &["/proc", "/sys", "/dev", "/etc"];
+
+pub(crate) struct Isolation {
+    pub netns: String,
+    /// The host end of the veth pair; the node's end is `<veth>n` in `netns`.
+    veth: String,
+    /// The persistent mount namespace (a bind mount of its nsfs file).
+    mntns: PathBuf,
+    pub ip: String,
+    dir: PathBuf,
+    /// Whether `ip netns add` made /run/netns a mount (it binds it on itself), to be undone.
+    netns_dir_mounted: std::sync::atomic::AtomicBool,
+}
+
+impl Isolation {
+    /// The names of node `index` (0-based, so 1 is `realnode2`) with its files in `dir`; nothing
+    /// is created until `create`.
+    pub fn new(index: usize, dir: &Path) -> Self {
+        let n = index + 1;
+        Self {
+            netns: format!("stowage-realnode{n}"),
+            veth: format!("stowrn{n}h"),
+            mntns: dir.join("mntns"),
+            ip: format!("10.250.0.{n}"),
+            dir: dir.to_path_buf(),
+            netns_dir_mounted: Default::default(),
+        }
+    }
+
+    /// `program` run in the node's mount and network namespaces.
+    pub fn command(&self, program: impl AsRef<std::ffi::OsStr>) -> Command {
+        let mut cmd = Command::new("nsenter");
+        cmd.arg(format!("--mount={}", self.mntns.display()))
+            .arg(format!("--net=/run/netns/{}", self.netns))
+            .arg("--")
+            .arg(program);
+        cmd
+    }
+
+    /// Creates both namespaces; `kubelet_backing` is bound at `kubelet_path` in the mount one.
+    pub fn create(&self, kubelet_path: &Path, kubelet_backing: &Path) -> anyhow::Result<()> {
+        let (ns, host, node) = (&self.netns, &self.veth, format!("{}n", self.veth));
+        let ip = |args: &[&str]| run(Command::new("ip").args(args));
+        let before = is_mount_point("/run/netns");
+        ip(&["netns", "add", ns])?;
+        self.netns_dir_mounted
+            .store(!before && is_mount_point("/run/netns"), Ordering::Relaxed);
+        ip(&["link", "add", host, "type", "veth", "peer", "name", &node])?;
+        ip(&["link", "set", &node, "netns", ns])?;
+        // /32 addresses and a route each way: every further node can have its own veth with
+        // the same host address.
+        ip(&["addr", "add", &format!("{HOST_IP}/32"), "dev", host])?;
+        ip(&["link", "set", host, "up"])?;
+        ip(&[
+            "route",
+            "add",
+            &format!("{}/32", self.ip),
+            "dev",
+            host,
+            "src",
+            HOST_IP,
+        ])?;
+        ip(&["-n", ns, "link", "set", "lo", "up"])?;
+        ip(&["-n", ns, "addr", "add", &format!("{}/32", self.ip), "dev", &node])?;
+        ip(&["-n", ns, "link", "set", &node, "up"])?;
+        ip(&[
+            "-n",
+            ns,
+            "route",
+            "add",
+            &format!("{HOST_IP}/32"),
+            "dev",
+            &node,
+            "src",
+            &self.ip,
+        ])?;
+
+        std::fs::File::create(&self.mntns)?;
+        run(Command::new("unshare")
+            .arg(format!("--mount={}", self.mntns.display()))
+            .args(["--propagation", "private", "true"]))?;
+        let drop: Vec<String> = mount_points(&self.mount_table()?)
+            .into_iter()
+            .filter(|p| {
+                p != "/" && !KEEP.iter().any(|k| Path::new(p).starts_with(k)) && !self.dir.starts_with(p)
+            })
+            .collect();
+        if !drop.is_empty() {
+            // Children of a mount already detached fail; nothing to do for them.
+            let _ = self
+                .command("umount")
+                .arg("-l")
+                .args(&drop)
+                .stderr(Stdio::null())
+                .status();
+        }
+        for path in PRIVATE {
+            let own = self
+                .dir
+                .join("private")
+                .join(path.trim_start_matches('/').replace('/', "_"));
+            std::fs::create_dir_all(&own)?;
+            std::fs::create_dir_all(path)?;
+            run(self.command("mount").arg("--bind").arg(&own).arg(path))?;
+        }
+        std::fs::create_dir_all(kubelet_backing)?;
+        run(self
+            .command("mount")
+            .arg("--bind")
+            .arg(kubelet_backing)
+            .arg(kubelet_path))?;
+        run(self.command("mount").arg("--make-rshared").arg(kubelet_path))?;
+        Ok(())
+    }
+
+    /// The mount table as the node's processes see it.
+    pub fn mount_table(&self) -> anyhow::Result<String> {
+        run(self.command("cat").arg("/proc/self/mountinfo"))
+    }
+
+    /// Unmounts what the node mounted under `under` (deepest first), then releases the mount
+    /// namespace, the network namespace and the veth pair; idempotent. Its processes must be
+    /// gone, or the namespaces outlive this.
+    pub fn remove(&self, under: &[&Path]) {
+        if let Ok(table) = self.mount_table() {
+            let mut points: Vec<String> = mount_points(&table)
+                .into_iter()
+                .filter(|p| under.iter().any(|u| Path::new(p).starts_with(u)))
+                .collect();
+            points.sort_by_key(|p| std::cmp::Reverse(Path::new(p).components().count()));
+            if !points.is_empty() {
+                let _ = self
+                    .command("umount")
+                    .arg("-l")
+                    .args(&points)
+                    .stderr(Stdio::null())
+                    .status();
+            }
+        }
+        let quiet = |cmd: &mut Command| {
+            let _ = cmd.stdout(Stdio::null()).stderr(Stdio::null()).status();
+        };
+        quiet(Command::new("umount").arg("-l").arg(&self.mntns));
+        let _ = std::fs::remove_file(&self.mntns);
+        quiet(Command::new("ip").args(["netns", "delete", &self.netns]));
+        quiet(Command::new("ip").args(["link", "delete", &self.veth]));
+        let empty = std::fs::read_dir("/run/netns").is_ok_and(|mut rd| rd.next().is_none());
+        if empty && self.netns_dir_mounted.swap(false, Ordering::Relaxed) {
+            quiet(Command::new("umount").arg("/run/netns"));
+        }
+        let _ = std::fs::remove_dir_all(self.dir.join("private"));
+    }
+}
+
+fn is_mount_point(path: &str) -> bool {
+    let table = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    mount_points(&table).iter().any(|p| p == path)
+}
+
+/// The mount points of a mountinfo table, in its order (parents before what is mounted on them).
+fn mount_points(table: &str) -> Vec<String> {
+    table
+        .lines()
+        .filter_map(|l| l.split(' ').nth(4))
+        .map(|p| {
+            p.replace("\\040", " ")
+                .replace("\\011", "\t")
+                .replace("\\134", "\\")
+        })
+        .collect()
+}
