@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# A real single-node cluster with stowage installed by helm, for trying it by hand.
+# A real cluster (one node, or two with REALNODE_NODES=2) with stowage installed by helm, for
+# trying it by hand.
 #   realnode.sh up     control plane + KCM (storage controllers off) + scheduler + containerd +
-#                      kubelet, the images imported, `helm install` of charts/stowage (CSI mode)
+#                      kubelet per node, the images imported, `helm install` of charts/stowage
+#                      (CSI mode). realnode2 runs in network and mount namespaces of its own;
+#                      nodes and pods then reach the apiserver at the host's veth address.
 #   realnode.sh down   stops everything and removes what it left (mounts, loop devices, netns,
 #                      cgroups, processes)
 #   realnode.sh demo   up, a claim and a pod that writes to it, the state printed, then down
@@ -12,6 +15,9 @@ cd "$top"
 dir="$top/.realnode"
 kubectl="$top/e2e/bin/kubectl"
 version=$(sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)
+nodes=${REALNODE_NODES:-1}
+last=realnode
+[ "$nodes" -gt 1 ] && last=realnode$nodes
 export KUBECONFIG="$dir/kubeconfig"
 
 up() {
@@ -19,21 +25,23 @@ up() {
     echo "realnode: already up (KUBECONFIG=$KUBECONFIG)"; return
   fi
   rm -rf "$dir" && mkdir -p "$dir/images"
-  setsid "$top/target/debug/stowage-devcluster" --dir "$dir" --real-node \
+  setsid "$top/target/debug/stowage-devcluster" --dir "$dir" --real-node --nodes "$nodes" \
     --image target/image/busybox.oci.tar --image target/image/pause.oci.tar \
     --image target/image/curl.oci.tar \
     --image "target/image/stowage-$version.oci.tar" >"$dir/devcluster.log" 2>&1 &
   echo $! >"$dir/pid"
-  for _ in $(seq 240); do
-    grep -q "node realnode ready" "$dir/devcluster.log" && break
+  for _ in $(seq 480); do
+    grep -q "node $last ready" "$dir/devcluster.log" && break
     kill -0 "$(cat "$dir/pid")" 2>/dev/null || { cat "$dir/devcluster.log"; exit 1; }
     sleep 0.5
   done
-  grep -q "node realnode ready" "$dir/devcluster.log" || { cat "$dir/devcluster.log"; exit 1; }
-  port=$(grep -o 'https://127.0.0.1:[0-9]*' "$dir/devcluster.log" | head -1 | cut -d: -f3)
+  grep -q "node $last ready" "$dir/devcluster.log" || { cat "$dir/devcluster.log"; exit 1; }
+  # 127.0.0.1 for one node; the host's veth address, which every node's netns reaches, for more.
+  api=$(sed -n 's|^nodes and pods reach the apiserver at https://||p' "$dir/devcluster.log" | head -1)
+  host=${api%:*} port=${api##*:}
   cat >"$dir/values.yaml" <<VALUES
 image: {repository: localhost/stowage, tag: "$version", pullPolicy: Never}
-apiServer: {host: 127.0.0.1, port: "$port"}
+apiServer: {host: $host, port: "$port"}
 imageStore: {path: $dir/images}
 controller: {replicas: 1, hostNetwork: true}
 agent: {mode: csi, kubeletDir: $dir/realnode/kubelet, hostNetwork: true}
@@ -41,8 +49,9 @@ storageClass: {create: true, default: true, name: loop, volumeBindingMode: WaitF
 tests: {image: {repository: localhost/curl, tag: stowage, pullPolicy: Never}, hostNetwork: true}
 VALUES
   ./e2e/scripts/helm.sh install st charts/stowage -n stowage --create-namespace -f "$dir/values.yaml" --wait --timeout 3m >/dev/null
+  "$kubectl" get nodes -o wide
   "$kubectl" get pods -n stowage -o wide
-  echo "realnode: up; export KUBECONFIG=$KUBECONFIG (e2e/bin/kubectl)"
+  echo "realnode: up ($nodes node(s)); export KUBECONFIG=$KUBECONFIG (e2e/bin/kubectl)"
 }
 
 down() {
