@@ -30,14 +30,17 @@ pub(crate) struct Executor {
     pub(crate) events: Events,
     pub(crate) metrics: Metrics,
     pub(crate) image_dir: PathBuf,
-    /// The newest live list of built-in handles (see `live_handles`).
+    /// The newest live lists of built-in handles and of attachments (see `live_handles`).
     pub(crate) live: tokio::sync::Mutex<Option<LiveHandles>>,
 }
 
-/// Built-in handle → PV names, from a live list started at `started`.
+/// Built-in handle → PV names, and PV name → nodes of the VolumeAttachments naming it, from live
+/// lists started at `started`.
+#[derive(Clone)]
 pub(crate) struct LiveHandles {
     pub(crate) started: Instant,
     pub(crate) by_handle: Arc<HashMap<String, Vec<String>>>,
+    pub(crate) attached: Arc<HashMap<String, Vec<String>>>,
 }
 
 /// Applies an `Action::Annotate` to an object's metadata.

@@ -316,3 +316,21 @@ fn failure_retries_back_off_exponentially_to_five_minutes() {
     assert!(steps.windows(2).all(|w| w[0] <= w[1]));
     assert_eq!(*steps.last().unwrap(), Duration::from_secs(300));
 }
+
+/// The deleter waits while VolumeAttachments name the volume; the note names their nodes in a
+/// stable order (sorted, de-duplicated, at most ten), so every retry sends the same text and
+/// the Warning is recorded once.
+#[test]
+fn a_volume_named_by_attachments_waits_with_a_stable_note() {
+    assert_eq!(core::still_attached("pv", &[]), None);
+    let a = core::still_attached("pv", &["n2".into(), "n1".into(), "n2".into()]).unwrap();
+    let b = core::still_attached("pv", &["n1".into(), "n2".into()]).unwrap();
+    assert_eq!(a, b);
+    assert!(a.contains("n1, n2") && a.contains("still attached"), "{a}");
+    let many: Vec<String> = (0..25).map(|i| format!("node-{i:02}")).collect();
+    let n = core::still_attached("pv", &many).unwrap();
+    assert!(
+        n.contains("node-09") && !n.contains("node-10") && n.contains("and 15 more"),
+        "{n}"
+    );
+}

@@ -457,3 +457,100 @@ async fn data_source_and_selector_claims_are_refused_not_given_empty_volumes() {
     let images: Vec<_> = std::fs::read_dir(h.images.path()).unwrap().collect();
     assert!(images.is_empty(), "{images:?}");
 }
+
+/// A provisioned volume whose claim is deleted while a VolumeAttachment still names it (a node
+/// may still have its image behind a loop device, mounted): the deleter waits, with a Warning
+/// `VolumeStillAttached` on the volume, and touches nothing; once the attachment is gone the
+/// retry deletes the image and the volume (external-provisioner: "still attached to node").
+#[tokio::test]
+async fn a_volume_still_attached_is_deleted_only_after_its_attachment_goes() {
+    use k8s_openapi::api::storage::v1::{VolumeAttachment, VolumeAttachmentSource, VolumeAttachmentSpec};
+    use kube::api::{ObjectMeta, Patch, PatchParams, PostParams};
+
+    let h = Harness::start().await;
+    h.namespace("app").await;
+    h.create::<StorageClass>(storage_class("loop", "loop.stowage.dev").build())
+        .await;
+    let claim = h
+        .create_pvc(pvc("app", "data").request("16Mi").class("loop").build())
+        .await;
+    h.claim_phase("app", "data", "Bound").await;
+    let name = format!("pvc-{}", claim.uid().unwrap());
+    let img = h.images.path().join(format!("{name}.img"));
+    std::fs::write(&img, b"still mounted on node-a").unwrap();
+
+    // The attachment, held by its attacher's finalizer as a real one is until the node detaches.
+    let vas: kube::Api<VolumeAttachment> = kube::Api::all(h.client.clone());
+    vas.create(
+        &PostParams::default(),
+        &VolumeAttachment {
+            metadata: ObjectMeta {
+                name: Some("csi-attached".into()),
+                finalizers: Some(vec!["external-attacher/loop-stowage-dev".into()]),
+                ..Default::default()
+            },
+            spec: VolumeAttachmentSpec {
+                attacher: "loop.stowage.dev".into(),
+                node_name: "node-a".into(),
+                source: VolumeAttachmentSource {
+                    persistent_volume_name: Some(name.clone()),
+                    ..Default::default()
+                },
+            },
+            status: None,
+        },
+    )
+    .await
+    .unwrap();
+    // Being deleted still names the volume: the node has not let go yet.
+    vas.delete("csi-attached", &Default::default()).await.unwrap();
+
+    h.delete_claim("app", "data").await;
+    let note = h.event(&name, "VolumeStillAttached").await;
+    assert!(note.contains("node-a"), "{note}");
+    let warned = |h: &Harness| {
+        counter(
+            h,
+            "stowage_binder_warning_events_total",
+            ("reason", "VolumeStillAttached"),
+        )
+    };
+    // Retried with backoff: several attempts, one Warning (the same text every time).
+    eventually(WAIT, || async {
+        let tries = counter(
+            &h,
+            "stowage_binder_reconcile_errors_total",
+            ("error", "invalid_state"),
+        );
+        if tries >= 3.0 {
+            Ok(())
+        } else {
+            Err(format!("{tries} failed attempts"))
+        }
+    })
+    .await;
+    assert_eq!(warned(&h), 1.0);
+    assert_eq!(
+        std::fs::read(&img).unwrap(),
+        b"still mounted on node-a",
+        "the image is untouched while attached"
+    );
+    let v = h.pvs().get(&name).await.expect("the volume stays");
+    assert_eq!(
+        v.status.and_then(|s| s.phase).as_deref(),
+        Some("Released"),
+        "waiting is not a failure"
+    );
+    assert!(has_deleter(&h.pvs().get(&name).await.unwrap()));
+
+    // The node lets go: the attacher drops its finalizer, the attachment goes, the deletion ends.
+    vas.patch(
+        "csi-attached",
+        &PatchParams::default(),
+        &Patch::Merge(serde_json::json!({"metadata": {"finalizers": null}})),
+    )
+    .await
+    .unwrap();
+    released_by_binder(&h, &name).await;
+    assert!(!img.exists(), "deleted once no attachment names the volume");
+}

@@ -288,6 +288,29 @@ pub(super) fn deleter(pv: &PersistentVolume) -> Deleter {
 /// Event reason for a Delete-policy volume of the built-in driver whose image is kept.
 pub const DELETE_REFUSED: &str = "VolumeDeleteRefused";
 
+/// Reason of the Warning on a volume whose deletion waits for its VolumeAttachments to go.
+pub const DELETE_WAITS_FOR_DETACH: &str = "VolumeStillAttached";
+
+/// Why the built-in deleter does not delete volume `pv` yet: VolumeAttachments on `nodes` still
+/// name it (external-provisioner refuses "still attached to node" the same way). `None` when
+/// none does. The note names the nodes sorted, at most ten, so it is the same on every retry.
+pub fn still_attached(pv: &str, nodes: &[String]) -> Option<String> {
+    const SHOWN: usize = 10;
+    if nodes.is_empty() {
+        return None;
+    }
+    let mut n: Vec<&str> = nodes.iter().map(String::as_str).collect();
+    n.sort_unstable();
+    n.dedup();
+    let mut named = n.iter().take(SHOWN).copied().collect::<Vec<_>>().join(", ");
+    if n.len() > SHOWN {
+        named.push_str(&format!(" and {} more", n.len() - SHOWN));
+    }
+    Some(format!(
+        "volume {pv} is still attached to node {named}; its image is deleted once no VolumeAttachment names the volume"
+    ))
+}
+
 /// Deletes only what this provisioner made and no other PV still names (as external-provisioner's
 /// `shouldDelete`); everything else stays Released, with a Warning saying why.
 pub(super) fn reclaim_loop(pv: &PersistentVolume, cache: &Cache) -> Vec<Action> {

@@ -12,6 +12,7 @@ use tokio::time::Instant;
 use super::*;
 use crate::core::{self};
 use crate::loopdev;
+use stowage_common::attachment::VolumeAttachment;
 use stowage_common::errors::{ERROR, SUCCESS};
 use stowage_common::writes::is_not_found;
 
@@ -132,19 +133,17 @@ impl Executor {
         Ok(())
     }
 
-    /// Every built-in handle and the PVs naming it, from a live (paged) list that started no
-    /// earlier than `since`: the cache may lag a PV just created, and removing an image is
-    /// final. One list at a time, shared by every deletion that began before it started, so a
-    /// burst of deletions costs a few lists, not one each.
-    pub(crate) async fn live_handles(
-        &self,
-        since: Instant,
-    ) -> Result<Arc<HashMap<String, Vec<String>>>, Error> {
+    /// Every built-in handle and the PVs naming it, and every PV a VolumeAttachment names with
+    /// the nodes of those attachments, from live (paged) lists that started no earlier than
+    /// `since`: the cache may lag a PV or an attachment just created, and removing an image is
+    /// final. One pair of lists at a time, shared by every deletion that began before it started,
+    /// so a burst of deletions costs a few lists, not one each.
+    pub(crate) async fn live_handles(&self, since: Instant) -> Result<LiveHandles, Error> {
         let mut last = self.live.lock().await;
         if let Some(l) = last.as_ref()
             && l.started >= since
         {
-            return Ok(l.by_handle.clone());
+            return Ok(l.clone());
         }
         let started = Instant::now();
         let mut by_handle: HashMap<String, Vec<String>> = HashMap::new();
@@ -161,12 +160,28 @@ impl Executor {
                 None => break,
             }
         }
-        let by_handle = Arc::new(by_handle);
-        *last = Some(LiveHandles {
+        let vas: kube::Api<VolumeAttachment> = kube::Api::all(self.client.clone());
+        let mut attached: HashMap<String, Vec<String>> = HashMap::new();
+        let mut lp = kube::api::ListParams::default().limit(500);
+        loop {
+            let page = vas.list(&lp).await?;
+            for va in page.items {
+                if let Some(pv) = va.spec.source.persistent_volume_name {
+                    attached.entry(pv).or_default().push(va.spec.node_name);
+                }
+            }
+            match page.metadata.continue_.filter(|c| !c.is_empty()) {
+                Some(c) => lp = lp.continue_token(&c),
+                None => break,
+            }
+        }
+        let live = LiveHandles {
             started,
-            by_handle: by_handle.clone(),
-        });
-        Ok(by_handle)
+            by_handle: Arc::new(by_handle),
+            attached: Arc::new(attached),
+        };
+        *last = Some(live.clone());
+        Ok(live)
     }
 
     pub(crate) async fn delete_volume(
@@ -192,7 +207,21 @@ impl Executor {
         }
         let handle = volume_handle(&v).unwrap_or_default().to_string();
         let live = self.live_handles(since).await?;
+        // As external-provisioner: nothing is deleted while an attachment names the volume (a
+        // node may still have the image behind a loop device and mounted). Retried with the
+        // failure backoff; the attach/detach controller and the node's attacher remove it.
+        let nodes = live.attached.get(pv).map(Vec::as_slice).unwrap_or_default();
+        if let Some(note) = core::still_attached(pv, nodes) {
+            done.events.push(volume_event(
+                &v,
+                true,
+                core::DELETE_WAITS_FOR_DETACH,
+                note.clone(),
+            ));
+            return Err(Error::InvalidState(note));
+        }
         let sharing: Vec<String> = live
+            .by_handle
             .get(&handle)
             .into_iter()
             .flatten()
