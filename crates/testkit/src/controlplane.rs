@@ -150,8 +150,36 @@ impl ControlPlane {
             etcd_cmd,
             node_host,
         };
+        if node_host != "127.0.0.1" {
+            cp.firewall("-I")?;
+        }
         cp.start_apiserver()?;
         Ok(cp)
+    }
+
+    /// Bound to every address for the nodes, the apiserver answers only on loopback, the nodes'
+    /// veths (`stowrn*`) and node 1's pod bridge (`stowbr0`), not on this machine's other
+    /// interfaces: its tokens are fixed. `op` is `-I` (insert, the accepts above the drop) or `-D`.
+    fn firewall(&self, op: &str) -> anyhow::Result<()> {
+        let port = self.port.to_string();
+        let rules: [&[&str]; 4] = [
+            &["-j", "DROP"],
+            &["-i", "stowbr+", "-j", "ACCEPT"],
+            &["-i", "stowrn+", "-j", "ACCEPT"],
+            &["-i", "lo", "-j", "ACCEPT"],
+        ];
+        for rule in rules {
+            let out = Command::new("iptables")
+                .args([op, "INPUT", "-p", "tcp", "--dport", &port])
+                .args(["-m", "comment", "--comment", "stowage test apiserver"])
+                .args(rule)
+                .output()
+                .context("run iptables")?;
+            if op == "-I" && !out.status.success() {
+                bail!("iptables: {}", String::from_utf8_lossy(&out.stderr));
+            }
+        }
+        Ok(())
     }
 
     fn start_apiserver(&self) -> anyhow::Result<()> {
@@ -330,6 +358,9 @@ impl ControlPlane {
             if let Some(mut c) = slot.lock().unwrap_or_else(|p| p.into_inner()).take() {
                 stop(&mut c, Duration::from_secs(10));
             }
+        }
+        if self.node_host != "127.0.0.1" {
+            let _ = self.firewall("-D");
         }
     }
 }

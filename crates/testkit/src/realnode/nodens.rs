@@ -40,8 +40,9 @@ const KEEP: &[&str] = &["/proc", "/sys", "/dev", "/etc"];
 
 pub(crate) struct Isolation {
     pub netns: String,
-    /// The host end of the veth pair; the node's end is `<veth>n` in `netns`.
+    /// The veth pair's ends: on the host, and in `netns`.
     veth: String,
+    node_veth: String,
     /// The persistent mount namespace (a bind mount of its nsfs file).
     mntns: PathBuf,
     pub ip: String,
@@ -58,6 +59,7 @@ impl Isolation {
         Self {
             netns: format!("stowage-realnode{n}"),
             veth: format!("stowrn{n}h"),
+            node_veth: format!("stowrn{n}n"),
             mntns: dir.join("mntns"),
             ip: format!("10.250.0.{n}"),
             dir: dir.to_path_buf(),
@@ -77,14 +79,14 @@ impl Isolation {
 
     /// Creates both namespaces; `kubelet_backing` is bound at `kubelet_path` in the mount one.
     pub fn create(&self, kubelet_path: &Path, kubelet_backing: &Path) -> anyhow::Result<()> {
-        let (ns, host, node) = (&self.netns, &self.veth, format!("{}n", self.veth));
+        let (ns, host, node) = (&self.netns, &self.veth, &self.node_veth);
         let ip = |args: &[&str]| run(Command::new("ip").args(args));
         let before = is_mount_point("/run/netns");
         ip(&["netns", "add", ns])?;
         self.netns_dir_mounted
             .store(!before && is_mount_point("/run/netns"), Ordering::Relaxed);
-        ip(&["link", "add", host, "type", "veth", "peer", "name", &node])?;
-        ip(&["link", "set", &node, "netns", ns])?;
+        ip(&["link", "add", host, "type", "veth", "peer", "name", node])?;
+        ip(&["link", "set", node, "netns", ns])?;
         // /32 addresses and a route each way: every further node can have its own veth with
         // the same host address.
         ip(&["addr", "add", &format!("{HOST_IP}/32"), "dev", host])?;
@@ -99,8 +101,8 @@ impl Isolation {
             HOST_IP,
         ])?;
         ip(&["-n", ns, "link", "set", "lo", "up"])?;
-        ip(&["-n", ns, "addr", "add", &format!("{}/32", self.ip), "dev", &node])?;
-        ip(&["-n", ns, "link", "set", &node, "up"])?;
+        ip(&["-n", ns, "addr", "add", &format!("{}/32", self.ip), "dev", node])?;
+        ip(&["-n", ns, "link", "set", node, "up"])?;
         ip(&[
             "-n",
             ns,
@@ -108,7 +110,7 @@ impl Isolation {
             "add",
             &format!("{HOST_IP}/32"),
             "dev",
-            &node,
+            node,
             "src",
             &self.ip,
         ])?;
