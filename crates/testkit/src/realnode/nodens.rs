@@ -12,7 +12,6 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::atomic::Ordering;
 
 use super::run;
 
@@ -47,8 +46,6 @@ pub(crate) struct Isolation {
     mntns: PathBuf,
     pub ip: String,
     dir: PathBuf,
-    /// Whether `ip netns add` made /run/netns a mount (it binds it on itself), to be undone.
-    netns_dir_mounted: std::sync::atomic::AtomicBool,
 }
 
 impl Isolation {
@@ -63,7 +60,6 @@ impl Isolation {
             mntns: dir.join("mntns"),
             ip: format!("10.250.0.{n}"),
             dir: dir.to_path_buf(),
-            netns_dir_mounted: Default::default(),
         }
     }
 
@@ -79,12 +75,11 @@ impl Isolation {
 
     /// Creates both namespaces; `kubelet_backing` is bound at `kubelet_path` in the mount one.
     pub fn create(&self, kubelet_path: &Path, kubelet_backing: &Path) -> anyhow::Result<()> {
+        // What a killed run left (real clusters are exclusive on a machine).
+        self.remove(&[]);
         let (ns, host, node) = (&self.netns, &self.veth, &self.node_veth);
         let ip = |args: &[&str]| run(Command::new("ip").args(args));
-        let before = is_mount_point("/run/netns");
         ip(&["netns", "add", ns])?;
-        self.netns_dir_mounted
-            .store(!before && is_mount_point("/run/netns"), Ordering::Relaxed);
         ip(&["link", "add", host, "type", "veth", "peer", "name", node])?;
         ip(&["link", "set", node, "netns", ns])?;
         // /32 addresses and a route each way: every further node can have its own veth with
@@ -184,8 +179,9 @@ impl Isolation {
         let _ = std::fs::remove_file(&self.mntns);
         quiet(Command::new("ip").args(["netns", "delete", &self.netns]));
         quiet(Command::new("ip").args(["link", "delete", &self.veth]));
+        // `ip netns add` binds /run/netns on itself; once no namespace is left there, undone.
         let empty = std::fs::read_dir("/run/netns").is_ok_and(|mut rd| rd.next().is_none());
-        if empty && self.netns_dir_mounted.swap(false, Ordering::Relaxed) {
+        if empty && is_mount_point("/run/netns") {
             quiet(Command::new("umount").arg("/run/netns"));
         }
         let _ = std::fs::remove_dir_all(self.dir.join("private"));
