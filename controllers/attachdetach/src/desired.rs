@@ -54,6 +54,15 @@ pub struct DesiredVolume {
     pub multi_attach_reported: bool,
 }
 
+/// What [`Desired::update_pod`] did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Update {
+    /// The pod let go of something it wanted before (only then can a detach follow).
+    pub released: bool,
+    /// Volumes the pod still wants although their claims no longer resolve to them.
+    pub kept: Vec<VolumeSpec>,
+}
+
 #[derive(Debug, Clone, Default)]
 pub struct Desired {
     /// node → unique volume name → entry; only managed nodes, only volumes with pods.
@@ -102,6 +111,41 @@ impl Desired {
         }
         self.pods.insert(pod.uid, (node.to_string(), names));
         released
+    }
+
+    /// Sets what an active `pod` wants on `node` (upstream's populator only adds while a pod
+    /// lives): the volumes `resolved` now, plus every volume it already wanted there that no longer
+    /// resolves, as long as `still_attachable` says its driver still needs attaching (upstream
+    /// drops an entry only when its pod terminates or is deleted, or its volume stops being
+    /// attachable). A claim that stops resolving (no longer Bound, its volume's claimRef UID
+    /// changed, the volume gone) must not detach a volume a running pod has mounted. A pod moved
+    /// to another node (a new UID in practice) lets go of everything on the old one.
+    pub fn update_pod(
+        &mut self,
+        pod: PodRef,
+        node: &str,
+        resolved: Vec<VolumeSpec>,
+        still_attachable: impl Fn(&VolumeSpec) -> bool,
+    ) -> Update {
+        let mut volumes = resolved;
+        let mut kept = Vec::new();
+        if let Some((old_node, old_names)) = self.pods.get(&pod.uid)
+            && old_node == node
+        {
+            for n in old_names {
+                if volumes.iter().any(|v| &v.name == n) {
+                    continue;
+                }
+                if let Some(e) = self.get(n, node)
+                    && still_attachable(&e.spec)
+                {
+                    kept.push(e.spec.clone());
+                }
+            }
+        }
+        volumes.extend(kept.iter().cloned());
+        let released = self.set_pod(pod, node, volumes);
+        Update { released, kept }
     }
 
     /// Forgets what the pod wanted; returns whether it wanted anything.
@@ -220,61 +264,136 @@ pub fn driver_attachable(driver: Option<&CSIDriver>) -> bool {
     driver.is_none_or(|d| d.spec.attach_required.unwrap_or(true))
 }
 
+/// A claim of a pod that resolves to no volume now, and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Unresolved {
+    pub claim: String,
+    pub why: String,
+}
+
+/// A pod's volumes as its claims resolve now.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PodVolumes {
+    /// Attachable volumes, in volume order, each once.
+    pub attachable: Vec<VolumeSpec>,
+    /// Claims that resolve to no volume (not found, not the pod's, not Bound, their volume
+    /// missing or bound to another claim). Claims of volumes that need no attaching (non-CSI,
+    /// or a CSIDriver with `attachRequired: false`) resolve fine and are in neither list.
+    pub unresolved: Vec<Unresolved>,
+}
+
 /// The attachable volumes of `pod`. Claims not (yet) bound, volumes missing or pointing at
 /// another claim, and non-CSI volumes are skipped: a later claim or volume event re-resolves.
 pub fn pod_volumes(pod: &Pod, lookup: &impl Lookup) -> Vec<VolumeSpec> {
+    resolve_pod(pod, lookup).attachable
+}
+
+/// [`pod_volumes`], with why each claim that resolves to no volume does not.
+pub fn resolve_pod(pod: &Pod, lookup: &impl Lookup) -> PodVolumes {
     let ns = pod.namespace().unwrap_or_default();
-    let mut out: Vec<VolumeSpec> = Vec::new();
+    let mut out = PodVolumes::default();
     // persistentVolumeClaim volumes and generic ephemeral ones (`<pod>-<volume>`, only when the
     // pod controls that claim), as upstream's desired-state populator resolves them.
     for pc in stowage_common::objects::pod_claims(pod) {
-        let Some(claim) = lookup.claim(&ns, &pc.claim) else {
-            continue;
+        let resolved = match lookup.claim(&ns, &pc.claim) {
+            None => Err("the claim does not exist".to_string()),
+            Some(claim) if !pc.usable(pod, &claim.metadata) => {
+                Err("the claim is not this pod's ephemeral claim (another owner)".to_string())
+            }
+            Some(claim) => resolve_claim(&claim, lookup),
         };
-        if !pc.usable(pod, &claim.metadata) {
-            continue;
-        }
-        let Some(spec) = resolve_claim(&claim, lookup) else {
-            continue;
-        };
-        if !out.iter().any(|s| s.name == spec.name) {
-            out.push(spec);
+        match resolved {
+            Ok(Some(spec)) => {
+                if !out.attachable.iter().any(|s| s.name == spec.name) {
+                    out.attachable.push(spec);
+                }
+            }
+            Ok(None) => {}
+            Err(why) => out.unresolved.push(Unresolved {
+                claim: pc.claim.clone(),
+                why,
+            }),
         }
     }
     out
 }
 
-fn resolve_claim(claim: &Packed<PersistentVolumeClaim>, lookup: &impl Lookup) -> Option<VolumeSpec> {
+/// The claim's attachable volume, `Ok(None)` for a volume that needs no attaching, or why the
+/// claim resolves to no volume.
+fn resolve_claim(
+    claim: &Packed<PersistentVolumeClaim>,
+    lookup: &impl Lookup,
+) -> Result<Option<VolumeSpec>, String> {
     // The stored JSON decoded as a claim when stored, and the view is a subset of that type:
     // an error here is a bug, and the claim then resolves nowhere until its next event.
     let view = match claim.view::<ClaimView>() {
         Ok(v) => v,
         Err(e) => {
             tracing::error!(claim = ?claim.metadata.name, error = %e, "stored claim does not read back");
-            return None;
+            return Err(format!("the stored claim does not read back: {e}"));
         }
     };
-    let bound = view.status.and_then(|s| s.phase).as_deref() == Some("Bound");
-    let pv_name = view.spec?.volume_name.filter(|v| !v.is_empty())?;
-    if !bound {
-        return None;
+    let phase = view.status.and_then(|s| s.phase);
+    let Some(pv_name) = view.spec.and_then(|s| s.volume_name).filter(|v| !v.is_empty()) else {
+        return Err("the claim names no volume".into());
+    };
+    if phase.as_deref() != Some("Bound") {
+        return Err(format!(
+            "the claim is {}, not Bound",
+            phase.as_deref().unwrap_or("without a phase")
+        ));
     }
-    let pv = PvSpecView::of(&*lookup.volume(&pv_name)?)?;
-    let claim_ref_uid = pv.claim_ref.as_ref()?.uid.as_deref();
+    let Some(pv) = lookup.volume(&pv_name) else {
+        return Err(format!("its volume {pv_name} does not exist"));
+    };
+    let Some(pv) = PvSpecView::of(&pv) else {
+        return Err(format!("its volume {pv_name} has no spec"));
+    };
+    let claim_ref_uid = pv.claim_ref.as_ref().and_then(|r| r.uid.as_deref());
     if claim_ref_uid != claim.metadata.uid.as_deref() {
-        return None;
+        return Err(format!(
+            "its volume {pv_name} is bound to another claim (claimRef UID {})",
+            claim_ref_uid.unwrap_or("none")
+        ));
     }
-    let csi = pv.csi.as_ref()?;
+    let Some(csi) = pv.csi.as_ref() else {
+        return Ok(None);
+    };
     if !driver_attachable(lookup.driver(&csi.driver).as_deref()) {
-        return None;
+        return Ok(None);
     }
-    Some(VolumeSpec {
+    Ok(Some(VolumeSpec {
         name: unique_volume_name(&csi.driver, &csi.volume_handle),
         pv_name,
         multi_attach: pv_multi_attach_allowed(&pv),
         driver: csi.driver.clone(),
         handle: csi.volume_handle.clone(),
-    })
+    }))
+}
+
+/// The note of the event on a pod that keeps volumes its claims no longer resolve to: what is
+/// kept, and why nothing could be resolved (bounded under the Event API's 1 KiB).
+pub fn kept_note(node: &str, kept: &[VolumeSpec], unresolved: &[Unresolved]) -> String {
+    let mut pvs: Vec<&str> = kept.iter().map(|v| v.pv_name.as_str()).collect();
+    pvs.sort_unstable();
+    let whys: Vec<String> = unresolved
+        .iter()
+        .map(|u| format!("claim {}: {}", u.claim, u.why))
+        .collect();
+    let mut note = format!(
+        "volume(s) {} stay attached to node {node} while the pod runs, though its claims no longer resolve to them ({}); a volume leaves only when the pod terminates or is deleted",
+        pvs.join(", "),
+        whys.join("; ")
+    );
+    if note.len() > 1000 {
+        let mut cut = 990;
+        while !note.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        note.truncate(cut);
+        note.push_str(" …");
+    }
+    note
 }
 
 #[cfg(test)]
@@ -507,7 +626,135 @@ mod tests {
         assert!(d.is_empty());
     }
 
+    /// A claim that stops resolving keeps the volume its running pod already wanted; a driver
+    /// that stops needing attachment, or another node, lets it go.
+    #[test]
+    fn an_active_pods_volume_stays_when_its_claim_stops_resolving() {
+        let spec = |n: &str| VolumeSpec {
+            name: n.into(),
+            pv_name: format!("pv-{n}"),
+            driver: "d".into(),
+            handle: n.into(),
+            multi_attach: false,
+        };
+        let p = PodRef {
+            namespace: "ns".into(),
+            name: "p".into(),
+            uid: "u".into(),
+        };
+        let attachable = |_: &VolumeSpec| true;
+        let mut d = Desired::default();
+        let u = d.update_pod(p.clone(), "n1", vec![spec("v"), spec("w")], attachable);
+        assert_eq!(u, Update::default());
+        d.mark_multi_attach_reported("v", "n1");
+        // Nothing resolves now: both stay, as they were.
+        let u = d.update_pod(p.clone(), "n1", vec![], attachable);
+        assert!(!u.released);
+        assert_eq!(u.kept, vec![spec("v"), spec("w")]);
+        assert!(d.get("v", "n1").unwrap().multi_attach_reported);
+        assert!(d.get("w", "n1").is_some());
+        // A new volume resolves: added beside the kept ones.
+        let u = d.update_pod(p.clone(), "n1", vec![spec("x")], attachable);
+        assert_eq!(u.kept.len(), 2);
+        assert_eq!(d.len(), 3);
+        // The driver of w no longer needs attaching: w goes (upstream's attachability check).
+        let u = d.update_pod(p.clone(), "n1", vec![spec("x")], |v: &VolumeSpec| v.name != "w");
+        assert!(u.released);
+        assert!(d.get("w", "n1").is_none() && d.get("v", "n1").is_some());
+        // Another node: nothing of the old one is kept there.
+        let u = d.update_pod(p.clone(), "n2", vec![], attachable);
+        assert!(u.released && u.kept.is_empty());
+        assert!(d.is_empty());
+        // Only termination or deletion of the pod removes what it wants.
+        d.update_pod(p.clone(), "n1", vec![spec("v")], attachable);
+        assert!(d.remove_pod("u"));
+        assert!(d.is_empty());
+    }
+
+    /// Claims resolve with a reason when they do not: the claim is not Bound, its volume names
+    /// another claim, is missing, or the claim is missing.
+    #[test]
+    fn unresolved_claims_say_why() {
+        let lookup = Fake {
+            claims: vec![
+                claim("pending", "pv-p", "Pending"),
+                claim("stolen", "pv-s", "Bound"),
+                claim("lost", "pv-gone", "Bound"),
+                claim("ok", "pv-ok", "Bound"),
+            ],
+            pvs: vec![
+                pv("pv-p", "attach.dev", "uid-pending", &["ReadWriteOnce"]),
+                pv("pv-s", "attach.dev", "someone-else", &["ReadWriteOnce"]),
+                pv("pv-ok", "attach.dev", "uid-ok", &["ReadWriteOnce"]),
+            ],
+            drivers: vec![driver("attach.dev", true)],
+        };
+        let r = resolve_pod(&pod(&["pending", "stolen", "lost", "missing", "ok"]), &lookup);
+        assert_eq!(r.attachable.len(), 1);
+        let whys: Vec<(&str, &str)> = r
+            .unresolved
+            .iter()
+            .map(|u| (u.claim.as_str(), u.why.as_str()))
+            .collect();
+        assert!(
+            whys[0].0 == "pending" && whys[0].1.contains("Pending, not Bound"),
+            "{whys:?}"
+        );
+        assert!(
+            whys[1].0 == "stolen" && whys[1].1.contains("another claim"),
+            "{whys:?}"
+        );
+        assert!(
+            whys[2].0 == "lost" && whys[2].1.contains("does not exist"),
+            "{whys:?}"
+        );
+        assert!(
+            whys[3].0 == "missing" && whys[3].1.contains("claim does not exist"),
+            "{whys:?}"
+        );
+        let note = kept_note("n1", &r.attachable, &r.unresolved);
+        assert!(note.contains("pv-ok") && note.contains("claim stolen:"), "{note}");
+    }
+
     proptest::proptest! {
+        /// While a pod is active on one node, whatever it wanted there stays wanted whatever its
+        /// claims resolve to next, unless its driver stops needing attachment; the index follows.
+        #[test]
+        fn an_active_pod_never_loses_an_attachable_volume(
+            steps in proptest::collection::vec((proptest::collection::vec(0..4usize, 0..3), 0..5usize), 1..20)
+        ) {
+            let mut d = Desired::default();
+            let p = PodRef { namespace: "ns".into(), name: "p".into(), uid: "u".into() };
+            let mut wanted: std::collections::BTreeSet<String> = Default::default();
+            for (vols, detachable) in steps {
+                let specs: Vec<VolumeSpec> = vols.iter().map(|v| VolumeSpec {
+                    name: format!("vol{v}"),
+                    pv_name: format!("pv{v}"),
+                    driver: format!("d{v}"),
+                    handle: format!("h{v}"),
+                    multi_attach: false,
+                }).collect();
+                // Driver `d<detachable>` no longer needs attaching (4: all still do).
+                let gone = format!("d{detachable}");
+                let u = d.update_pod(p.clone(), "n1", specs.clone(), |s: &VolumeSpec| s.driver != gone);
+                let now: std::collections::BTreeSet<String> =
+                    d.iter().map(|(_, e)| e.spec.name.clone()).collect();
+                for w in &wanted {
+                    let dropped = w == &format!("vol{detachable}") && !specs.iter().any(|s| &s.name == w);
+                    proptest::prop_assert_eq!(now.contains(w), !dropped, "{}", w);
+                }
+                for s in &specs {
+                    proptest::prop_assert!(now.contains(&s.name));
+                }
+                proptest::prop_assert_eq!(u.released, wanted.iter().any(|w| !now.contains(w)));
+                for v in 0..4 {
+                    let name = format!("vol{v}");
+                    proptest::prop_assert_eq!(d.wanting(&name).count(), usize::from(now.contains(&name)));
+                }
+                wanted = now;
+            }
+        }
+
         /// The volume index agrees with the entries after any sequence of pod changes, and a
         /// pod reports releasing something exactly when an entry or one of its pods went.
         #[test]

@@ -18,7 +18,7 @@ use stowage_common::slim::Pod;
 use crate::actual::Actual;
 use crate::controller::Controller;
 use crate::core::pass_unaffected;
-use crate::desired::{Lookup, PodRef, pod_volumes};
+use crate::desired::{Lookup, PodRef, driver_attachable, kept_note, resolve_pod};
 use crate::objects::{
     NodeInfo, PvSpecView, VaState, pod_claims, pod_is_active, pod_node, pv_finalizer_change,
     split_unique_volume_name, unique_volume_name,
@@ -47,7 +47,12 @@ pub(crate) struct PodSeen {
     uid: String,
     node: String,
     claims: Vec<String>,
+    /// The last `VolumeKeptAttached` note sent about it (sent again only when it changes).
+    kept_note: Option<String>,
 }
+
+/// Reason of the Warning on a pod whose claims no longer resolve to volumes it keeps.
+pub(crate) const REASON_VOLUME_KEPT: &str = "VolumeKeptAttached";
 
 impl Controller {
     /// Initial state: nodes (and what their status says is attached, so a restart keeps it),
@@ -260,6 +265,7 @@ impl Controller {
             .store()
             .get(&ObjectRef::new(&key.1).within(&key.0))
             .filter(|p| pod_is_active(p));
+        let mut last_note = None;
         if let Some(old) = self.pods.remove(&key) {
             for c in &old.claims {
                 let ck = (key.0.clone(), c.clone());
@@ -270,10 +276,12 @@ impl Controller {
                     }
                 }
             }
-            if pod.as_ref().and_then(|p| p.uid()).as_deref() != Some(old.uid.as_str())
-                && self.desired.remove_pod(&old.uid)
-            {
-                self.touch();
+            if pod.as_ref().and_then(|p| p.uid()).as_deref() != Some(old.uid.as_str()) {
+                if self.desired.remove_pod(&old.uid) {
+                    self.touch();
+                }
+            } else {
+                last_note = old.kept_note;
             }
         }
         let seen = self.pod_seen.remove(&key);
@@ -289,8 +297,14 @@ impl Controller {
         }
         // A deleted node's pods stay desired until they go (pod GC): their volumes may still be
         // mounted there.
+        let mut kept_note_now = None;
         if self.nodes.get(&node).is_some_and(|n| n.managed) {
-            let volumes = pod_volumes(&pod, &Stores(&self.cluster));
+            let stores = Stores(&self.cluster);
+            let resolved = resolve_pod(&pod, &stores);
+            let volumes = resolved.attachable;
+            if !resolved.unresolved.is_empty() {
+                tracing::debug!(pod = %format!("{}/{}", key.0, key.1), unresolved = ?resolved.unresolved, "claims resolve to no volume yet");
+            }
             for v in &volumes {
                 // Only an attach still to start has a decision latency: a pod update of a running
                 // pod must not leave a stale start for a later re-attach of its volume.
@@ -301,14 +315,37 @@ impl Controller {
                 }
                 self.attach_dirty.insert(v.name.clone());
             }
+            // While the pod lives, what it already wanted stays even if its claim no longer
+            // resolves; only a driver that stopped needing attachment lets it go (upstream).
+            let still_attachable =
+                |v: &crate::desired::VolumeSpec| driver_attachable(stores.driver(&v.driver).as_deref());
+            let update = self
+                .desired
+                .update_pod(PodRef::of(&pod), &node, volumes, still_attachable);
             // Only a volume let go of can lead to a detach, which needs the full pass.
-            if self.desired.set_pod(PodRef::of(&pod), &node, volumes) {
+            if update.released {
                 self.touch();
+            }
+            if !update.kept.is_empty() {
+                let note = kept_note(&node, &update.kept, &resolved.unresolved);
+                if last_note.as_ref() != Some(&note) {
+                    tracing::warn!(pod = %format!("{}/{}", key.0, key.1), %note, "volumes kept for a running pod whose claims no longer resolve");
+                    self.pod_event(&PodRef::of(&pod), true, REASON_VOLUME_KEPT, note.clone());
+                }
+                kept_note_now = Some(note);
             }
         } else if self.desired.remove_pod(&uid) {
             self.touch();
         }
-        self.pods.insert(key, PodSeen { uid, node, claims });
+        self.pods.insert(
+            key,
+            PodSeen {
+                uid,
+                node,
+                claims,
+                kept_note: kept_note_now,
+            },
+        );
     }
 
     /// (volume, node, driver, handle) of an attachment, through its PV.

@@ -221,3 +221,100 @@ async fn a_gone_nodes_attachment_is_released_after_the_forced_detach() {
         1.0
     );
 }
+
+/// A running pod's volume stays desired when its claim stops resolving (the claim is no longer
+/// Bound; the volume's claimRef names another UID): upstream only adds volumes while a pod lives
+/// and drops them when it terminates or is deleted. Before, the volume left the desired state and
+/// was detached — forced here after the short max wait, the node being NotReady with the volume
+/// in use. The pod gets a Warning saying what is kept and why its claim does not resolve.
+#[tokio::test]
+async fn a_running_pods_volume_stays_attached_when_its_claim_stops_resolving() {
+    let w = World::with_one_volume().await;
+    // A resync every second rebuilds the desired state from the stores: that must keep it too.
+    let c = Controller::start(
+        &w.client,
+        Config {
+            resync: Duration::from_secs(1),
+            ..short_wait()
+        },
+    );
+    w.attached_pod("app", "vol-1", "node-a", "/dev/loop1").await;
+    w.node_status(
+        "node-a",
+        json!({ "conditions": [ready_condition(false)], "volumesInUse": [unique_volume_name(DRIVER, "vol-1")] }),
+    )
+    .await;
+    w.wait_node_attached(
+        "node-a",
+        vec![(unique_volume_name(DRIVER, "vol-1"), "/dev/loop1".into())],
+    )
+    .await;
+    let claims: Api<PersistentVolumeClaim> = Api::namespaced(w.client.clone(), NS);
+    let pvs: Api<PersistentVolume> = Api::all(w.client.clone());
+    let va = attachment_name("vol-1", DRIVER, "node-a");
+    // Past the max wait (2 s) and several passes, the attachment is still there.
+    let still_attached = || async {
+        let before = c.metric("stowage_attachdetach_reconcile_total", None);
+        tokio::time::sleep(Duration::from_secs(4)).await;
+        passes(&c, before, 2.0).await;
+        assert!(
+            w.vas().get_opt(&va).await.unwrap().is_some(),
+            "the running pod's volume was detached"
+        );
+        assert_eq!(c.metric("stowage_attachdetach_forced_detaches_total", None), 0.0);
+    };
+
+    // The claim is no longer Bound.
+    claims
+        .patch_status(
+            "vol-1",
+            &PatchParams::default(),
+            &Patch::Merge(json!({ "status": { "phase": "Pending" } })),
+        )
+        .await
+        .unwrap();
+    still_attached().await;
+    let note = w.warning_note("app", "VolumeKeptAttached").await;
+    assert!(
+        note.contains("vol-1") && note.contains("not Bound") && note.contains("node-a"),
+        "{note}"
+    );
+
+    // Bound again, but the volume's claimRef now names another UID.
+    claims
+        .patch_status(
+            "vol-1",
+            &PatchParams::default(),
+            &Patch::Merge(json!({ "status": { "phase": "Bound" } })),
+        )
+        .await
+        .unwrap();
+    pvs.patch(
+        "vol-1",
+        &PatchParams::default(),
+        &Patch::Merge(json!({ "spec": { "claimRef": { "uid": "someone-else" } } })),
+    )
+    .await
+    .unwrap();
+    eventually(LIMIT, || async {
+        let events: Api<Event> = Api::namespaced(w.client.clone(), NS);
+        let list = events
+            .list(&ListParams::default())
+            .await
+            .map_err(|e| e.to_string())?;
+        list.items
+            .iter()
+            .filter(|e| e.reason.as_deref() == Some("VolumeKeptAttached"))
+            .filter_map(|e| e.note.as_deref())
+            .find(|n| n.contains("bound to another claim"))
+            .map(|_| ())
+            .ok_or_else(|| "no event about the claimRef yet".to_string())
+    })
+    .await;
+    still_attached().await;
+
+    // The pod goes: now the volume leaves the desired state and is detached.
+    w.in_use("node-a", &[]).await;
+    w.delete_pod("app").await;
+    w.wait_no_va("vol-1", "node-a").await;
+}
