@@ -17,6 +17,26 @@ use crate::objects::*;
 
 pub use stowage_loopdriver::{ImageError, ImageStore};
 
+/// Whether the built-in provisioner makes the volume's ext4 itself when it creates the image: a
+/// Filesystem volume whose only access mode is ReadOnlyMany (and whose fsType is ext4, the one
+/// file system the driver makes). Every node stages such a volume read-only and never formats a
+/// device it cannot write, so an image left blank could never be mounted. Block volumes and
+/// volumes with a writer mode stay blank: a writer's first stage formats them on its node.
+pub fn formatted_at_creation(pv: &PersistentVolume) -> bool {
+    let Some(spec) = pv.spec.as_ref() else {
+        return false;
+    };
+    let modes = spec.access_modes.as_deref().unwrap_or_default();
+    let readers_only = !modes.is_empty() && modes.iter().all(|m| m == "ReadOnlyMany");
+    let filesystem = spec.volume_mode.as_deref() != Some("Block");
+    let ext4 = spec
+        .csi
+        .as_ref()
+        .and_then(|c| c.fs_type.as_deref())
+        .is_none_or(|t| t.is_empty() || t == stowage_loopdriver::csi::caps::FS_TYPE);
+    readers_only && filesystem && ext4
+}
+
 /// The name of the PV provisioned for a claim (one per claim UID, so retries are idempotent).
 pub fn provisioned_name(claim: &PersistentVolumeClaim) -> Option<String> {
     claim.metadata.uid.as_ref().map(|u| format!("pvc-{u}"))

@@ -334,3 +334,34 @@ fn a_volume_named_by_attachments_waits_with_a_stable_note() {
         "{n}"
     );
 }
+
+/// Which provisioned volumes get their file system at creation: Filesystem, ReadOnlyMany only,
+/// ext4 (or unset); everything else is left to the first writer's stage, as before.
+#[test]
+fn only_read_only_many_filesystem_volumes_are_formatted_at_creation() {
+    let class = storage_class("loop", LOOP_DRIVER).build();
+    let made = |modes: &[&str], block: bool, fs: Option<&str>| {
+        let mut b = pvc("app", "c").access_modes(modes).class("loop");
+        if block {
+            b = b.block();
+        }
+        let mut c = b.build();
+        c.metadata.uid = Some("u".into());
+        let mut v = crate::loopdev::provisioned_pv(&c, &class).unwrap();
+        v.spec.as_mut().unwrap().csi.as_mut().unwrap().fs_type = fs.map(Into::into);
+        crate::loopdev::formatted_at_creation(&v)
+    };
+    assert!(made(&["ReadOnlyMany"], false, Some("ext4")));
+    assert!(made(&["ReadOnlyMany"], false, None));
+    assert!(!made(&["ReadOnlyMany"], true, Some("ext4")), "Block");
+    assert!(
+        !made(&["ReadOnlyMany"], false, Some("xfs")),
+        "not the driver's file system"
+    );
+    assert!(
+        !made(&["ReadOnlyMany", "ReadWriteOnce"], false, Some("ext4")),
+        "a writer formats it"
+    );
+    assert!(!made(&["ReadWriteOnce"], false, Some("ext4")));
+    assert!(!made(&["ReadWriteOncePod"], false, Some("ext4")));
+}

@@ -394,3 +394,73 @@ async fn a_delayed_claim_says_which_pod_it_waits_for() {
     let note = h.event("w", "WaitForPodScheduled").await;
     assert_eq!(note, "waiting for pod web-0 to be scheduled");
 }
+
+/// What `blkid -p` finds on an image: its TYPE, or `None` when blank.
+fn fs_on(image: &std::path::Path) -> Option<String> {
+    let out = std::process::Command::new("blkid")
+        .args(["-p", "-o", "value", "-s", "TYPE"])
+        .arg(image)
+        .output()
+        .expect("blkid");
+    match out.status.code() {
+        Some(2) => None,
+        Some(0) => Some(String::from_utf8_lossy(&out.stdout).trim().to_string()),
+        other => panic!(
+            "blkid {image:?}: {other:?} {}",
+            String::from_utf8_lossy(&out.stderr)
+        ),
+    }
+}
+
+/// A claim whose only access mode is ReadOnlyMany (volume mode Filesystem) gets its ext4 made
+/// by the provisioner: every node stages it read-only and never formats a device it cannot
+/// write, so an image left blank could never be mounted (pods waited forever). The node stages
+/// it read-only, for real. Block, and claims with a writer mode, stay blank as before (a
+/// writer's first stage formats them).
+#[tokio::test]
+async fn a_read_only_many_filesystem_claim_gets_its_file_system_at_creation() {
+    let h = Harness::start().await;
+    h.namespace("app").await;
+    h.create::<StorageClass>(storage_class("loop", "loop.stowage.dev").build())
+        .await;
+    let mut images = BTreeMap::new();
+    for (name, modes, block) in [
+        ("rox", &["ReadOnlyMany"][..], false),
+        ("rox-block", &["ReadOnlyMany"][..], true),
+        ("rwo", &["ReadWriteOnce"][..], false),
+        ("rwo-rox", &["ReadWriteOnce", "ReadOnlyMany"][..], false),
+    ] {
+        let mut b = pvc("app", name).access_modes(modes).request("16Mi").class("loop");
+        if block {
+            b = b.block();
+        }
+        let c = h.create_pvc(b.build()).await;
+        h.claim_phase("app", name, "Bound").await;
+        let handle = format!("pvc-{}", c.metadata.uid.clone().unwrap());
+        images.insert(
+            name,
+            (handle.clone(), h.images.path().join(format!("{handle}.img"))),
+        );
+    }
+    assert_eq!(fs_on(&images["rox"].1).as_deref(), Some("ext4"));
+    for blank in ["rox-block", "rwo", "rwo-rox"] {
+        assert_eq!(fs_on(&images[blank].1), None, "{blank} is left to the node");
+    }
+
+    // What a node's stage of it does, read-only as every stage of a ReadOnlyMany volume is: a
+    // read-only loop device, the file system found (never formatted), mounted read-only.
+    use stowage_loopdriver::sys;
+    let image = &images["rox"].1;
+    let dev = sys::loop_attach(image, true).await.expect("losetup -r");
+    let found = sys::probe(&dev).await;
+    let target = tempfile::tempdir().unwrap();
+    let mounted = sys::mount_device(&dev, target.path(), true).await;
+    let listing = std::fs::read_dir(target.path()).map(|d| d.count()).unwrap_or(0);
+    if mounted.is_ok() {
+        sys::unmount(target.path(), false).await.unwrap();
+    }
+    sys::loop_detach(&dev).await.unwrap();
+    assert_eq!(found.unwrap(), sys::Probe::Found("ext4".into()));
+    mounted.expect("mounts read-only");
+    assert!(listing > 0, "the mounted file system shows (lost+found)");
+}

@@ -94,6 +94,12 @@ impl Executor {
                 source: std::io::Error::other(e),
             })
         });
+        // Still image-pending until this is done, so the claim cannot bind to a volume that has
+        // no file system yet.
+        let made = match made {
+            Ok((path, _)) if loopdev::formatted_at_creation(&v) => format_image(&path).await,
+            other => other.map(|_| ()),
+        };
         if let Err(e) = made {
             self.metrics.provisioning.with_label_values(&[ERROR]).inc();
             let msg = format!(
@@ -285,5 +291,35 @@ impl Executor {
         self.metrics.deletions.with_label_values(&[SUCCESS]).inc();
         // The object may linger behind other finalizers (pv-protection); the watch reports it.
         Ok(())
+    }
+}
+
+/// Makes the ext4 file system of a new ReadOnlyMany image (`loopdev::formatted_at_creation`),
+/// with the node's own step (`sys::mkfs_ext4`, same options). Only a blank image is formatted
+/// (`blkid -p`): a retry after a crash finds the ext4 it made and leaves it, and an image that
+/// holds anything else is never overwritten. Every failure is retried: a missing tool or an
+/// I/O error may pass, and a foreign file system waits for an admin.
+pub(super) async fn format_image(path: &std::path::Path) -> Result<(), loopdev::ImageError> {
+    use stowage_loopdriver::csi::caps::FS_TYPE;
+    use stowage_loopdriver::sys::{self, Probe};
+    let fail = |what: String| loopdev::ImageError::Io {
+        path: path.to_path_buf(),
+        source: std::io::Error::other(what),
+    };
+    let p = path
+        .to_str()
+        .ok_or_else(|| fail("the image path is not UTF-8".into()))?;
+    match sys::probe(p).await {
+        Ok(Probe::Blank) => {
+            tracing::info!(image = %p, "making the file system of a ReadOnlyMany volume");
+            sys::mkfs_ext4(p)
+                .await
+                .map_err(|e| fail(format!("cannot make its {FS_TYPE} file system: {e}")))
+        }
+        Ok(Probe::Found(t)) if t == FS_TYPE => Ok(()),
+        Ok(Probe::Found(t)) => Err(fail(format!(
+            "it holds {t}, not {FS_TYPE}, and is never reformatted; remove the file or delete the claim"
+        ))),
+        Err(e) => Err(fail(format!("cannot probe it for a file system: {e}"))),
     }
 }

@@ -209,3 +209,42 @@ async fn a_failing_image_removal_warns_once_with_the_change_to_failed() {
     assert_eq!(std::fs::read(img.join("keep")).unwrap(), b"data");
     assert!(h.pvs().get_opt("stuck").await.unwrap().is_some(), "not deleted");
 }
+
+/// The file system of a ReadOnlyMany image is made only on a blank image: a second run leaves
+/// the ext4 it made (same UUID), and an image holding anything else is refused, never formatted.
+#[tokio::test]
+async fn a_read_only_many_image_is_formatted_only_when_blank() {
+    let dir = tempfile::tempdir().unwrap();
+    let uuid = |p: &std::path::Path| {
+        let out = std::process::Command::new("blkid")
+            .args(["-p", "-o", "value", "-s", "UUID"])
+            .arg(p)
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    };
+    let img = dir.path().join("v.img");
+    std::fs::File::create(&img).unwrap().set_len(16 << 20).unwrap();
+    super::builtin::format_image(&img).await.unwrap();
+    let first = uuid(&img);
+    assert!(!first.is_empty(), "formatted");
+    super::builtin::format_image(&img).await.unwrap();
+    assert_eq!(uuid(&img), first, "an image that holds ext4 is left as it is");
+
+    let swap = dir.path().join("swap.img");
+    std::fs::File::create(&swap).unwrap().set_len(16 << 20).unwrap();
+    assert!(
+        std::process::Command::new("mkswap")
+            .arg(&swap)
+            .output()
+            .unwrap()
+            .status
+            .success()
+    );
+    let e = super::builtin::format_image(&swap).await.unwrap_err();
+    assert!(e.to_string().contains("swap") && !e.permanent(), "{e}");
+    let probe = stowage_loopdriver::sys::probe(swap.to_str().unwrap())
+        .await
+        .unwrap();
+    assert_eq!(probe, stowage_loopdriver::sys::Probe::Found("swap".into()));
+}
