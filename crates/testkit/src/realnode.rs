@@ -270,6 +270,7 @@ impl RealNode {
             ),
         )?;
         let d = |p: &str| c.join(p).display().to_string();
+        refuse_registries(&c.join("certs.d"))?;
         // restrict_oom_score_adj: root here lacks CAP_SYS_RESOURCE, and the sandbox's -998 would
         // fail the start of every pod.
         let config = format!(
@@ -295,12 +296,15 @@ state = "{state}"
   [plugins."io.containerd.grpc.v1.cri".cni]
     bin_dir = "/usr/lib/cni"
     conf_dir = "{cni}"
+  [plugins."io.containerd.grpc.v1.cri".registry]
+    config_path = "{hosts}"
 "#,
             root = d("root"),
             state = d("state"),
             sock = self.containerd_sock.display(),
             opt = d("opt"),
             cni = cni.display(),
+            hosts = d("certs.d"),
         );
         std::fs::write(c.join("config.toml"), config)?;
         let mut cmd = self.command("containerd");
@@ -590,6 +594,30 @@ impl Drop for RealNode {
     fn drop(&mut self) {
         self.stop();
     }
+}
+
+/// Every image pull goes to a loopback port that refuses at once: nothing leaves this machine,
+/// and an image a test names but no one imported fails its pod in seconds (ErrImagePull naming
+/// 127.0.0.1:1) instead of hanging on a registry. `_default` covers any registry; the ones the
+/// Kubernetes test images and charts name get their own entry too, so a containerd that reads only
+/// named host directories refuses them the same way.
+fn refuse_registries(certs_d: &Path) -> anyhow::Result<()> {
+    for host in [
+        "_default",
+        "registry.k8s.io",
+        "gcr.io",
+        "docker.io",
+        "quay.io",
+        "ghcr.io",
+    ] {
+        let dir = certs_d.join(host);
+        std::fs::create_dir_all(&dir)?;
+        std::fs::write(
+            dir.join("hosts.toml"),
+            "server = \"http://127.0.0.1:1\"\n[host.\"http://127.0.0.1:1\"]\n  capabilities = [\"pull\", \"resolve\"]\n",
+        )?;
+    }
+    Ok(())
 }
 
 fn which(tool: &str) -> Option<PathBuf> {
