@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A real cluster (one node, or two with REALNODE_NODES=2) with stowage installed by helm, for
-# trying it by hand.
+# trying it by hand and for the storage e2e suite (REALNODE_IMAGES: more image archives to import).
 #   realnode.sh up     control plane + KCM (storage controllers off) + scheduler + containerd +
 #                      kubelet per node, the images imported, `helm install` of charts/stowage
 #                      (CSI mode). realnode2 runs in network and mount namespaces of its own;
@@ -25,10 +25,13 @@ up() {
     echo "realnode: already up (KUBECONFIG=$KUBECONFIG)"; return
   fi
   rm -rf "$dir" && mkdir -p "$dir/images"
+  # REALNODE_IMAGES: more OCI archives for every node's containerd (the storage e2e suite's).
+  local extra=() img
+  for img in ${REALNODE_IMAGES:-}; do extra+=(--image "$img"); done
   setsid "$top/target/debug/stowage-devcluster" --dir "$dir" --real-node --nodes "$nodes" \
     --image target/image/busybox.oci.tar --image target/image/pause.oci.tar \
     --image target/image/curl.oci.tar \
-    --image "target/image/stowage-$version.oci.tar" >"$dir/devcluster.log" 2>&1 &
+    --image "target/image/stowage-$version.oci.tar" "${extra[@]}" >"$dir/devcluster.log" 2>&1 &
   echo $! >"$dir/pid"
   for _ in $(seq 480); do
     grep -q "node $last ready" "$dir/devcluster.log" && break
