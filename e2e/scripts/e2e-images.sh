@@ -8,7 +8,8 @@
 #                      suite runs its `mounttest`, host-exec pods its nsenter (busybox's)
 #   nginx              the "exec" volume test runs a shell script in it and nothing else; it serves
 #                      HTTP on :80 with busybox httpd when started without a command
-#   glibc-dns-testing  the multiVolume tests' pods: a shell, sleep, dd and sha256sum
+#   glibc-dns-testing  as upstream, Debian (the machine's suite, minbase: GNU coreutils) with
+#                      dnsutils; the multiVolume tests' pods write with GNU dd's oflag=nocache
 # The names and tags come from `e2e.test -list-storage-images` (e2e/storage/suite), so a new
 # release renames them itself.
 # Output: target/image/e2e-<name>.oci.tar and the list of their names e2e-images.refs, cached by the busybox-static version, the agnhost
@@ -18,7 +19,7 @@ top=$(cd "$(dirname "$0")/../.." && pwd)
 out=${OUT:-$top/target/image}
 bin="$top/e2e/storage/bin"
 mkdir -p "$out"
-for tool in jq gzip sha256sum dpkg-deb apt-get; do
+for tool in jq gzip sha256sum dpkg-deb apt-get mmdebstrap flock; do
   command -v "$tool" >/dev/null || { echo "e2e-images: $tool missing (make deps)" >&2; exit 1; }
 done
 [ -x "$bin/e2e.test" ] && [ -x "$bin/agnhost" ] || {
@@ -32,8 +33,11 @@ for i in "${!names[@]}"; do
   case "${refs[$i]}" in */"${names[$i]}":*) ;; *) echo "e2e-images: ${refs[$i]} is not ${names[$i]}" >&2; exit 1 ;; esac
 done
 
+# shellcheck source=e2e/scripts/oci.sh
+. "$(dirname "$0")/oci.sh"
+debian=$(debian_layer glibc-dns-testing-image dnsutils)
 version=$(apt-cache policy busybox-static | awk '/Candidate:/ {print $2}')
-stamp="$version $(cat "$0" "$(dirname "$0")/oci.sh" "$bin/agnhost" | sha256sum | cut -c1-16) ${refs[*]}"
+stamp="$version $(basename "$debian") $(cat "$0" "$(dirname "$0")/oci.sh" "$bin/agnhost" | sha256sum | cut -c1-16) ${refs[*]}"
 ready=1
 for n in "${names[@]}"; do [ -f "$out/e2e-$n.oci.tar" ] || ready=0; done
 [ -f "$out/e2e-images.refs" ] || ready=0
@@ -44,8 +48,6 @@ fi
 
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-# shellcheck source=e2e/scripts/oci.sh
-. "$(dirname "$0")/oci.sh"
 busybox_rootfs "$tmp/busybox"
 busybox_diff=$(tar_layer "$tmp/busybox" "$tmp/busybox.tar.gz")
 
@@ -66,6 +68,8 @@ for i in "${!names[@]}"; do
     agnhost) layer="$tmp/agnhost.tar.gz" diff=$agnhost_diff
       config="{\"Entrypoint\": [\"/agnhost\"], \"Cmd\": [\"pause\"], $env}" ;;
     nginx) config="{\"Cmd\": [\"httpd\", \"-f\", \"-p\", \"80\", \"-h\", \"/tmp\"], $env}" ;;
+    glibc-dns-testing) layer="$debian/layer.tar.gz" diff=$(cat "$debian/diff_id")
+      config="{\"Cmd\": [\"bash\"], $env}" ;;
     *) config="{\"Cmd\": [\"sh\"], $env}" ;;
   esac
   oci_archive "$out/e2e-$n.oci.tar" "$ref" "$layer" "$diff" "$config"

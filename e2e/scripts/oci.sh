@@ -66,3 +66,47 @@ busybox_rootfs() {
   printf 'root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/nonexistent:/bin/false\n' >"$dir/etc/passwd"
   printf 'root:x:0:\nnobody:x:65534:\n' >"$dir/etc/group"
 }
+
+# debian_layer <cache name> <package,…>: a minbase Debian layer (sh, GNU coreutils, sed, grep) of
+# the machine's own suite and apt sources plus the packages, made by mmdebstrap and cached under
+# ~/.cache/stowage/<cache name>/<hash of the inputs>; prints that directory, which holds
+# layer.tar.gz and diff_id. Slimmed as image.sh does. Root is needed.
+debian_layer() {
+  local name=$1 include=$2 suite arch sources key cache_root layer part
+  # shellcheck disable=SC1091
+  suite=${STOWAGE_DEBIAN_SUITE:-$(. /etc/os-release && echo "${VERSION_CODENAME:?no VERSION_CODENAME in /etc/os-release}")}
+  arch=$(dpkg --print-architecture)
+  sources=${STOWAGE_DEBIAN_SOURCES:-/etc/apt/sources.list.d/debian.sources}
+  [ -f "$sources" ] || { echo "$name: no $sources; set STOWAGE_DEBIAN_SOURCES" >&2; return 1; }
+  local args=(
+    --mode=root --variant=minbase --arch="$arch" --include="$include"
+    --aptopt='APT::Install-Recommends "false"'
+    --hook-dir=/usr/share/mmdebstrap/hooks/merged-usr
+    --dpkgopt='path-exclude=/usr/share/man/*' --dpkgopt='path-exclude=/usr/share/info/*'
+    --dpkgopt='path-exclude=/usr/share/locale/*' --dpkgopt='path-exclude=/usr/share/doc/*'
+    --customize-hook='rm -f "$1"/var/log/*.log "$1"/var/cache/ldconfig/aux-cache'
+    --skip=output/dev
+  )
+  key=$({ printf '%s\n' "$suite" "$arch" "${args[@]}"; grep -v '^#' "$sources"; mmdebstrap --version; } | sha256sum | cut -c1-16)
+  cache_root=${STOWAGE_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/stowage}
+  layer="$cache_root/$name/$key"
+  mkdir -p "$cache_root/$name"
+  (
+    exec 9>"$cache_root/$name/.lock"
+    flock 9 # parallel callers build once
+    if [ ! -s "$layer/layer.tar.gz" ]; then
+      echo "$name: building the $suite layer $key with mmdebstrap (a minute or two)" >&2
+      part="$layer.partial.$$"
+      rm -rf "$part" && mkdir -p "$part"
+      if ! SOURCE_DATE_EPOCH=0 mmdebstrap "${args[@]}" "$suite" "$part/layer.tar" "$sources" >"$part/mmdebstrap.log" 2>&1; then
+        tail -n 30 "$part/mmdebstrap.log" >&2
+        echo "$name: mmdebstrap failed; log in $part/mmdebstrap.log" >&2
+        exit 1
+      fi
+      sha256sum <"$part/layer.tar" | cut -d' ' -f1 >"$part/diff_id"
+      gzip -n -6 "$part/layer.tar"
+      rm -rf "$layer" && mv "$part" "$layer"
+    fi
+  ) || return 1
+  echo "$layer"
+}
