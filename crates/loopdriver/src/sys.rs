@@ -1,5 +1,6 @@
 //! The node's tools: losetup, blkid, mkfs.ext4, mount, umount, resize2fs, mknod. Each call has a
-//! time limit (a hung device must not hang the agent) and its error carries the tool's own words.
+//! time limit (a hung device must not hang the agent) and its error carries the tool's own words;
+//! only the `*_to_end` forms of the offline repair tools have none (see [`run_to_end`]).
 
 use std::io::ErrorKind;
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
@@ -65,9 +66,33 @@ pub async fn run_raw(tool: &str, args: &[&str]) -> Result<Output> {
     })
 }
 
+/// Runs a tool to its end: no time limit and no kill when the caller stops waiting. For tools
+/// that must never be stopped halfway (an offline `e2fsck` or `resize2fs` killed mid-run can
+/// leave the file system inconsistent); callers run it in a task of its own.
+pub async fn run_to_end(tool: &str, args: &[&str]) -> Result<Output> {
+    let mut cmd = Command::new(tool);
+    cmd.args(args)
+        .kill_on_drop(false)
+        .stdin(std::process::Stdio::null());
+    let out = cmd.output().await.map_err(|source| SysError::Spawn {
+        tool: tool.into(),
+        source,
+    })?;
+    Ok(Output {
+        code: out.status.code(),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).trim().to_string(),
+    })
+}
+
 /// Runs a tool; a non-zero exit is an error.
 pub async fn run(tool: &str, args: &[&str]) -> Result<String> {
     let out = run_raw(tool, args).await?;
+    checked(tool, args, out)
+}
+
+/// A tool's stdout when it exited 0, else the error with its own words.
+fn checked(tool: &str, args: &[&str], out: Output) -> Result<String> {
     if out.code == Some(0) {
         Ok(out.stdout)
     } else {
@@ -315,10 +340,20 @@ pub async fn bind_mount(src: &Path, target: &Path, read_only: bool) -> Result<()
 /// fixed", still fine to go on.
 pub async fn fsck_ext(dev: &str) -> Result<()> {
     let out = run_raw("e2fsck", &["-f", "-p", dev]).await?;
+    fsck_verdict("e2fsck", dev, out)
+}
+
+/// [`fsck_ext`] run to its end ([`run_to_end`]) with the given `e2fsck` program.
+pub async fn fsck_ext_to_end(e2fsck: &str, dev: &str) -> Result<()> {
+    let out = run_to_end(e2fsck, &["-f", "-p", dev]).await?;
+    fsck_verdict(e2fsck, dev, out)
+}
+
+fn fsck_verdict(e2fsck: &str, dev: &str, out: Output) -> Result<()> {
     match out.code {
         Some(0) | Some(1) => Ok(()),
         code => Err(SysError::Failed {
-            tool: format!("e2fsck -f -p {dev}"),
+            tool: format!("{e2fsck} -f -p {dev}"),
             code,
             stderr: out.stderr,
         }),
@@ -350,6 +385,12 @@ pub async fn device_bytes(devno: DevNo) -> Option<u64> {
 
 pub async fn resize2fs(dev: &str) -> Result<()> {
     run("resize2fs", &[dev]).await.map(|_| ())
+}
+
+/// An offline `resize2fs` run to its end ([`run_to_end`]) with the given program.
+pub async fn resize2fs_to_end(resize2fs: &str, dev: &str) -> Result<()> {
+    let out = run_to_end(resize2fs, &[dev]).await?;
+    checked(resize2fs, &[dev], out).map(|_| ())
 }
 
 /// Creates a block device node for `devno` at `path` (replacing whatever is there).

@@ -1,7 +1,8 @@
 //! The CSI Node service on real loop devices, ext4 and mounts (run as root): the full life of a
 //! volume with every call repeated (idempotency), online expansion, and the broken and hostile
 //! states a node meets: a target something else is mounted on, a stale device path, a blank
-//! read-only volume, an image holding another file system, a target with files in it.
+//! read-only volume, an image holding another file system, a target with files in it; an offline
+//! resize that outlives the stage that started it.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -10,7 +11,7 @@ use std::process::Command;
 use stowage_loopdriver::ImageStore;
 use stowage_loopdriver::csi::VolumeLocks;
 use stowage_loopdriver::csi::controller::ControllerService;
-use stowage_loopdriver::csi::node::NodeService;
+use stowage_loopdriver::csi::node::{NodeService, OfflineRepairs, RepairTools};
 use stowage_loopdriver::csi::v1::controller_server::Controller;
 use stowage_loopdriver::csi::v1::node_server::Node;
 use stowage_loopdriver::csi::v1::volume_capability::access_mode::Mode;
@@ -73,6 +74,11 @@ struct Driver {
 }
 
 fn driver(name: &str) -> Driver {
+    driver_with(name, |_| OfflineRepairs::default())
+}
+
+/// A driver whose offline repairs `repairs` makes (given the scratch dir).
+fn driver_with(name: &str, repairs: impl FnOnce(&Path) -> OfflineRepairs) -> Driver {
     let s = Scratch::new(name);
     let images = ImageStore::new(s.base.join("images"));
     let locks = VolumeLocks::default();
@@ -83,6 +89,7 @@ fn driver(name: &str) -> Driver {
             state_dir: s.base.join("state"),
             max_volumes: 0,
             locks: locks.clone(),
+            repairs: repairs(&s.base),
         },
         ctrl: ControllerService { images, locks },
         s,
@@ -627,4 +634,152 @@ async fn block_volume_stats_are_healthy_on_its_device_and_abnormal_on_another() 
     d.unstage("w").await;
     d.unstage("v").await;
     assert!(d.s.loops().is_empty() && d.s.mounts().is_empty());
+}
+
+/// An offline resize is never killed with the stage that started it. A stage that must grow ext4
+/// offline is cancelled (its task aborted, as tonic drops a handler when the CO gives up) while
+/// `resize2fs` runs, held by a wrapper until the test lets it go: the process lives on, every
+/// call on the volume meanwhile is Aborted saying why, and once it is done the next stage mounts
+/// a clean file system of the new size.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_stage_never_kills_its_offline_resize() {
+    let d = driver_with("repair", |base| {
+        let tools = base.join("tools");
+        std::fs::create_dir_all(&tools).unwrap();
+        let wrapper = tools.join("resize2fs");
+        let t = tools.display();
+        std::fs::write(
+            &wrapper,
+            format!(
+                "#!/bin/sh\necho $$ > {t}/pid.tmp && mv {t}/pid.tmp {t}/pid\n\
+                 while [ ! -e {t}/release ]; do sleep 0.05; done\n\
+                 resize2fs \"$@\"\nrc=$?\necho $rc > {t}/rc\nexit $rc\n"
+            ),
+        )
+        .unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755)).unwrap();
+        OfflineRepairs::new(
+            RepairTools {
+                e2fsck: "e2fsck".into(),
+                resize2fs: wrapper.display().to_string(),
+            },
+            std::time::Duration::from_secs(3600),
+        )
+    });
+    let tools = d.path("tools");
+    d.create("v", 64 << 20).await;
+    d.stage("v", Mode::SingleNodeWriter, false, HashMap::new())
+        .await
+        .unwrap();
+    d.unstage("v").await;
+    // Grown while unstaged: the next stage grows ext4 offline.
+    d.ctrl
+        .controller_expand_volume(Request::new(ControllerExpandVolumeRequest {
+            volume_id: "v".into(),
+            capacity_range: Some(CapacityRange {
+                required_bytes: 1 << 30,
+                limit_bytes: 0,
+            }),
+            ..Default::default()
+        }))
+        .await
+        .unwrap();
+
+    let node = d.node.clone();
+    let request = NodeStageVolumeRequest {
+        volume_id: "v".into(),
+        staging_target_path: d.path("stage/v").display().to_string(),
+        volume_capability: Some(capability(Mode::SingleNodeWriter, false)),
+        ..Default::default()
+    };
+    let first = tokio::spawn(async move { node.node_stage_volume(Request::new(request)).await });
+    let pid_file = tools.join("pid");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while !pid_file.exists() {
+        assert!(std::time::Instant::now() < deadline, "resize2fs never started");
+        assert!(!first.is_finished(), "{:?}", first.await);
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let pid: u32 = std::fs::read_to_string(&pid_file)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    first.abort();
+    assert!(first.await.unwrap_err().is_cancelled());
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    let alive = |pid: u32| {
+        std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+            s.rsplit(')')
+                .next()
+                .is_some_and(|r| !r.trim_start().starts_with('Z'))
+        })
+    };
+    assert!(
+        alive(pid),
+        "resize2fs (pid {pid}) was killed with the cancelled stage"
+    );
+
+    // While it runs: every call on the volume is Aborted, stage saying why.
+    let e = d
+        .stage("v", Mode::SingleNodeWriter, false, HashMap::new())
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::Aborted, "{e}");
+    assert!(
+        e.message().contains("resize") && e.message().contains("in progress"),
+        "{e}"
+    );
+    let e = d
+        .node
+        .node_unstage_volume(Request::new(NodeUnstageVolumeRequest {
+            volume_id: "v".into(),
+            staging_target_path: d.path("stage/v").display().to_string(),
+        }))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::Aborted, "{e}");
+    assert!(alive(pid));
+
+    std::fs::write(tools.join("release"), b"").unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    loop {
+        match d.stage("v", Mode::SingleNodeWriter, false, HashMap::new()).await {
+            Ok(()) => break,
+            Err(e) if e.code() == Code::Aborted && std::time::Instant::now() < deadline => {
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+    assert_eq!(
+        std::fs::read_to_string(tools.join("rc")).unwrap().trim(),
+        "0",
+        "resize2fs ran to its end"
+    );
+    assert!(!alive(pid));
+    let staged = d.stats("v", &d.path("stage/v")).await;
+    assert!(total_bytes(&staged) > 900 << 20, "grown: {staged:?}");
+    d.unstage("v").await;
+    assert!(d.s.loops().is_empty() && d.s.mounts().is_empty());
+
+    let image = d.s.base.join("images/v.img");
+    let fsck = Command::new("e2fsck").arg("-fn").arg(&image).output().unwrap();
+    assert_eq!(
+        fsck.status.code(),
+        Some(0),
+        "clean: {}{}",
+        String::from_utf8_lossy(&fsck.stdout),
+        String::from_utf8_lossy(&fsck.stderr)
+    );
+    let dump = Command::new("dumpe2fs").arg("-h").arg(&image).output().unwrap();
+    let dump = String::from_utf8_lossy(&dump.stdout);
+    let field = |name: &str| {
+        dump.lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .unwrap()
+    };
+    assert_eq!(field("Block count:") * field("Block size:"), 1 << 30, "{dump}");
 }

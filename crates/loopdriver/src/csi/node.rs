@@ -8,7 +8,7 @@
 //!
 //! Here: the service, its RPC table and the lookups every RPC shares. Per RPC: `stage.rs`
 //! (stage, unstage), `publish.rs` (publish, unpublish), `usage.rs` (expand, stats); the stage
-//! record in `staged.rs`.
+//! record in `staged.rs`; stage's offline repairs, which outlive a cancelled RPC, in `repair.rs`.
 
 use std::path::{Path, PathBuf};
 
@@ -17,15 +17,17 @@ use tonic::{Request, Response, Status};
 use super::v1::node_server::Node;
 use super::v1::node_service_capability::{self, rpc};
 use super::v1::*;
-use super::{VolumeLocks, sys_status};
+use super::{VolumeGuard, VolumeLocks, sys_status};
 use crate::ImageStore;
 use crate::sys;
 
 mod publish;
+mod repair;
 mod stage;
 mod staged;
 mod usage;
 
+pub use repair::{OfflineRepairs, REPAIR_WAIT, RepairTools};
 pub use staged::Staged;
 
 #[derive(Debug, Clone)]
@@ -37,6 +39,8 @@ pub struct NodeService {
     /// Volumes this node may hold at once (0: no limit), reported to the scheduler.
     pub max_volumes: i64,
     pub locks: VolumeLocks,
+    /// Offline checks and resizes stage started; each holds its volume's lock until it ends.
+    pub repairs: OfflineRepairs,
 }
 
 fn io_status(what: &str, path: &Path, e: std::io::Error) -> Status {
@@ -44,6 +48,14 @@ fn io_status(what: &str, path: &Path, e: std::io::Error) -> Status {
 }
 
 impl NodeService {
+    /// The volume's operation lock; Aborted while another call (or an offline repair, which
+    /// then says so) holds it.
+    fn lock(&self, id: &str) -> Result<VolumeGuard, Status> {
+        self.locks
+            .try_lock(id)
+            .map_err(|busy| self.repairs.busy(id).unwrap_or(busy))
+    }
+
     /// The image of an existing volume; NotFound for an id no image has (a bad handle included).
     async fn image(&self, id: &str) -> Result<PathBuf, Status> {
         let not_found = || {
@@ -167,6 +179,7 @@ mod tests {
             state_dir: dir.join("state"),
             max_volumes: 7,
             locks: VolumeLocks::default(),
+            repairs: OfflineRepairs::default(),
         }
     }
 

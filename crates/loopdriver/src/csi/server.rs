@@ -10,7 +10,7 @@ use tokio_stream::wrappers::UnixListenerStream;
 use super::VolumeLocks;
 use super::controller::ControllerService;
 use super::identity::IdentityService;
-use super::node::NodeService;
+use super::node::{NodeService, OfflineRepairs};
 use super::v1::controller_server::ControllerServer;
 use super::v1::identity_server::IdentityServer;
 use super::v1::node_server::NodeServer;
@@ -60,6 +60,7 @@ pub async fn serve(endpoint: Endpoint, shutdown: impl Future<Output = ()> + Send
     tracing::info!(socket = %endpoint.socket.display(), node = endpoint.node.is_some(), controller = endpoint.controller, "serving CSI");
     // One lock set for both services: a delete must not run while the node stages the volume.
     let locks = VolumeLocks::default();
+    let repairs = OfflineRepairs::default();
     let identity = IdentityService {
         images: endpoint.images.clone(),
         controller: endpoint.controller,
@@ -72,6 +73,7 @@ pub async fn serve(endpoint: Endpoint, shutdown: impl Future<Output = ()> + Send
             state_dir: n.state_dir.clone(),
             max_volumes: n.max_volumes,
             locks: locks.clone(),
+            repairs: repairs.clone(),
         }));
     }
     if endpoint.controller {
@@ -84,6 +86,8 @@ pub async fn serve(endpoint: Endpoint, shutdown: impl Future<Output = ()> + Send
         .serve_with_incoming_shutdown(UnixListenerStream::new(listener), shutdown)
         .await;
     let _ = std::fs::remove_file(&endpoint.socket);
+    // An offline check or resize killed halfway can corrupt the file system: let them end.
+    repairs.wait_all().await;
     served.map_err(ServeError::Serve)
 }
 

@@ -18,7 +18,7 @@ impl NodeService {
         let cap = caps::require(req.volume_capability.as_ref())?;
         let staging = PathBuf::from(required(&req.staging_target_path, "staging target path")?);
         let image = self.image(id).await?;
-        let _guard = self.locks.try_lock(id)?;
+        let _guard = self.lock(id)?;
         let read_only = req.readonly || cap.mode.read_only();
         let source = self.publish_source(id, &image, &staging, &cap).await?;
         if let Some(m) = self.mounted(&target).await? {
@@ -85,7 +85,7 @@ impl NodeService {
     pub(super) async fn unpublish(&self, req: NodeUnpublishVolumeRequest) -> Result<(), Status> {
         let id = required(&req.volume_id, "volume id")?;
         let target = PathBuf::from(required(&req.target_path, "target path")?);
-        let _guard = self.locks.try_lock(id)?;
+        let _guard = self.lock(id)?;
         sys::unmount(&target, false)
             .await
             .map_err(|e| sys_status("umount", e))?;

@@ -4,6 +4,7 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use tonic::Status;
 
@@ -12,7 +13,7 @@ use super::{NodeService, io_status};
 use crate::PUBLISH_DEVICE_KEY;
 use crate::csi::caps::{self, Access};
 use crate::csi::v1::{NodeStageVolumeRequest, NodeUnstageVolumeRequest};
-use crate::csi::{required, sys_status};
+use crate::csi::{VolumeGuard, required, sys_status};
 use crate::sys::{self, Probe};
 
 impl NodeService {
@@ -91,7 +92,16 @@ impl NodeService {
 
     /// Grows the file system to its device before it is mounted when an expansion happened while
     /// nothing could grow it online (unstaged, or online resize not permitted on this node).
-    async fn grow_offline(&self, id: &str, dev: &str) -> Result<(), Status> {
+    ///
+    /// The check and resize run in a task of their own that holds `guard` until they end
+    /// (`repair.rs`): a cancelled stage never kills them halfway. This stage waits for them a
+    /// while; a later one takes their result.
+    async fn grow_offline(&self, id: &str, dev: &str, guard: &Arc<VolumeGuard>) -> Result<(), Status> {
+        // A repair an earlier (cancelled or impatient) stage left has ended: its failure is this
+        // stage's answer, as if it had run here; after a success the sizes below match.
+        if let Some(result) = self.repairs.take_finished(id) {
+            result?;
+        }
         let Some(devno) = sys::rdev(Path::new(dev)).await else {
             return Ok(());
         };
@@ -105,8 +115,7 @@ impl NodeService {
             return Ok(());
         }
         tracing::info!(volume = %id, device = %dev, from = fs, to = device, "growing the file system before mounting");
-        sys::fsck_ext(dev).await.map_err(|e| sys_status("e2fsck", e))?;
-        sys::resize2fs(dev).await.map_err(|e| sys_status("resize2fs", e))
+        self.repairs.run(id, dev, guard.clone()).await
     }
 
     pub(super) async fn stage(&self, req: NodeStageVolumeRequest) -> Result<(), Status> {
@@ -114,7 +123,9 @@ impl NodeService {
         let staging = PathBuf::from(required(&req.staging_target_path, "staging target path")?);
         let cap = caps::require(req.volume_capability.as_ref())?;
         let image = self.image(id).await?;
-        let _guard = self.locks.try_lock(id)?;
+        // Shared with an offline repair this stage may start, which keeps the lock after a
+        // cancelled stage drops its own.
+        let guard = Arc::new(self.lock(id)?);
         let read_only = cap.mode.read_only();
         let staged = self
             .device_for(id, &image, &req.publish_context, read_only)
@@ -149,7 +160,7 @@ impl NodeService {
         }
         self.ensure_fs(id, &staged.device, read_only).await?;
         if !read_only {
-            self.grow_offline(id, &staged.device).await?;
+            self.grow_offline(id, &staged.device, &guard).await?;
         }
         tokio::fs::create_dir_all(&staging)
             .await
@@ -162,7 +173,9 @@ impl NodeService {
     pub(super) async fn unstage(&self, req: NodeUnstageVolumeRequest) -> Result<(), Status> {
         let id = required(&req.volume_id, "volume id")?;
         let staging = PathBuf::from(required(&req.staging_target_path, "staging target path")?);
-        let _guard = self.locks.try_lock(id)?;
+        let _guard = self.lock(id)?;
+        // A repair result no stage took is stale once the volume is unstaged.
+        self.repairs.forget(id);
         sys::unmount(&staging, false)
             .await
             .map_err(|e| sys_status("umount", e))?;

@@ -36,7 +36,7 @@ impl NodeService {
             Some(c) => caps::check(c).map_err(Status::invalid_argument)?.block(),
             None => !meta.is_dir(),
         };
-        let _guard = self.locks.try_lock(id)?;
+        let _guard = self.lock(id)?;
         let size = self.images.size(id).map_err(image_status)?;
         if let Some(r) = &req.capacity_range
             && r.required_bytes > 0
