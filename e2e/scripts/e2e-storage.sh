@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# Kubernetes' storage e2e suite (the External Storage tests of test/e2e/storage/external) against
+# loop.stowage.dev with stowage as the storage control plane, on the real-node cluster:
+#   1. build e2e.test, ginkgo and agnhost (cached, e2e/scripts/build-storage-e2e.sh) and the test
+#      images under the names the suite asks for (e2e/scripts/e2e-images.sh);
+#   2. bring the real-node cluster up with E2E_NODES kubelets (default 2), stowage installed by helm
+#      from the locally built image, the test images imported into every node's containerd; check
+#      that every node reports every test image before anything runs (a missing one would be pulled,
+#      and pulls are refused on this machine);
+#   3. run the suite for this driver (focus External.Storage.*loop.stowage.dev; [Disruptive],
+#      [Serial], [Feature:…] and [Flaky] skipped) in E2E_PROCS parallel ginkgo processes;
+#   4. write JUnit, ginkgo's JSON report and a Markdown summary (per suite: ran, passed, failed,
+#      skipped, time) to e2e/results/storage-<time>/, print the summary, take the cluster down.
+# Environment: E2E_NODES (2), E2E_PROCS (3), E2E_SUBSET=1 (only the tests of
+# e2e/storage/subset.txt, as make test runs them), E2E_FOCUS (a regex narrowing the focus further),
+# E2E_RESULTS (the results dir). Exit status: the suite's. Root is needed.
+set -euo pipefail
+top=$(cd "$(dirname "$0")/../.." && pwd)
+cd "$top"
+nodes=${E2E_NODES:-2}
+procs=${E2E_PROCS:-3}
+results=${E2E_RESULTS:-$top/e2e/results/storage-$(date -u +%Y%m%dT%H%M%SZ)}
+mkdir -p "$results"
+start=$(date +%s)
+
+./e2e/scripts/build-storage-e2e.sh
+./e2e/scripts/e2e-images.sh
+mapfile -t images <target/image/e2e-images.refs
+bin="$top/e2e/storage/bin"
+
+# The driver definition as the machine allows: without CAP_SYS_RESOURCE (bit 24 of the effective
+# set) the kernel refuses to grow a mounted ext4, so online expansion is not claimed here.
+driver="$results/loop.stowage.dev.yaml"
+cp e2e/storage/loop.stowage.dev.yaml "$driver"
+capeff=$(awk '/^CapEff:/ {print $2}' /proc/self/status)
+if (( (16#$capeff >> 24 & 1) == 0 )); then
+  sed -i 's/^\(\s*onlineExpansion:\) true/\1 false/' "$driver"
+  echo "e2e-storage: no CAP_SYS_RESOURCE here: online expansion is not claimed (docs/csi.md)"
+fi
+
+archives=()
+for f in target/image/e2e-*.oci.tar; do archives+=("$f"); done
+export REALNODE_NODES=$nodes REALNODE_IMAGES="${archives[*]}"
+trap './e2e/scripts/realnode.sh down >/dev/null 2>&1 || true' EXIT
+./e2e/scripts/realnode.sh up
+export KUBECONFIG=$top/.realnode/kubeconfig
+kubectl=$top/e2e/bin/kubectl
+echo "e2e-storage: cluster up after $(( $(date +%s) - start ))s"
+
+# Every node must hold every test image before the suite starts.
+missing=0
+for node in $("$kubectl" get nodes -o jsonpath='{.items[*].metadata.name}'); do
+  have=$("$kubectl" get node "$node" -o jsonpath='{range .status.images[*]}{.names}{"\n"}{end}')
+  for ref in "${images[@]}"; do
+    grep -qF "\"$ref\"" <<<"$have" || { echo "e2e-storage: node $node lacks $ref" >&2; missing=1; }
+  done
+done
+[ "$missing" = 0 ] || exit 1
+
+kubelet_dir=$(sed -n 's/^agent: {mode: csi, kubeletDir: \([^,]*\),.*/\1/p' .realnode/values.yaml)
+focus='External.Storage.*loop\.stowage\.dev'
+if [ "${E2E_SUBSET:-0}" = 1 ]; then
+  focus="$focus.*($(grep -v '^#' e2e/storage/subset.txt | paste -sd'|'))"
+fi
+[ -n "${E2E_FOCUS:-}" ] && focus="$focus.*($E2E_FOCUS)"
+set +e
+"$bin/ginkgo" --procs="$procs" --timeout=3h --no-color --poll-progress-after=10m \
+  --focus="$focus" --skip='\[Disruptive\]|\[Serial\]|\[Feature:[^]]*\]|\[Flaky\]' \
+  --output-dir="$results" --junit-report=junit.xml --json-report=report.json \
+  "$bin/e2e.test" -- \
+  -kubeconfig="$KUBECONFIG" -storage.testdriver="$driver" -kubelet-root-dir="$kubelet_dir" \
+  -provider=skeleton -node-os-distro=debian \
+  >"$results/e2e.log" 2>&1
+rc=$?
+set -e
+python3 e2e/scripts/e2e-summary.py "$results/report.json" "$(( $(date +%s) - start ))" >"$results/summary.md" || rc=1
+cat "$results/summary.md"
+echo "e2e-storage: log, JUnit and report in $results"
+exit $rc
