@@ -42,12 +42,13 @@ up() {
   # 127.0.0.1 for one node; the host's veth address, which every node's netns reaches, for more.
   api=$(sed -n 's|^nodes and pods reach the apiserver at https://||p' "$dir/devcluster.log" | head -1)
   host=${api%:*} port=${api##*:}
+  kubelet_dir=$(sed -n 's|^node realnode ready (kubelet root \([^,]*\),.*|\1|p' "$dir/devcluster.log")
   cat >"$dir/values.yaml" <<VALUES
 image: {repository: localhost/stowage, tag: "$version", pullPolicy: Never}
 apiServer: {host: $host, port: "$port"}
 imageStore: {path: $dir/images}
 controller: {replicas: 1, hostNetwork: true}
-agent: {mode: csi, kubeletDir: $dir/realnode/kubelet, hostNetwork: true}
+agent: {mode: csi, kubeletDir: $kubelet_dir, hostNetwork: true}
 storageClass: {create: true, default: true, name: loop, volumeBindingMode: WaitForFirstConsumer}
 tests: {image: {repository: localhost/curl, tag: stowage, pullPolicy: Never}, hostNetwork: true}
 VALUES

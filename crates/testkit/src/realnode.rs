@@ -43,6 +43,9 @@ pub const KCM_CONTROLLERS: &str = "*,-persistentvolume-binder-controller,-persis
 pub const BUSYBOX_IMAGE: &str = "localhost/busybox:stowage";
 pub const PAUSE_IMAGE: &str = "localhost/pause:stowage";
 const BRIDGE: &str = "stowbr0";
+/// Every node's kubelet root, as on a real node: node 1's dir is bound here on the host, node 2's
+/// here in its mount namespace.
+pub const KUBELET_ROOT: &str = "/var/lib/kubelet";
 /// Sysctls the kubelet sets; put back on clean-up.
 const SYSCTLS: &[&str] = &[
     "vm/overcommit_memory",
@@ -152,7 +155,7 @@ impl RealNode {
         index: usize,
         shared_kubelet_dir: Option<&Path>,
     ) -> anyhow::Result<Self> {
-        for tool in ["containerd", "runc", "ctr", "ip", "unshare", "nsenter"] {
+        for tool in ["containerd", "runc", "ctr", "ip", "unshare", "nsenter", "tini"] {
             if which(tool).is_none() {
                 bail!("{tool} is not installed: run `make deps`");
             }
@@ -186,7 +189,7 @@ impl RealNode {
         let mut node = Self {
             name,
             index,
-            kubelet_dir: shared_kubelet_dir.map_or_else(|| kubelet_backing.clone(), Path::to_path_buf),
+            kubelet_dir: shared_kubelet_dir.map_or_else(|| PathBuf::from(KUBELET_ROOT), Path::to_path_buf),
             kubelet_backing,
             kubeconfig: dir.join("kubelet.kubeconfig"),
             containerd_sock: dir.join("containerd/containerd.sock"),
@@ -354,11 +357,21 @@ state = "{state}"
 
     fn start_kubelet(&mut self, cp: &ControlPlane) -> anyhow::Result<()> {
         let kd = self.kubelet_dir.display().to_string();
-        // Mount propagation (Bidirectional for CSI node plugins) needs a shared mount; `/` is a
-        // private one here. Node 2's namespace has its own already (`Isolation::create`).
+        // The kubelet's files live in the node's dir, bound at the standard root (some upstream
+        // e2e tests read /var/lib/kubelet/pods/… on the node). Mount propagation (Bidirectional
+        // for CSI node plugins) needs a shared mount; `/` is a private one here. Node 2's
+        // namespace has its own already (`Isolation::create`).
         if self.isolation.is_none() {
+            // What a killed run left bound there.
+            for m in crate::host::mounts_under(&self.kubelet_dir) {
+                let _ = Command::new("umount").arg("-l").arg(&m).status();
+            }
             std::fs::create_dir_all(&self.kubelet_dir)?;
-            run(Command::new("mount").args(["--bind", &kd, &kd]))?;
+            std::fs::create_dir_all(&self.kubelet_backing)?;
+            run(Command::new("mount")
+                .arg("--bind")
+                .arg(&self.kubelet_backing)
+                .arg(&kd))?;
             run(Command::new("mount").args(["--make-rshared", &kd]))?;
         }
         // Node 1 in the host's network namespace reaches the apiserver on loopback; the others
@@ -446,8 +459,23 @@ imageGCHighThresholdPercent: 100
         let mut children = self.children.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(i) = children.iter().position(|(n, _)| n == "kubelet") {
             let (_, mut c) = children.remove(i);
-            stop(&mut c, Duration::from_secs(20));
+            self.stop_child(&mut c, Duration::from_secs(20));
         }
+    }
+
+    /// `stop` for a child of this node. Node 2's run under `nsenter --pid`, which forks the
+    /// program into the node's PID namespace and forwards no signal: the program gets the
+    /// SIGTERM, and `nsenter` ends with it.
+    fn stop_child(&self, child: &mut Child, grace: Duration) {
+        if self.isolation.is_some() {
+            for pid in nodens::children_of(child.id()) {
+                // SAFETY: a plain kill syscall.
+                unsafe {
+                    libc::kill(pid, libc::SIGTERM);
+                }
+            }
+        }
+        stop(child, grace);
     }
 
     pub fn start_kubelet_again(&self) -> anyhow::Result<()> {
@@ -499,7 +527,7 @@ imageGCHighThresholdPercent: 100
         // The kubelet first, so it restarts nothing while containers go.
         if let Some(i) = children.iter().position(|(n, _)| n == "kubelet") {
             let (_, mut c) = children.remove(i);
-            stop(&mut c, Duration::from_secs(20));
+            self.stop_child(&mut c, Duration::from_secs(20));
         }
         // Containers: every process in a kubepods cgroup (node 1: every node's; node 2: those
         // under its cgroup root), then the shims of our containerd.
@@ -518,7 +546,7 @@ imageGCHighThresholdPercent: 100
             })
         });
         while let Some((_, mut c)) = children.pop() {
-            stop(&mut c, Duration::from_secs(10));
+            self.stop_child(&mut c, Duration::from_secs(10));
         }
         match &self.isolation {
             // Its mounts, pod network namespaces, bridge and hard-coded paths are all in its
@@ -528,9 +556,14 @@ imageGCHighThresholdPercent: 100
                 remove_cgroups(&[&self.name]);
             }
             None => {
+                for m in crate::host::mounts_under(&self.kubelet_dir) {
+                    let _ = Command::new("umount").arg("-l").arg(&m).status();
+                }
                 for m in crate::host::mounts_under(&self.dir) {
                     let _ = Command::new("umount").arg("-l").arg(&m).status();
                 }
+                // Empty once unbound; left alone if anything else put files there.
+                let _ = std::fs::remove_dir(&self.kubelet_dir);
                 // Pod network namespaces the CNI plugins made, and the bridge.
                 if let Ok(out) = run(Command::new("ip").args(["netns", "list"])) {
                     for ns in out.lines().filter_map(|l| l.split_whitespace().next()) {

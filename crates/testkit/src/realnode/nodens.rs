@@ -9,22 +9,33 @@
 //! no peer of the host's mounts), and the agent's Bidirectional mounts reach node 2's kubelet and
 //! pods, not node 1's. The paths the kubelet, containerd and the CNI plugins hard-code get private
 //! dirs in that namespace too.
+//!
+//! Node 2 also has a PID namespace of its own, whose init (tini) lives in its mount namespace,
+//! with its own /proc there. Upstream's storage e2e tests reach "the host" of a node from a
+//! privileged pod through `nsenter --mount=/rootfs/proc/1/ns/mnt` (the node's root file system
+//! at /rootfs): on node 2 that must be node 2's mount namespace, not the machine's. The init is
+//! tied to the test process, so the namespace, and every process in it, ends with it.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::{Child, Command, Stdio};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
 
 use super::run;
+use crate::process::spawn_tied;
 
 /// The host's address on every other node's veth: the apiserver's address for those nodes and
 /// for the pods of all nodes (node 1 is in the host's network namespace, where it is local too).
 pub const HOST_IP: &str = "10.250.0.1";
 
-/// Host paths each node must have its own of: the kubelet's device-plugin socket dir and
-/// container log links (hard-coded), containerd's pod network namespaces, shim sockets and runc
-/// state (hard-coded in 1.6), the CNI plugins' IPAM and result store, and the chart's default
-/// `agent.rootDir` (the agent's CSI stage records, which are per node).
+/// Host paths each node must have its own of: the kubelet's container log links (hard-coded),
+/// containerd's pod network namespaces, shim sockets and runc state (hard-coded in 1.6), the CNI
+/// plugins' IPAM and result store, and the chart's default `agent.rootDir` (the agent's CSI stage
+/// records, which are per node). The kubelet root (`/var/lib/kubelet`, with the device-plugin
+/// socket it hard-codes) is node 2's own dir, bound there by `create`.
 const PRIVATE: &[&str] = &[
-    "/var/lib/kubelet/device-plugins",
     "/var/log/containers",
     "/run/netns",
     "/run/containerd",
@@ -46,6 +57,9 @@ pub(crate) struct Isolation {
     mntns: PathBuf,
     pub ip: String,
     dir: PathBuf,
+    /// `unshare --pid --fork --kill-child tini …` and tini's PID (PID 1 of the node's PID
+    /// namespace), once `create` started it.
+    init: Mutex<Option<(Child, u32)>>,
 }
 
 impl Isolation {
@@ -60,17 +74,69 @@ impl Isolation {
             mntns: dir.join("mntns"),
             ip: format!("10.250.0.{n}"),
             dir: dir.to_path_buf(),
+            init: Mutex::new(None),
         }
     }
 
-    /// `program` run in the node's mount and network namespaces.
+    /// `program` run in the node's mount and network namespaces, and in its PID namespace once
+    /// that exists (`nsenter` then forks it there and waits for it).
     pub fn command(&self, program: impl AsRef<std::ffi::OsStr>) -> Command {
         let mut cmd = Command::new("nsenter");
         cmd.arg(format!("--mount={}", self.mntns.display()))
-            .arg(format!("--net=/run/netns/{}", self.netns))
-            .arg("--")
-            .arg(program);
+            .arg(format!("--net=/run/netns/{}", self.netns));
+        if let Some((_, pid)) = &*self.init.lock().unwrap_or_else(|p| p.into_inner()) {
+            cmd.arg(format!("--pid=/proc/{pid}/ns/pid"));
+        }
+        cmd.arg("--").arg(program);
         cmd
+    }
+
+    /// Starts the node's PID namespace: tini as its PID 1 (it reaps the shims and other orphans
+    /// the namespace's processes leave), in the node's mount and network namespaces, and a /proc
+    /// of that namespace mounted there.
+    fn start_init(&self) -> anyhow::Result<()> {
+        let mut cmd = self.command("unshare");
+        cmd.args([
+            "--pid",
+            "--fork",
+            "--kill-child",
+            "tini",
+            "-s",
+            "--",
+            "sleep",
+            "infinity",
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+        // nsenter without --pid execs unshare in place: this child is unshare, and its one child
+        // is tini.
+        let child = spawn_tied(cmd).context("start the node's PID namespace")?;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let tini = loop {
+            if let Some(pid) = children_of(child.id()).into_iter().next() {
+                break pid;
+            }
+            if Instant::now() > deadline {
+                anyhow::bail!("tini did not start in the node's PID namespace");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        *self.init.lock().unwrap_or_else(|p| p.into_inner()) = Some((child, tini as u32));
+        run(self.command("mount").args(["-t", "proc", "proc", "/proc"]))?;
+        Ok(())
+    }
+
+    /// Ends the PID namespace: SIGKILL to its init ends every process still in it.
+    fn stop_init(&self) {
+        if let Some((mut child, tini)) = self.init.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            // SAFETY: plain kill syscalls on processes this node started.
+            unsafe {
+                libc::kill(tini as i32, libc::SIGKILL);
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+        }
     }
 
     /// Creates both namespaces; `kubelet_backing` is bound at `kubelet_path` in the mount one.
@@ -145,7 +211,7 @@ impl Isolation {
             .arg(kubelet_backing)
             .arg(kubelet_path))?;
         run(self.command("mount").arg("--make-rshared").arg(kubelet_path))?;
-        Ok(())
+        self.start_init()
     }
 
     /// The mount table as the node's processes see it.
@@ -172,6 +238,7 @@ impl Isolation {
                     .status();
             }
         }
+        self.stop_init();
         let quiet = |cmd: &mut Command| {
             let _ = cmd.stdout(Stdio::null()).stderr(Stdio::null()).status();
         };
@@ -186,6 +253,22 @@ impl Isolation {
         }
         let _ = std::fs::remove_dir_all(self.dir.join("private"));
     }
+}
+
+/// The direct children of `pid` (from `/proc/<pid>/task/*/children`).
+pub(crate) fn children_of(pid: u32) -> Vec<i32> {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return vec![];
+    };
+    tasks
+        .flatten()
+        .filter_map(|t| std::fs::read_to_string(t.path().join("children")).ok())
+        .flat_map(|c| {
+            c.split_whitespace()
+                .filter_map(|p| p.parse().ok())
+                .collect::<Vec<i32>>()
+        })
+        .collect()
 }
 
 fn is_mount_point(path: &str) -> bool {
