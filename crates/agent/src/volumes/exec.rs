@@ -578,8 +578,10 @@ pub(crate) async fn mount_global(
             if mode.grow && kind.starts_with("ext") {
                 let s = "NodeExpandVolume";
                 sys::loop_refresh(device).await.map_err(step(s))?;
-                sys::fsck_ext(device).await.map_err(step(s))?;
-                sys::resize2fs(device).await.map_err(step(s))?;
+                sys::fsck_ext_to_end("e2fsck", device).await.map_err(step(s))?;
+                sys::resize2fs_to_end("resize2fs", device)
+                    .await
+                    .map_err(step(s))?;
                 tracing::info!(device, "file system grown before mounting");
                 sys::mount_device(device, global, read_only)
                     .await
