@@ -24,12 +24,16 @@ csi-sanity: ## Build csi-sanity from the csi-test module pinned in e2e/csi (cach
 promtool: ## Build promtool from the Prometheus module pinned in e2e/promtool (cached by go.mod/go.sum)
 	@./e2e/scripts/build-promtool.sh
 
+.PHONY: storage-e2e-suite
+storage-e2e-suite: ## Build Kubernetes' storage e2e suite, ginkgo and agnhost from e2e/storage (cached by go.mod/go.sum)
+	@./e2e/scripts/build-storage-e2e.sh
+
 .PHONY: build
 build: ## Build both binaries
 	$(CARGO) build --workspace --bins
 
 .PHONY: test
-test: deps controlplane csi-sanity promtool ## Run unit, property and integration tests (real control plane, csi-sanity, promtool)
+test: deps controlplane csi-sanity promtool storage-e2e-suite ## Run unit, property and integration tests (real control plane, csi-sanity, promtool, real nodes, a subset of Kubernetes' storage e2e suite)
 	$(CARGO) build --workspace --bins
 	@# The image tests unpack an archive of the binaries under test; debug ones cost no second build.
 	STOWAGE_IMAGE_BIN_DIR=$(TARGET_DIR)/debug ./e2e/scripts/image.sh
@@ -41,6 +45,13 @@ test: deps controlplane csi-sanity promtool ## Run unit, property and integratio
 	$(CARGO) test -p stowage-agent --test csi_sanity -- --nocapture
 	@start=$$(date +%s); $(CARGO) test -p stowage-chart-tests --test realnode -- --nocapture && \
 	  echo "real-node scenarios: $$(( $$(date +%s) - start ))s"
+	@start=$$(date +%s); $(CARGO) test -p stowage-chart-tests --test realnode2 -- --nocapture && \
+	  echo "two-node scenarios: $$(( $$(date +%s) - start ))s"
+	@# Kubernetes' own storage e2e suite: the tests of e2e/storage/subset.txt on two real nodes
+	@# (make e2e-storage runs all of it). Its counts close the log.
+	./e2e/scripts/curl-image.sh
+	@start=$$(date +%s); E2E_SUBSET=1 ./e2e/scripts/e2e-storage.sh && \
+	  echo "storage e2e subset: $$(( $$(date +%s) - start ))s"
 
 .PHONY: image
 image: deps ## Build the OCI image archive target/image/stowage-<version>.oci.tar offline (Debian packages + release binaries)
@@ -81,6 +92,10 @@ soak: deps controlplane ## Chaos soak: HA controller, agents, churn and faults; 
 	$(CARGO) build --workspace --bins
 	@# A failing run leaves its bundle (logs, object dumps, timeline) in e2e/results/soak-<seed>-<time>/.
 	$(TARGET_DIR)/debug/stowage-soak --duration $(or $(DURATION),30m) $(if $(SEED),--seed $(SEED)) --results e2e/results
+
+.PHONY: e2e-storage
+e2e-storage: deps controlplane storage-e2e-suite node-images ## Kubernetes' storage e2e suite (External Storage, loop.stowage.dev) on two real nodes; E2E_NODES, E2E_PROCS, E2E_FOCUS; results in e2e/results/
+	./e2e/scripts/e2e-storage.sh
 
 .PHONY: bench
 bench: deps controlplane ## Side-by-side benchmarks against upstream kube-controller-manager
