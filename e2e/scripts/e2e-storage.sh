@@ -38,6 +38,16 @@ if (( (16#$capeff >> 24 & 1) == 0 )); then
   echo "e2e-storage: no CAP_SYS_RESOURCE here: online expansion is not claimed (docs/csi.md)"
 fi
 
+# Upstream's host-exec pods reach a node's host through nsenter --mount=/rootfs/proc/1/ns/mnt.
+# Node 2 has a PID namespace of its own (tini as PID 1); node 1 shares the machine's, and where
+# its PID 1 refuses that even to root (a sandbox's own init), the tests that list a pod's volume
+# dirs on the host cannot pass on node 1 and are skipped, and the run says so (docs/csi.md).
+skip='\[Disruptive\]|\[Serial\]|\[Feature:[^]]*\]|\[Flaky\]'
+if ! nsenter --mount=/proc/1/ns/mnt -- true 2>/dev/null; then
+  skip="$skip|should not mount / map unused volumes in a pod"
+  echo "e2e-storage: PID 1 here refuses nsenter into its mount namespace: the two volumeMode 'unused volumes' tests are skipped (docs/csi.md)"
+fi
+
 archives=()
 for f in target/image/e2e-*.oci.tar; do archives+=("$f"); done
 export REALNODE_NODES=$nodes REALNODE_IMAGES="${archives[*]}"
@@ -65,7 +75,7 @@ fi
 [ -n "${E2E_FOCUS:-}" ] && focus="$focus.*($E2E_FOCUS)"
 set +e
 "$bin/ginkgo" --procs="$procs" --timeout=3h --no-color --poll-progress-after=10m \
-  --focus="$focus" --skip='\[Disruptive\]|\[Serial\]|\[Feature:[^]]*\]|\[Flaky\]' \
+  --focus="$focus" --skip="$skip" \
   --output-dir="$results" --junit-report=junit.xml --json-report=report.json \
   "$bin/e2e.test" -- \
   -kubeconfig="$KUBECONFIG" -storage.testdriver="$driver" -kubelet-root-dir="$kubelet_dir" \
