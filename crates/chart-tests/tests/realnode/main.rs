@@ -12,10 +12,8 @@ use std::process::Command;
 use std::time::Instant;
 
 use stowage_chart_tests::{Helm, chart_dir};
-use stowage_testkit::ControlPlane;
-use stowage_testkit::host::Cleanup;
 use stowage_testkit::realnode::{BUSYBOX_IMAGE, NODE_NAME, RealNode};
-use support::{Kubectl, NS, archives, claim, mounts_of, pod, poll};
+use support::{Kubectl, NS, archives, claim, control_plane, install, mounts_of, pod, poll, rollout};
 
 mod support;
 
@@ -23,61 +21,17 @@ mod support;
 async fn a_kubelet_runs_pods_on_loop_volumes_installed_by_helm() {
     let started = Instant::now();
     let archives = archives();
-    let cp = tokio::task::spawn_blocking(ControlPlane::start)
-        .await
-        .unwrap()
-        .unwrap();
-    let images = cp.dir().join("images");
-    std::fs::create_dir_all(&images).unwrap();
-    let _cleanup = Cleanup {
-        base: cp.dir().join("images"),
-        images: images.clone(),
-    };
+    let (cp, images, _cleanup) = control_plane(1).await;
     let node = RealNode::start(&cp, &archives).unwrap_or_else(|e| panic!("real node: {e:#}"));
     println!("real node up after {:?}", started.elapsed());
     let k = Kubectl {
         kubeconfig: cp.kubeconfig(),
     };
     let helm = Helm::new(Some(&cp.kubeconfig()));
-    let values = helm.values(
-        "realnode.yaml",
-        &format!(
-            r#"image: {{repository: localhost/stowage, tag: "{version}", pullPolicy: Never}}
-apiServer: {{host: 127.0.0.1, port: "{port}"}}
-imageStore: {{path: {images}}}
-controller: {{replicas: 1, hostNetwork: true}}
-agent: {{mode: csi, kubeletDir: {kubelet}, hostNetwork: true}}
-storageClass: {{create: true, name: loop, volumeBindingMode: WaitForFirstConsumer, reclaimPolicy: Delete}}
-tests: {{image: {{repository: localhost/curl, tag: stowage, pullPolicy: Never}}, hostNetwork: true}}
-"#,
-            version = env!("CARGO_PKG_VERSION"),
-            port = cp.port(),
-            images = images.display(),
-            kubelet = node.kubelet_dir.display(),
-        ),
-    );
-    helm.run(&[
-        "install",
-        "st",
-        chart_dir().to_str().unwrap(),
-        "-n",
-        "stowage",
-        "--create-namespace",
-        "-f",
-        values.to_str().unwrap(),
-    ])
-    .await
-    .unwrap_or_else(|e| panic!("{e}"));
-    k.must(&["create", "namespace", NS]);
-    let rollout = |what: &str| {
-        k.run(&["rollout", "status", "-n", "stowage", what, "--timeout=180s"])
-            .unwrap_or_else(|e| {
-                k.show("rollout failed");
-                panic!("{e}\n{}", node.log_tail("kubelet"))
-            })
-    };
-    rollout("deployment/st-stowage-controller");
-    rollout("daemonset/st-stowage-agent");
+    install(&helm, &k, &cp, &images, &node.kubelet_dir, || {
+        node.log_tail("kubelet")
+    })
+    .await;
     // The kubelet registered the driver: CSINode lists it.
     k.wait(
         &["csinode", NODE_NAME],
@@ -194,7 +148,7 @@ tests: {{image: {{repository: localhost/curl, tag: stowage, pullPolicy: Never}},
         "app.kubernetes.io/component=agent",
         "--wait=true",
     ]);
-    rollout("daemonset/st-stowage-agent");
+    rollout(&k, "daemonset/st-stowage-agent", || node.log_tail("kubelet"));
     node.restart_kubelet().unwrap();
     k.wait(
         &["node", NODE_NAME],

@@ -6,7 +6,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use stowage_chart_tests::repo_root;
+use stowage_chart_tests::{Helm, chart_dir, repo_root};
+use stowage_testkit::ControlPlane;
+use stowage_testkit::host::Cleanup;
 use stowage_testkit::realnode::BUSYBOX_IMAGE;
 use stowage_testkit::scrape::{self, Metrics};
 
@@ -107,6 +109,79 @@ impl Kubectl {
             }
         });
     }
+}
+
+/// `helm install` of the chart as a user installs it on the real-node cluster: the local image,
+/// controller and agents on the host network reaching the apiserver at an address every node
+/// reaches (`cp.node_host()`), one `agent.kubeletDir` for all nodes, a WaitForFirstConsumer class;
+/// then the test namespace, and both workloads rolled out (`logs` is printed if one is not).
+pub async fn install(
+    helm: &Helm,
+    k: &Kubectl,
+    cp: &ControlPlane,
+    images: &Path,
+    kubelet_dir: &Path,
+    logs: impl Fn() -> String,
+) {
+    let values = helm.values(
+        "realnode.yaml",
+        &format!(
+            r#"image: {{repository: localhost/stowage, tag: "{version}", pullPolicy: Never}}
+apiServer: {{host: {host}, port: "{port}"}}
+imageStore: {{path: {images}}}
+controller: {{replicas: 1, hostNetwork: true}}
+agent: {{mode: csi, kubeletDir: {kubelet}, hostNetwork: true}}
+storageClass: {{create: true, name: loop, volumeBindingMode: WaitForFirstConsumer, reclaimPolicy: Delete}}
+tests: {{image: {{repository: localhost/curl, tag: stowage, pullPolicy: Never}}, hostNetwork: true}}
+"#,
+            version = env!("CARGO_PKG_VERSION"),
+            host = cp.node_host(),
+            port = cp.port(),
+            images = images.display(),
+            kubelet = kubelet_dir.display(),
+        ),
+    );
+    helm.run(&[
+        "install",
+        "st",
+        chart_dir().to_str().unwrap(),
+        "-n",
+        "stowage",
+        "--create-namespace",
+        "-f",
+        values.to_str().unwrap(),
+    ])
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    k.must(&["create", "namespace", NS]);
+    for what in ["deployment/st-stowage-controller", "daemonset/st-stowage-agent"] {
+        rollout(k, what, &logs);
+    }
+}
+
+/// Waits for a workload of the chart to roll out; `logs` is printed if it does not.
+pub fn rollout(k: &Kubectl, what: &str, logs: impl Fn() -> String) {
+    k.run(&["rollout", "status", "-n", "stowage", what, "--timeout=180s"])
+        .unwrap_or_else(|e| {
+            k.show("rollout failed");
+            panic!("{e}\n{}", logs())
+        });
+}
+
+/// A control plane of its own for a real cluster of `nodes` nodes, and its image store: the guard
+/// removes the images, and the loop devices over them, before the control plane goes.
+pub async fn control_plane(nodes: usize) -> (ControlPlane, PathBuf, Cleanup) {
+    let cp = tokio::task::spawn_blocking(move || ControlPlane::start_for_nodes(nodes))
+        .await
+        .unwrap()
+        .unwrap();
+    let images = cp.dir().join("images");
+    std::fs::create_dir_all(&images).unwrap();
+    let cleanup = Cleanup {
+        base: images.clone(),
+        images: images.clone(),
+    };
+    (cp, images, cleanup)
 }
 
 pub fn archives() -> Vec<PathBuf> {

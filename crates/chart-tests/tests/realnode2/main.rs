@@ -9,11 +9,9 @@
 
 use std::time::Instant;
 
-use stowage_chart_tests::{Helm, chart_dir};
-use stowage_testkit::ControlPlane;
-use stowage_testkit::host::Cleanup;
+use stowage_chart_tests::Helm;
 use stowage_testkit::realnode::{BUSYBOX_IMAGE, NODE_NAME, NODE2_NAME, RealNode};
-use support::{Kubectl, NS, archives, claim, poll};
+use support::{Kubectl, NS, archives, claim, control_plane, install, poll};
 
 // The single-node scenarios' helpers; not all of them are used here.
 #[allow(dead_code)]
@@ -45,16 +43,7 @@ spec:
 async fn a_kubelet_runs_pods_on_loop_volumes_across_two_nodes() {
     let started = Instant::now();
     let archives = archives();
-    let cp = tokio::task::spawn_blocking(|| ControlPlane::start_for_nodes(2))
-        .await
-        .unwrap()
-        .unwrap();
-    let images = cp.dir().join("images");
-    std::fs::create_dir_all(&images).unwrap();
-    let _cleanup = Cleanup {
-        base: cp.dir().join("images"),
-        images: images.clone(),
-    };
+    let (cp, images, _cleanup) = control_plane(2).await;
     let cluster = RealNode::start_cluster(&cp, &archives, 2).unwrap_or_else(|e| panic!("real nodes: {e:#}"));
     let (node1, node2) = (&cluster[0], &cluster[1]);
     println!(
@@ -71,49 +60,10 @@ async fn a_kubelet_runs_pods_on_loop_volumes_across_two_nodes() {
         kubeconfig: cp.kubeconfig(),
     };
     let helm = Helm::new(Some(&cp.kubeconfig()));
-    // apiServer.host: an address both nodes' network namespaces reach.
-    let values = helm.values(
-        "realnode2.yaml",
-        &format!(
-            r#"image: {{repository: localhost/stowage, tag: "{version}", pullPolicy: Never}}
-apiServer: {{host: {host}, port: "{port}"}}
-imageStore: {{path: {images}}}
-controller: {{replicas: 1, hostNetwork: true}}
-agent: {{mode: csi, kubeletDir: {kubelet}, hostNetwork: true}}
-storageClass: {{create: true, name: loop, volumeBindingMode: WaitForFirstConsumer, reclaimPolicy: Delete}}
-tests: {{image: {{repository: localhost/curl, tag: stowage, pullPolicy: Never}}, hostNetwork: true}}
-"#,
-            version = env!("CARGO_PKG_VERSION"),
-            host = cp.node_host(),
-            port = cp.port(),
-            images = images.display(),
-            kubelet = node1.kubelet_dir.display(),
-        ),
-    );
-    helm.run(&[
-        "install",
-        "st",
-        chart_dir().to_str().unwrap(),
-        "-n",
-        "stowage",
-        "--create-namespace",
-        "-f",
-        values.to_str().unwrap(),
-    ])
-    .await
-    .unwrap_or_else(|e| panic!("{e}"));
-    k.must(&["create", "namespace", NS]);
-    for what in ["deployment/st-stowage-controller", "daemonset/st-stowage-agent"] {
-        k.run(&["rollout", "status", "-n", "stowage", what, "--timeout=180s"])
-            .unwrap_or_else(|e| {
-                k.show("rollout failed");
-                panic!(
-                    "{e}\n{}\n{}",
-                    node1.log_tail("kubelet"),
-                    node2.log_tail("kubelet")
-                )
-            });
-    }
+    install(&helm, &k, &cp, &images, &node1.kubelet_dir, || {
+        format!("{}\n{}", node1.log_tail("kubelet"), node2.log_tail("kubelet"))
+    })
+    .await;
     // One agent per node, each registered with its own kubelet.
     for node in [NODE_NAME, NODE2_NAME] {
         k.wait(&["csinode", node], "{.spec.drivers[*].name}", "loop.stowage.dev");
