@@ -7,7 +7,7 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 cd "$here"
 
-key=$(cat go.mod go.sum cmd/etcd/main.go scripts/build-controlplane.sh | sha256sum | cut -c1-16)
+key=$(cat go.mod go.sum cmd/etcd/main.go scripts/build-controlplane.sh scripts/k8s-ldflags.sh | sha256sum | cut -c1-16)
 cache_root=${STOWAGE_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/stowage}
 out="$cache_root/controlplane/$key"
 bins=(etcd kube-apiserver kube-controller-manager kube-scheduler kubelet kubectl)
@@ -20,10 +20,9 @@ else
   echo "controlplane: building $key into $out (minutes on a cold cache)"
   tmp="$out.partial.$$"
   rm -rf "$tmp" && mkdir -p "$tmp"
-  version=$(go list -m -f '{{.Version}}' k8s.io/kubernetes)
-  minor=$(echo "$version" | cut -d. -f2)
-  vpkg=k8s.io/component-base/version
-  ldflags="-s -w -X $vpkg.gitVersion=$version -X $vpkg.gitMajor=1 -X $vpkg.gitMinor=$minor -X $vpkg.gitTreeState=clean"
+  # shellcheck source=e2e/scripts/k8s-ldflags.sh
+  . scripts/k8s-ldflags.sh
+  ldflags=$(k8s_ldflags)
   export CGO_ENABLED=0
   go build -trimpath -ldflags "-s -w" -o "$tmp/etcd" ./cmd/etcd
   for b in kube-apiserver kube-controller-manager kube-scheduler kubelet kubectl; do

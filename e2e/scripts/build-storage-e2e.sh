@@ -8,7 +8,7 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")/../storage" && pwd)
 cd "$here"
 
-key=$(cat go.mod go.sum suite/*.go ../scripts/build-storage-e2e.sh | sha256sum | cut -c1-16)
+key=$(cat go.mod go.sum suite/*.go ../scripts/build-storage-e2e.sh ../scripts/k8s-ldflags.sh | sha256sum | cut -c1-16)
 cache_root=${STOWAGE_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/stowage}
 out="$cache_root/storage-e2e/$key"
 if [ -x "$out/e2e.test" ] && [ -x "$out/ginkgo" ] && [ -x "$out/agnhost" ]; then
@@ -17,10 +17,9 @@ else
   echo "storage-e2e: building $key into $out (minutes on a cold cache)"
   tmp="$out.partial.$$"
   rm -rf "$tmp" && mkdir -p "$tmp"
-  version=$(go list -m -f '{{.Version}}' k8s.io/kubernetes)
-  minor=$(echo "$version" | cut -d. -f2)
-  vpkg=k8s.io/component-base/version
-  ldflags="-s -w -X $vpkg.gitVersion=$version -X $vpkg.gitMajor=1 -X $vpkg.gitMinor=$minor -X $vpkg.gitTreeState=clean"
+  # shellcheck source=e2e/scripts/k8s-ldflags.sh
+  . ../scripts/k8s-ldflags.sh
+  ldflags=$(k8s_ldflags)
   export CGO_ENABLED=0
   start=$(date +%s)
   go test -c -trimpath -ldflags "$ldflags" -o "$tmp/e2e.test" ./suite
