@@ -380,20 +380,12 @@ pub fn kept_note(node: &str, kept: &[VolumeSpec], unresolved: &[Unresolved]) -> 
         .iter()
         .map(|u| format!("claim {}: {}", u.claim, u.why))
         .collect();
-    let mut note = format!(
+    let note = format!(
         "volume(s) {} stay attached to node {node} while the pod runs, though its claims no longer resolve to them ({}); a volume leaves only when the pod terminates or is deleted",
         pvs.join(", "),
         whys.join("; ")
     );
-    if note.len() > 1000 {
-        let mut cut = 990;
-        while !note.is_char_boundary(cut) {
-            cut -= 1;
-        }
-        note.truncate(cut);
-        note.push_str(" …");
-    }
-    note
+    stowage_common::events::bounded_note(note)
 }
 
 #[cfg(test)]

@@ -144,15 +144,7 @@ pub fn waiting_note(users: &[PodRef]) -> String {
     if users.len() > SHOWN {
         note.push_str(&format!(" and {} more", users.len() - SHOWN));
     }
-    if note.len() > 1000 {
-        let mut cut = 990;
-        while !note.is_char_boundary(cut) {
-            cut -= 1;
-        }
-        note.truncate(cut);
-        note.push_str(" …");
-    }
-    note
+    stowage_common::events::bounded_note(note)
 }
 
 #[cfg(test)]

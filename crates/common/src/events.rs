@@ -229,6 +229,17 @@ impl Folds {
 /// The apiserver refuses notes longer than this many bytes.
 const NOTE_LIMIT: usize = 1024;
 
+/// A note a controller composes from a list that may grow (pods, volumes): kept under 1,000
+/// bytes, cut on a character boundary and marked " …", so the recorder's own cut at the
+/// apiserver's limit never lands in the middle of it unmarked.
+pub fn bounded_note(mut note: String) -> String {
+    if note.len() > 1000 {
+        note.truncate(truncate(&note, 990).len());
+        note.push_str(" …");
+    }
+    note
+}
+
 /// `s` cut to at most `max` bytes, on a character boundary.
 fn truncate(s: &str, max: usize) -> &str {
     if s.len() <= max {
@@ -494,6 +505,13 @@ mod tests {
             observed: Timestamp::UNIX_EPOCH,
             last_write: last,
         }
+    }
+
+    #[test]
+    fn bounded_notes_stay_under_a_thousand_bytes_and_say_they_were_cut() {
+        assert_eq!(bounded_note("short".into()), "short");
+        let cut = bounded_note("é".repeat(600));
+        assert!(cut.len() <= 1000 && cut.ends_with(" …"), "{}", cut.len());
     }
 
     #[test]
