@@ -324,44 +324,7 @@ async fn missing_claim_finalizer_is_added_and_ephemeral_claims_are_protected() {
     );
 
     // A pod with a generic ephemeral volume uses the claim `<pod>-<volume>` it owns.
-    let mut web = builders::pod(ns, "web").node("n1").build();
-    let spec = PersistentVolumeClaimSpec {
-        access_modes: Some(vec!["ReadWriteOnce".into()]),
-        resources: Some(VolumeResourceRequirements {
-            requests: Some(BTreeMap::from([("storage".to_string(), Quantity("1Gi".into()))])),
-            ..Default::default()
-        }),
-        ..Default::default()
-    };
-    web.spec.as_mut().unwrap().volumes = Some(vec![Volume {
-        name: "scratch".into(),
-        ephemeral: Some(EphemeralVolumeSource {
-            volume_claim_template: Some(PersistentVolumeClaimTemplate {
-                metadata: None,
-                spec: spec.clone(),
-            }),
-        }),
-        ..Default::default()
-    }]);
-    let web = pods.create(&PostParams::default(), &web).await.unwrap();
-    let eph = PersistentVolumeClaim {
-        metadata: ObjectMeta {
-            name: Some("web-scratch".into()),
-            namespace: Some(ns.into()),
-            owner_references: Some(vec![OwnerReference {
-                api_version: "v1".into(),
-                kind: "Pod".into(),
-                name: "web".into(),
-                uid: web.metadata.uid.clone().unwrap(),
-                controller: Some(true),
-                block_owner_deletion: Some(true),
-            }]),
-            ..Default::default()
-        },
-        spec: Some(spec),
-        status: None,
-    };
-    claims.create(&PostParams::default(), &eph).await.unwrap();
+    ephemeral_pod_and_claim(&pods, &claims, ns).await;
     claims
         .delete("web-scratch", &DeleteParams::default())
         .await
@@ -442,49 +405,7 @@ async fn finished_and_force_deleted_pods_keep_the_claims_they_name() {
     assert_eq!(forced.metadata.deletion_grace_period_seconds, Some(0));
 
     // An ephemeral claim of a pod shut down the same way is released (upstream's one exception).
-    let mut eph_pod = builders::pod(ns, "web").node("n1").build();
-    let spec = PersistentVolumeClaimSpec {
-        access_modes: Some(vec!["ReadWriteOnce".into()]),
-        resources: Some(VolumeResourceRequirements {
-            requests: Some(BTreeMap::from([("storage".to_string(), Quantity("1Gi".into()))])),
-            ..Default::default()
-        }),
-        ..Default::default()
-    };
-    eph_pod.spec.as_mut().unwrap().volumes = Some(vec![Volume {
-        name: "scratch".into(),
-        ephemeral: Some(EphemeralVolumeSource {
-            volume_claim_template: Some(PersistentVolumeClaimTemplate {
-                metadata: None,
-                spec: spec.clone(),
-            }),
-        }),
-        ..Default::default()
-    }]);
-    let web = pods.create(&PostParams::default(), &eph_pod).await.unwrap();
-    claims
-        .create(
-            &PostParams::default(),
-            &PersistentVolumeClaim {
-                metadata: ObjectMeta {
-                    name: Some("web-scratch".into()),
-                    namespace: Some(ns.into()),
-                    owner_references: Some(vec![OwnerReference {
-                        api_version: "v1".into(),
-                        kind: "Pod".into(),
-                        name: "web".into(),
-                        uid: web.metadata.uid.clone().unwrap(),
-                        controller: Some(true),
-                        block_owner_deletion: Some(true),
-                    }]),
-                    ..Default::default()
-                },
-                spec: Some(spec),
-                status: None,
-            },
-        )
-        .await
-        .unwrap();
+    ephemeral_pod_and_claim(&pods, &claims, ns).await;
     hold("web").await;
     pods.delete("web", &force()).await.unwrap();
 
@@ -717,4 +638,47 @@ async fn pod_created_with_the_claim_deletion_never_loses_its_claim() {
         }
     })
     .await;
+}
+
+/// Pod `web` on node `n1` with a generic ephemeral volume `scratch`, and the claim `web-scratch`
+/// the ephemeral-volume controller would make for it (owned by the pod, as upstream's is).
+async fn ephemeral_pod_and_claim(pods: &Api<Pod>, claims: &Api<PersistentVolumeClaim>, ns: &str) {
+    let mut web = builders::pod(ns, "web").node("n1").build();
+    let spec = PersistentVolumeClaimSpec {
+        access_modes: Some(vec!["ReadWriteOnce".into()]),
+        resources: Some(VolumeResourceRequirements {
+            requests: Some(BTreeMap::from([("storage".to_string(), Quantity("1Gi".into()))])),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    web.spec.as_mut().unwrap().volumes = Some(vec![Volume {
+        name: "scratch".into(),
+        ephemeral: Some(EphemeralVolumeSource {
+            volume_claim_template: Some(PersistentVolumeClaimTemplate {
+                metadata: None,
+                spec: spec.clone(),
+            }),
+        }),
+        ..Default::default()
+    }]);
+    let web = pods.create(&PostParams::default(), &web).await.unwrap();
+    let eph = PersistentVolumeClaim {
+        metadata: ObjectMeta {
+            name: Some("web-scratch".into()),
+            namespace: Some(ns.into()),
+            owner_references: Some(vec![OwnerReference {
+                api_version: "v1".into(),
+                kind: "Pod".into(),
+                name: "web".into(),
+                uid: web.metadata.uid.clone().unwrap(),
+                controller: Some(true),
+                block_owner_deletion: Some(true),
+            }]),
+            ..Default::default()
+        },
+        spec: Some(spec),
+        status: None,
+    };
+    claims.create(&PostParams::default(), &eph).await.unwrap();
 }
