@@ -153,34 +153,20 @@ impl Executor {
         }
         let started = Instant::now();
         let mut by_handle: HashMap<String, Vec<String>> = HashMap::new();
-        let mut lp = kube::api::ListParams::default().limit(500);
-        loop {
-            let page = self.pvs.list(&lp).await?;
-            for p in &page.items {
-                if let Some(h) = loop_handle(p) {
-                    by_handle.entry(h.to_string()).or_default().push(p.name_any());
-                }
+        for_each_listed(&self.pvs, |p| {
+            if let Some(h) = loop_handle(&p) {
+                by_handle.entry(h.to_string()).or_default().push(p.name_any());
             }
-            match page.metadata.continue_.filter(|c| !c.is_empty()) {
-                Some(c) => lp = lp.continue_token(&c),
-                None => break,
-            }
-        }
+        })
+        .await?;
         let vas: kube::Api<VolumeAttachment> = kube::Api::all(self.client.clone());
         let mut attached: HashMap<String, Vec<String>> = HashMap::new();
-        let mut lp = kube::api::ListParams::default().limit(500);
-        loop {
-            let page = vas.list(&lp).await?;
-            for va in page.items {
-                if let Some(pv) = va.spec.source.persistent_volume_name {
-                    attached.entry(pv).or_default().push(va.spec.node_name);
-                }
+        for_each_listed(&vas, |va| {
+            if let Some(pv) = va.spec.source.persistent_volume_name {
+                attached.entry(pv).or_default().push(va.spec.node_name);
             }
-            match page.metadata.continue_.filter(|c| !c.is_empty()) {
-                Some(c) => lp = lp.continue_token(&c),
-                None => break,
-            }
-        }
+        })
+        .await?;
         let live = LiveHandles {
             started,
             by_handle: Arc::new(by_handle),
@@ -291,6 +277,23 @@ impl Executor {
         self.metrics.deletions.with_label_values(&[SUCCESS]).inc();
         // The object may linger behind other finalizers (pv-protection); the watch reports it.
         Ok(())
+    }
+}
+
+/// Hands every object of `api` to `f`, read live from the apiserver in pages of 500 (not from a
+/// cache); a page is dropped before the next is read, so a large list is never held whole.
+async fn for_each_listed<K>(api: &kube::Api<K>, mut f: impl FnMut(K)) -> Result<(), kube::Error>
+where
+    K: Clone + k8s_openapi::serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    let mut lp = kube::api::ListParams::default().limit(500);
+    loop {
+        let page = api.list(&lp).await?;
+        page.items.into_iter().for_each(&mut f);
+        match page.metadata.continue_.filter(|c| !c.is_empty()) {
+            Some(c) => lp = lp.continue_token(&c),
+            None => return Ok(()),
+        }
     }
 }
 
