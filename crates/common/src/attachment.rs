@@ -6,9 +6,8 @@
 //! of the type's ~3.6 KB, and it is set only for in-tree inline volumes migrated to CSI, which
 //! stowage never creates. An attachment is moved by value many times between the wire and the
 //! store (decoding, the watcher's event types, the informer, a create's result on its way back
-//! to the controller): at 1,000 attaches, boxing it took the bytes the controller copies from
-//! 499 MB to 171 MB and its peak RSS down by 2–3 MiB (docs/benchmarks.md, "Attachments by
-//! pointer"). Boxed, the field costs a pointer, and every move copies a few hundred bytes.
+//! to the controller): boxing it cut the bytes the controller copies per attach to about a third
+//! and lowered its peak RSS (docs/benchmarks-history.md, "Attachments by pointer"). Boxed, the field costs a pointer, and every move copies a few hundred bytes.
 //!
 //! Unlike `slim::Pod` this type is lossless: it decodes and encodes the same JSON as the API
 //! type (the round trip is tested), so it is also what attach/detach creates.

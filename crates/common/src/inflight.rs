@@ -3,8 +3,8 @@
 //! time, one per key.
 //!
 //! The window only takes new work while it has room, so a burst of objects waits in the work
-//! queue as keys instead of as thousands of parked tasks holding snapshots (that cost 400 MiB at
-//! 10,000 claims), and every decision is made on the freshest cache. Keys that change while their
+//! queue as keys instead of as thousands of parked tasks holding snapshots (hundreds of MiB at
+//! tens of thousands of claims), and every decision is made on the freshest cache. Keys that change while their
 //! writes run are marked dirty and synced again when those land. Dropping the window aborts its
 //! tasks, so a controller that loses leadership stops writing at once.
 

@@ -4,7 +4,7 @@
 //! bookkeeping: often half of the object's JSON, and each entry's `fieldsV1` is a free-form tree
 //! that k8s-openapi decodes into a `serde_json::Value` (an allocation per node). No controller
 //! here reads them, and the informers dropped them right after decoding; profiles of the attach
-//! workload still showed their decoding and freeing as ~7 % of the controller's CPU.
+//! workload still showed their decoding and freeing as a visible share of the controller's CPU.
 //!
 //! `Lean<K>` decodes `K` through a deserializer that skips the `managedFields` key of the
 //! top-level `metadata` (serde's `IgnoredAny`: the parser steps over it without allocating).

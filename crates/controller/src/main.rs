@@ -1,10 +1,10 @@
 use clap::Parser;
 
 // One thread runs every controller. The controller waits on the apiserver far more than it
-// computes (under a fifth of a core at the apiserver's full write rate here), and a second
-// worker only adds cross-thread wake-ups on the cores it shares with the apiserver: measured,
-// one thread spends 10–17 % less CPU per bind and attach at the same throughput
-// (docs/benchmarks.md). Blocking work (image files of the built-in driver) runs on tokio's
+// computes (a small part of a core at the apiserver's full write rate), and a second
+// worker only adds cross-thread wake-ups on the cores it shares with the apiserver: measured
+// A/B, one thread spent less CPU per bind and attach at the same throughput
+// (docs/benchmarks-history.md, "One runtime thread"). Blocking work (image files of the built-in driver) runs on tokio's
 // blocking pool either way.
 #[tokio::main(flavor = "current_thread")]
 async fn main() {
