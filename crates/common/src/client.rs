@@ -27,6 +27,19 @@ pub struct ApiArgs {
     /// Requests a fixed bucket lets through at once above --kube-api-qps.
     #[arg(long, default_value_t = 100)]
     pub kube_api_burst: u32,
+    /// Accepted so kube-controller-manager's and the kubelet's command lines carry over; the
+    /// client reads and writes JSON whichever is given (kube's client has no protobuf codec).
+    #[arg(long, value_enum, default_value_t = ContentType::Json)]
+    pub kube_api_content_type: ContentType,
+}
+
+/// The values kube-controller-manager's --kube-api-content-type takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ContentType {
+    #[value(name = "application/json")]
+    Json,
+    #[value(name = "application/vnd.kubernetes.protobuf")]
+    Protobuf,
 }
 
 /// The agent's rate when --kube-api-qps is not given: one per node, so a fixed modest rate
@@ -70,6 +83,11 @@ impl ApiArgs {
     /// a busy controller's own traffic can never delay its lease renewals (kube-controller-manager
     /// uses a separate client for the same reason).
     pub async fn clients(&self, limit: Limit) -> anyhow::Result<(Client, Client)> {
+        if self.kube_api_content_type == ContentType::Protobuf {
+            tracing::info!(
+                "--kube-api-content-type=application/vnd.kubernetes.protobuf is accepted, but requests use JSON"
+            );
+        }
         let config = self.config().await?;
         let url = config.cluster_url.clone();
         let client = build(config.clone(), limit)?;

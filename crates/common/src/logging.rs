@@ -17,8 +17,8 @@ pub enum Format {
 /// The logging flags of both binaries.
 #[derive(Debug, Clone, clap::Args)]
 pub struct LogArgs {
-    /// Log line format (kube-controller-manager's --logging-format).
-    #[arg(long, value_enum, default_value_t = Format::Text)]
+    /// Log line format; kube-controller-manager's name for it, --logging-format, is accepted too.
+    #[arg(long, alias = "logging-format", value_enum, default_value_t = Format::Text)]
     pub log_format: Format,
     /// Verbosity as klog counts it: 0-2 info, 3-4 debug, 5 and more trace. `RUST_LOG`, when
     /// set, wins (it can also pick modules: `RUST_LOG=stowage_binder=debug`).

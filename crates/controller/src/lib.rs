@@ -59,6 +59,9 @@ pub struct Args {
     /// Time between acquire or renew attempts.
     #[arg(long, default_value = "2s", value_parser = humantime::parse_duration)]
     pub leader_elect_retry_period: Duration,
+    /// The lock kind: kube-controller-manager's flag, whose only value since v1.29 is `leases`.
+    #[arg(long, value_enum, default_value_t = ResourceLock::Leases)]
+    pub leader_elect_resource_lock: ResourceLock,
     /// Name of the Lease object.
     #[arg(long, default_value = "stowage-controller")]
     pub leader_elect_resource_name: String,
@@ -89,6 +92,13 @@ pub struct Args {
     /// deleted nodes still detach at once).
     #[arg(long, default_value_t = false)]
     pub disable_force_detach_on_timeout: bool,
+}
+
+/// The leader-election locks there are: only Leases (Endpoints and ConfigMaps locks are gone
+/// upstream too), so a command line naming another fails at start with the one that works.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ResourceLock {
+    Leases,
 }
 
 impl Args {
@@ -426,6 +436,29 @@ mod tests {
 
     fn s(v: &[&str]) -> Vec<String> {
         v.iter().map(|x| x.to_string()).collect()
+    }
+
+    #[test]
+    fn kube_controller_managers_shared_flags_parse() {
+        let args = Args::try_parse_from([
+            "stowage-controller",
+            "--logging-format=json",
+            "--kube-api-content-type=application/vnd.kubernetes.protobuf",
+            "--kube-api-qps=50",
+            "--kube-api-burst=100",
+            "--leader-elect=true",
+            "--leader-elect-resource-lock=leases",
+            "--leader-elect-lease-duration=15s",
+            "--v=4",
+        ])
+        .unwrap();
+        assert_eq!(args.log.log_format, stowage_common::logging::Format::Json);
+        assert_eq!(args.log.verbosity, 4);
+        let err = Args::try_parse_from(["stowage-controller", "--leader-elect-resource-lock=endpoints"])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("leases"), "{err}");
+        assert!(Args::try_parse_from(["stowage-controller", "--kube-api-content-type=text/plain"]).is_err());
     }
 
     #[test]

@@ -52,6 +52,7 @@ async fn a_burst_of_requests_shares_one_http2_connection() {
         kubeconfig: Some(cp.kubeconfig()),
         kube_api_qps: Some(0.0),
         kube_api_burst: 100,
+        kube_api_content_type: stowage_common::client::ContentType::Json,
     };
     let client = args.client(Limit::Unlimited).await.expect("client");
 
