@@ -59,7 +59,7 @@ pub struct Args {
     /// Time between acquire or renew attempts.
     #[arg(long, default_value = "2s", value_parser = humantime::parse_duration)]
     pub leader_elect_retry_period: Duration,
-    /// The lock kind: kube-controller-manager's flag, whose only value since v1.29 is `leases`.
+    /// The lock kind: kube-controller-manager's flag, whose only value since v1.28 is `leases`.
     #[arg(long, value_enum, default_value_t = ResourceLock::Leases)]
     pub leader_elect_resource_lock: ResourceLock,
     /// Name of the Lease object.
