@@ -1,9 +1,17 @@
 //! The image store: one sparse file `<dir>/<volume-handle>.img` per volume. The one place that
 //! decides which handles are acceptable and where their images live; the provisioner, the
 //! resizer, the attacher and the CSI services all go through it.
+//!
+//! A store is marked by a file (`MARKER`) written once, on purpose, by whoever set the store up
+//! (`stowage-controller init-image-store DIR`). Everything that creates or deletes images asks
+//! `ImageStore::ready` first: a directory without the marker may be the empty mount point of a
+//! shared file system that is not mounted on this node, and images made there land on the wrong
+//! disk, while images "missing" there are in fact on the store, not gone.
 
-use std::io::ErrorKind;
+use std::io::{ErrorKind, Read, Write};
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
 
 /// Longest handle accepted: `<handle>.img` must fit one file name (NAME_MAX = 255 bytes).
 pub const MAX_HANDLE_LEN: usize = 255 - ".img".len();
@@ -83,15 +91,53 @@ pub enum Ensured {
     Kept,
 }
 
+/// The marker's file name. Not `*.img`, so no handle can name it.
+pub const MARKER: &str = ".stowage-image-store";
+/// The marker's first line; a file that does not start with it is not our marker.
+const MARKER_HEADER: &str = "# stowage image store: the images of loop.stowage.dev volumes live here";
+/// How long a found marker is trusted before it is read again: long enough that a burst of
+/// provisioning reads it once, short enough that an unmount is noticed within seconds.
+pub const RECHECK: Duration = Duration::from_secs(10);
+
+/// What the marker says about the store.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Marker {
+    /// Random, made when the store was initialized: tells one store from another.
+    pub id: String,
+    /// When it was initialized (RFC 3339, UTC).
+    pub created: String,
+    /// The host that initialized it.
+    pub created_on: String,
+}
+
+/// Why the store may not be used for creating or deleting images now.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NotReady {
+    #[error(
+        "image store {dir} has no marker {MARKER}: the shared file system may not be mounted here; \
+         if this directory is the image store, run `stowage-controller init-image-store {dir}` once"
+    )]
+    NoMarker { dir: String },
+    #[error("image store {dir}: cannot read {MARKER}: {error}")]
+    Unreadable { dir: String, error: String },
+    #[error("image store {dir}: {MARKER} is not a stowage image store marker: {error}")]
+    Malformed { dir: String, error: String },
+}
+
 /// A directory of images.
 #[derive(Debug, Clone)]
 pub struct ImageStore {
     dir: PathBuf,
+    /// When the marker was last found, shared by clones (one cache per store a process uses).
+    checked: Arc<Mutex<Option<(Instant, Marker)>>>,
 }
 
 impl ImageStore {
     pub fn new(dir: impl Into<PathBuf>) -> Self {
-        Self { dir: dir.into() }
+        Self {
+            dir: dir.into(),
+            checked: Arc::default(),
+        }
     }
 
     pub fn dir(&self) -> &Path {
@@ -177,6 +223,104 @@ impl ImageStore {
         Ok(len)
     }
 
+    /// Whether images may be created or deleted here: the marker was found within `RECHECK`,
+    /// else it is read now. Blocking (file I/O); call it where the image step runs.
+    pub fn ready(&self) -> Result<Marker, NotReady> {
+        if let Some((at, m)) = self.checked.lock().unwrap_or_else(|e| e.into_inner()).as_ref()
+            && at.elapsed() < RECHECK
+        {
+            return Ok(m.clone());
+        }
+        self.ready_now()
+    }
+
+    /// Reads the marker now, whatever the cache holds (before acting on an image being missing:
+    /// the store may have been unmounted a moment ago). Blocking.
+    pub fn ready_now(&self) -> Result<Marker, NotReady> {
+        let r = self.read_marker();
+        let mut cached = self.checked.lock().unwrap_or_else(|e| e.into_inner());
+        match &r {
+            Ok(m) => {
+                if let Some((_, old)) = cached.as_ref()
+                    && old.id != m.id
+                {
+                    tracing::warn!(dir = %self.dir.display(), old = %old.id, new = %m.id, "the image store's marker changed: another store is mounted here");
+                }
+                *cached = Some((Instant::now(), m.clone()));
+            }
+            Err(_) => *cached = None,
+        }
+        r
+    }
+
+    fn read_marker(&self) -> Result<Marker, NotReady> {
+        let dir = self.dir.display().to_string();
+        let mut text = String::new();
+        match std::fs::File::open(self.dir.join(MARKER)).and_then(|f| f.take(4096).read_to_string(&mut text))
+        {
+            Ok(_) => {}
+            Err(e) if e.kind() == ErrorKind::NotFound => return Err(NotReady::NoMarker { dir }),
+            Err(e) => {
+                return Err(NotReady::Unreadable {
+                    dir,
+                    error: e.to_string(),
+                });
+            }
+        }
+        parse_marker(&text).map_err(|error| NotReady::Malformed { dir, error })
+    }
+
+    /// Marks this directory as the image store: the install step, never done implicitly. The
+    /// directory must exist (it is never created: a missing mount must not become a local
+    /// directory). An existing valid marker is kept and returned with `false`; a file that is not
+    /// one is refused. The marker appears whole or not at all (written aside, then linked).
+    pub fn init(&self) -> Result<(Marker, bool), std::io::Error> {
+        match self.read_marker() {
+            Ok(m) => return Ok((m, false)),
+            Err(NotReady::NoMarker { .. }) => {}
+            Err(e) => return Err(std::io::Error::other(e.to_string())),
+        }
+        if !std::fs::metadata(&self.dir)?.is_dir() {
+            return Err(std::io::Error::new(
+                ErrorKind::NotADirectory,
+                format!("{} is not a directory", self.dir.display()),
+            ));
+        }
+        let mut id = [0u8; 16];
+        std::fs::File::open("/dev/urandom")?.read_exact(&mut id)?;
+        let marker = Marker {
+            id: id.iter().map(|b| format!("{b:02x}")).collect(),
+            created: humantime::format_rfc3339_seconds(SystemTime::now()).to_string(),
+            created_on: std::fs::read_to_string("/proc/sys/kernel/hostname")
+                .map(|h| h.trim().to_string())
+                .unwrap_or_default(),
+        };
+        let text = format!(
+            "{MARKER_HEADER}\nid: {}\ncreated: {}\ncreated-on: {}\n",
+            marker.id, marker.created, marker.created_on
+        );
+        let tmp = self.dir.join(format!("{MARKER}.{}.tmp", std::process::id()));
+        let written = (|| {
+            let mut f = std::fs::File::create(&tmp)?;
+            f.write_all(text.as_bytes())?;
+            f.sync_all()?;
+            // A link never replaces: two concurrent inits keep the first marker.
+            std::fs::hard_link(&tmp, self.dir.join(MARKER))
+        })();
+        let _ = std::fs::remove_file(&tmp);
+        match written {
+            Ok(()) => {
+                std::fs::File::open(&self.dir)?.sync_all()?;
+                Ok((marker, true))
+            }
+            Err(e) if e.kind() == ErrorKind::AlreadyExists => self
+                .read_marker()
+                .map(|m| (m, false))
+                .map_err(|e| std::io::Error::other(e.to_string())),
+            Err(e) => Err(e),
+        }
+    }
+
     /// Removes the image; `Ok(false)` when it was already gone.
     pub fn remove(&self, handle: &str) -> Result<bool, ImageError> {
         let path = self.path(handle)?;
@@ -186,6 +330,30 @@ impl ImageStore {
             Err(source) => Err(ImageError::Io { path, source }),
         }
     }
+}
+
+fn parse_marker(text: &str) -> Result<Marker, String> {
+    let mut lines = text.lines();
+    if lines.next() != Some(MARKER_HEADER) {
+        return Err("its first line is not the marker's".into());
+    }
+    let mut m = Marker {
+        id: String::new(),
+        created: String::new(),
+        created_on: String::new(),
+    };
+    for line in lines {
+        match line.split_once(": ") {
+            Some(("id", v)) => m.id = v.trim().to_string(),
+            Some(("created", v)) => m.created = v.trim().to_string(),
+            Some(("created-on", v)) => m.created_on = v.trim().to_string(),
+            _ => {} // room for later fields
+        }
+    }
+    if m.id.is_empty() {
+        return Err("it has no id".into());
+    }
+    Ok(m)
 }
 
 #[cfg(test)]
@@ -215,6 +383,35 @@ mod tests {
                 prop_assert!(p.file_name().unwrap().len() <= 255);
             }
         }
+    }
+
+    #[test]
+    fn a_store_is_ready_only_with_its_marker_which_init_writes_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = ImageStore::new(dir.path());
+        assert!(matches!(s.ready(), Err(NotReady::NoMarker { .. })));
+        let (m, made) = s.init().unwrap();
+        assert!(made);
+        assert_eq!(m.id.len(), 32);
+        assert_eq!(s.ready().unwrap(), m);
+        assert_eq!(s.init().unwrap(), (m.clone(), false), "init keeps the marker");
+        let left: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(left, [MARKER], "no temporary file left");
+        // Cached: a removal is seen by the next uncached read, at the latest after RECHECK.
+        std::fs::remove_file(dir.path().join(MARKER)).unwrap();
+        assert!(s.ready().is_ok());
+        assert!(matches!(s.ready_now(), Err(NotReady::NoMarker { .. })));
+        assert!(s.ready().is_err(), "a failed check empties the cache");
+        std::fs::write(dir.path().join(MARKER), "something else\n").unwrap();
+        assert!(matches!(s.ready(), Err(NotReady::Malformed { .. })));
+        assert!(s.init().is_err(), "a foreign file is never overwritten");
+        assert!(
+            ImageStore::new(dir.path().join("absent")).init().is_err(),
+            "init never creates the directory"
+        );
     }
 
     #[test]

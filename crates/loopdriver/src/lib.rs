@@ -8,7 +8,7 @@ pub mod image;
 pub mod mountinfo;
 pub mod sys;
 
-pub use image::{HandleError, ImageError, ImageStore, check_handle, valid_handle};
+pub use image::{HandleError, ImageError, ImageStore, NotReady, check_handle, valid_handle};
 
 /// The driver name (CSI plugin name, `spec.csi.driver`, VolumeAttachment attacher, provisioner).
 pub const DRIVER: &str = "loop.stowage.dev";

@@ -28,6 +28,8 @@ impl Scratch {
     fn new(name: &str) -> Self {
         let base = std::env::temp_dir().join(format!("stowage-node-{name}-{}", std::process::id()));
         std::fs::create_dir_all(base.join("images")).unwrap();
+        // Marked as an installed store is, so the controller service creates and deletes.
+        ImageStore::new(base.join("images")).init().unwrap();
         Self {
             base: std::fs::canonicalize(&base).unwrap(),
         }

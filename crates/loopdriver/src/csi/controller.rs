@@ -71,6 +71,15 @@ impl ControllerService {
             .await
             .map_err(|e| Status::internal(format!("image store task failed: {e}")))
     }
+
+    /// Refuses while the image store's marker is missing (`ImageStore::ready`): `Unavailable`,
+    /// which the caller retries, since the store may yet be mounted.
+    async fn store_ready(&self) -> Result<(), Status> {
+        self.blocking(|s| s.ready())
+            .await?
+            .map(|_| ())
+            .map_err(|e| Status::unavailable(format!("image store not ready: {e}")))
+    }
 }
 
 fn unimplemented<T>(what: &str) -> Result<Response<T>, Status> {
@@ -102,6 +111,7 @@ impl Controller for ControllerService {
         let range = req.capacity_range;
         let size = size_for(range.as_ref())?;
         let _guard = self.locks.try_lock(&name)?;
+        self.store_ready().await?;
         let id = name.clone();
         let existing = self
             .blocking(move |s| match s.size(&id) {
@@ -149,6 +159,9 @@ impl Controller for ControllerService {
             return Ok(Response::new(DeleteVolumeResponse {}));
         };
         let _guard = self.locks.try_lock(&id)?;
+        // Without the marker an image "already gone" may be on a store not mounted here: the
+        // caller would forget a volume whose data still exists.
+        self.store_ready().await?;
         // An image still behind a loop device is in use on this host: deleting it would leave
         // the device serving an unlinked file until it is freed.
         let loops = crate::sys::loops_of(&path)
@@ -340,11 +353,50 @@ mod tests {
     use crate::csi::v1::volume_capability::access_mode::Mode as CsiMode;
     use tonic::Code;
 
+    /// A service over a marked store, as every store is once installed.
     fn svc(dir: &std::path::Path) -> ControllerService {
+        let images = ImageStore::new(dir);
+        images.init().unwrap();
         ControllerService {
-            images: ImageStore::new(dir),
+            images,
             locks: VolumeLocks::default(),
         }
+    }
+
+    #[tokio::test]
+    async fn create_and_delete_wait_for_the_store_marker() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = ControllerService {
+            images: ImageStore::new(dir.path()),
+            locks: VolumeLocks::default(),
+        };
+        let r = s.create_volume(Request::new(create("v", 0, 0))).await;
+        assert_eq!(
+            r.as_ref().err().map(|e| e.code()),
+            Some(Code::Unavailable),
+            "{r:?}"
+        );
+        assert!(r.unwrap_err().message().contains(crate::image::MARKER));
+        assert!(
+            !dir.path().join("v.img").exists(),
+            "no image on an unmarked store"
+        );
+        // An image "missing" from an unmarked store is not reported deleted.
+        let del = DeleteVolumeRequest {
+            volume_id: "v".into(),
+            ..Default::default()
+        };
+        assert_eq!(
+            code(s.delete_volume(Request::new(del.clone())).await).await,
+            Code::Unavailable
+        );
+        s.images.init().unwrap();
+        assert_eq!(
+            code(s.create_volume(Request::new(create("v", 0, 0))).await).await,
+            Code::Ok
+        );
+        assert!(dir.path().join("v.img").exists());
+        assert_eq!(code(s.delete_volume(Request::new(del)).await).await, Code::Ok);
     }
 
     fn create(name: &str, required: i64, limit: i64) -> CreateVolumeRequest {
@@ -490,7 +542,9 @@ mod tests {
             Code::NotFound
         );
         assert!(
-            std::fs::read_dir(dir.path()).unwrap().next().is_none(),
+            std::fs::read_dir(dir.path())
+                .unwrap()
+                .all(|e| e.unwrap().file_name() == crate::image::MARKER),
             "no image made"
         );
     }
