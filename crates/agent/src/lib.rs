@@ -86,6 +86,12 @@ pub struct Args {
     /// whose attachments come from elsewhere).
     #[arg(long, requires = "csi_endpoint")]
     pub csi_only: bool,
+    /// The driver name the CSI endpoint reports and registers with the kubelet. Another name than
+    /// loop.stowage.dev serves the same driver as a third-party one, driven by the upstream
+    /// sidecars (stowage's attacher and provisioner serve only loop.stowage.dev), so it needs
+    /// `--csi-only`.
+    #[arg(long, default_value = stowage_loopdriver::DRIVER, requires = "csi_only")]
+    pub csi_driver_name: String,
     /// Volumes this node may hold at once, reported by CSI NodeGetInfo (0: no limit).
     #[arg(long, default_value_t = 0)]
     pub max_volumes: i64,
@@ -128,10 +134,11 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let image_dir = canonical_dir(&args.image_dir, "--image-dir")?;
     let endpoint = match (&args.csi_endpoint, &args.kubelet_dir) {
         (Some(e), _) => Some(socket_path(e)),
-        (None, Some(k)) => Some(registration::csi_socket(k)),
+        (None, Some(k)) => Some(registration::csi_socket(k, &args.csi_driver_name)),
         (None, None) => None,
     };
     let csi = endpoint.clone().map(|socket| Endpoint {
+        driver: args.csi_driver_name.clone(),
         socket,
         images: stowage_loopdriver::ImageStore::new(image_dir.clone()),
         node: Some(NodeSettings {
@@ -143,7 +150,27 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     });
     if args.csi_only {
         let endpoint = csi.expect("clap requires --csi-endpoint with --csi-only");
-        csi_server::serve(endpoint, stowage_common::shutdown::signalled()).await?;
+        let socket = endpoint.socket.clone();
+        let Some(kubelet_dir) = &args.kubelet_dir else {
+            csi_server::serve(endpoint, stowage_common::shutdown::signalled()).await?;
+            return Ok(());
+        };
+        // A node plugin beside a kubelet whose attachments come from elsewhere (the upstream
+        // external-attacher): CSI and the kubelet registration, nothing else.
+        let registrar = registration::Registrar {
+            driver: args.csi_driver_name.clone(),
+            csi_endpoint: socket,
+            registered: Default::default(),
+        };
+        let registered = registration::serve(
+            registration::registration_socket(kubelet_dir, &args.csi_driver_name),
+            root.join("csi").join("registration.sock"),
+            registrar,
+            stowage_common::shutdown::signalled(),
+        );
+        let served = csi_server::serve(endpoint, stowage_common::shutdown::signalled());
+        // Either failing ends the process (the kubelet must not keep a plugin that is gone).
+        tokio::try_join!(registered, served)?;
         return Ok(());
     }
     let (registry, metrics) = registry();
@@ -248,11 +275,12 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     if let (Some(kubelet_dir), Some(csi_endpoint)) = (&args.kubelet_dir, endpoint) {
         let mut stop = stop_tx.subscribe();
         let registrar = registration::Registrar {
+            driver: args.csi_driver_name.clone(),
             csi_endpoint,
             registered: Default::default(),
         };
         csi_task.spawn(registration::serve(
-            registration::registration_socket(kubelet_dir),
+            registration::registration_socket(kubelet_dir, &args.csi_driver_name),
             root.join("csi").join("registration.sock"),
             registrar,
             async move {

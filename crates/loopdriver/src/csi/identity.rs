@@ -11,6 +11,8 @@ use crate::ImageStore;
 
 #[derive(Debug, Clone)]
 pub struct IdentityService {
+    /// The name GetPluginInfo reports: the sidecars take it as the provisioner's and attacher's.
+    pub driver: String,
     pub images: ImageStore,
     /// Whether this endpoint also serves the Controller service.
     pub controller: bool,
@@ -23,7 +25,7 @@ impl Identity for IdentityService {
         _: Request<GetPluginInfoRequest>,
     ) -> Result<Response<GetPluginInfoResponse>, Status> {
         Ok(Response::new(GetPluginInfoResponse {
-            name: crate::DRIVER.into(),
+            name: self.driver.clone(),
             vendor_version: crate::VERSION.into(),
             manifest: HashMap::new(),
         }))

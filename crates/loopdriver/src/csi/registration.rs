@@ -30,6 +30,9 @@ pub const SUPPORTED_VERSIONS: &[&str] = &["1.0.0"];
 
 #[derive(Debug, Clone)]
 pub struct Registrar {
+    /// The driver name the kubelet registers (`crate::DRIVER`, or a second name the same driver
+    /// is served under: an external driver path driven by the upstream sidecars).
+    pub driver: String,
     /// The CSI endpoint as the kubelet reaches it (a path on the node).
     pub csi_endpoint: PathBuf,
     /// Set once the kubelet says the plugin is registered; cleared when it says it is not.
@@ -41,7 +44,7 @@ impl Registration for Registrar {
     async fn get_info(&self, _: Request<InfoRequest>) -> Result<Response<PluginInfo>, Status> {
         Ok(Response::new(PluginInfo {
             r#type: "CSIPlugin".into(),
-            name: crate::DRIVER.into(),
+            name: self.driver.clone(),
             endpoint: self.csi_endpoint.display().to_string(),
             supported_versions: SUPPORTED_VERSIONS.iter().map(|v| v.to_string()).collect(),
         }))
@@ -54,24 +57,24 @@ impl Registration for Registrar {
         let st = request.into_inner();
         self.registered.store(st.plugin_registered, Ordering::Relaxed);
         if st.plugin_registered {
-            tracing::info!(driver = crate::DRIVER, "registered with the kubelet");
+            tracing::info!(driver = %self.driver, "registered with the kubelet");
         } else {
-            tracing::error!(driver = crate::DRIVER, error = %st.error, "the kubelet refused the registration");
+            tracing::error!(driver = %self.driver, error = %st.error, "the kubelet refused the registration");
         }
         Ok(Response::new(RegistrationStatusResponse {}))
     }
 }
 
 /// `<kubelet-dir>/plugins_registry/<driver>-reg.sock`.
-pub fn registration_socket(kubelet_dir: &Path) -> PathBuf {
+pub fn registration_socket(kubelet_dir: &Path, driver: &str) -> PathBuf {
     kubelet_dir
         .join("plugins_registry")
-        .join(format!("{}-reg.sock", crate::DRIVER))
+        .join(format!("{driver}-reg.sock"))
 }
 
 /// `<kubelet-dir>/plugins/<driver>/csi.sock`.
-pub fn csi_socket(kubelet_dir: &Path) -> PathBuf {
-    kubelet_dir.join("plugins").join(crate::DRIVER).join("csi.sock")
+pub fn csi_socket(kubelet_dir: &Path, driver: &str) -> PathBuf {
+    kubelet_dir.join("plugins").join(driver).join("csi.sock")
 }
 
 /// Serves the registration socket until `shutdown`, then removes it (deregistering). tonic
@@ -118,7 +121,8 @@ mod tests {
     #[tokio::test]
     async fn the_kubelet_learns_name_endpoint_and_versions() {
         let r = Registrar {
-            csi_endpoint: csi_socket(Path::new("/var/lib/kubelet")),
+            driver: crate::DRIVER.into(),
+            csi_endpoint: csi_socket(Path::new("/var/lib/kubelet"), crate::DRIVER),
             registered: Arc::default(),
         };
         let info = r
@@ -141,8 +145,12 @@ mod tests {
         .unwrap();
         assert!(r.registered.load(Ordering::Relaxed));
         assert_eq!(
-            registration_socket(Path::new("/k")),
+            registration_socket(Path::new("/k"), crate::DRIVER),
             Path::new("/k/plugins_registry/loop.stowage.dev-reg.sock")
+        );
+        assert_eq!(
+            csi_socket(Path::new("/k"), "ext.loop.stowage.dev"),
+            Path::new("/k/plugins/ext.loop.stowage.dev/csi.sock")
         );
     }
 }

@@ -19,6 +19,8 @@ use crate::ImageStore;
 /// What one CSI endpoint serves.
 #[derive(Debug, Clone)]
 pub struct Endpoint {
+    /// The driver name reported to the CO (`crate::DRIVER` unless served under a second name).
+    pub driver: String,
     /// The socket path (`unix://` prefix accepted, as sidecars write it).
     pub socket: PathBuf,
     pub images: ImageStore,
@@ -62,6 +64,7 @@ pub async fn serve(endpoint: Endpoint, shutdown: impl Future<Output = ()> + Send
     let locks = VolumeLocks::default();
     let repairs = OfflineRepairs::default();
     let identity = IdentityService {
+        driver: endpoint.driver.clone(),
         images: endpoint.images.clone(),
         controller: endpoint.controller,
     };
