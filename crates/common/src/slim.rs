@@ -9,7 +9,11 @@
 //! Read-only by design: it has no `Serialize`, so nothing can write a pod back from it (that
 //! would drop every field it does not know).
 
-use k8s_openapi::api::core::v1::PersistentVolumeClaimVolumeSource;
+use k8s_openapi::api::core::v1::{
+    AWSElasticBlockStoreVolumeSource, AzureDiskVolumeSource, AzureFileVolumeSource, CinderVolumeSource,
+    FCVolumeSource, GCEPersistentDiskVolumeSource, ISCSIVolumeSource, PersistentVolumeClaimVolumeSource,
+    PortworxVolumeSource, VsphereVirtualDiskVolumeSource,
+};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde::Deserialize;
 
@@ -28,7 +32,8 @@ pub struct PodSpec {
     pub volumes: Option<Vec<Volume>>,
 }
 
-/// A pod volume: only the two kinds that name a claim are kept (see [`Pod::trim`]).
+/// A pod volume: only the kinds that name a claim or that attach/detach attaches inline are
+/// kept (see [`Pod::trim`]). The inline sources are boxed: rare, and a pointer each when absent.
 #[derive(Clone, Debug, Default, PartialEq, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Volume {
@@ -36,6 +41,34 @@ pub struct Volume {
     pub persistent_volume_claim: Option<PersistentVolumeClaimVolumeSource>,
     /// A generic ephemeral volume; its claim template is never read here.
     pub ephemeral: Option<Present>,
+    /// In-tree sources csi-translation-lib migrates to CSI drivers.
+    pub aws_elastic_block_store: Option<Box<AWSElasticBlockStoreVolumeSource>>,
+    pub gce_persistent_disk: Option<Box<GCEPersistentDiskVolumeSource>>,
+    pub azure_disk: Option<Box<AzureDiskVolumeSource>>,
+    pub azure_file: Option<Box<AzureFileVolumeSource>>,
+    pub cinder: Option<Box<CinderVolumeSource>>,
+    pub vsphere_volume: Option<Box<VsphereVirtualDiskVolumeSource>>,
+    pub portworx_volume: Option<Box<PortworxVolumeSource>>,
+    /// The in-tree attachable plugins still built in.
+    pub iscsi: Option<Box<ISCSIVolumeSource>>,
+    pub fc: Option<Box<FCVolumeSource>>,
+}
+
+impl Volume {
+    /// Names a claim, or is an inline volume attach/detach attaches.
+    pub fn is_read(&self) -> bool {
+        self.persistent_volume_claim.is_some()
+            || self.ephemeral.is_some()
+            || self.aws_elastic_block_store.is_some()
+            || self.gce_persistent_disk.is_some()
+            || self.azure_disk.is_some()
+            || self.azure_file.is_some()
+            || self.cinder.is_some()
+            || self.vsphere_volume.is_some()
+            || self.portworx_volume.is_some()
+            || self.iscsi.is_some()
+            || self.fc.is_some()
+    }
 }
 
 /// A field whose presence is all that is read (serde ignores what it holds).
@@ -87,12 +120,12 @@ impl k8s_openapi::Metadata for Pod {
 
 impl Pod {
     /// Drops what decoding still keeps but nothing reads: annotations, volumes that name no
-    /// claim, and the statuses of containers that no longer run (the informer decodes it without
+    /// claim and are not attachable inline, and the statuses of containers that no longer run (the informer decodes it without
     /// managed fields).
     pub fn trim(&mut self) {
         self.metadata.annotations = None;
         if let Some(volumes) = self.spec.as_mut().and_then(|s| s.volumes.as_mut()) {
-            volumes.retain(|v| v.persistent_volume_claim.is_some() || v.ephemeral.is_some());
+            volumes.retain(Volume::is_read);
             volumes.shrink_to_fit();
         }
         if let Some(status) = self.status.as_mut() {
