@@ -16,6 +16,8 @@ use stowage_common::serve::{self, Health};
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 
+pub mod rival;
+
 /// Every controller this binary knows, in start order, and whether `*` turns it on.
 pub const CONTROLLERS: &[(&str, bool)] = &[
     ("binder", true),
@@ -92,6 +94,22 @@ pub struct Args {
     /// deleted nodes still detach at once).
     #[arg(long, default_value_t = false)]
     pub disable_force_detach_on_timeout: bool,
+    /// What to do when kube-controller-manager is seen running a storage controller stowage runs
+    /// too (its writes to their objects, or its pod's --controllers): `warn` reports it (Event,
+    /// metric, log), `pause` also stops stowage's controllers until it is over, `ignore` does
+    /// not look.
+    #[arg(long, value_enum, default_value_t = OnConflict::Warn)]
+    pub on_conflict: OnConflict,
+    /// A conflict seen only through writes is over this long after the last one.
+    #[arg(long, default_value = "2m", value_parser = humantime::parse_duration)]
+    pub conflict_quiet_period: Duration,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum OnConflict {
+    Ignore,
+    Warn,
+    Pause,
 }
 
 /// The leader-election locks there are: only Leases (Endpoints and ConfigMaps locks are gone
@@ -129,6 +147,9 @@ struct Wiring {
     protection: stowage_protection::Metrics,
     attachdetach: (stowage_attachdetach::Metrics, stowage_attachdetach::Config),
     expand: (stowage_expand::Metrics, stowage_expand::Config),
+    rival: rival::Metrics,
+    on_conflict: OnConflict,
+    quiet: Duration,
 }
 
 impl Wiring {
@@ -170,6 +191,9 @@ impl Wiring {
                     ..Default::default()
                 },
             ),
+            rival: rival::Metrics::new(registry),
+            on_conflict: args.on_conflict,
+            quiet: args.conflict_quiet_period,
         }
     }
 }
@@ -313,7 +337,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         leader_gauge.set(true);
         tokio::select! {
             _ = shutdown => {}
-            r = run_controllers(client, &controllers, &registry, &wiring) => r?,
+            r = lead(client, &controllers, &registry, &wiring) => r?,
         }
         return Ok(());
     }
@@ -341,7 +365,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         leader_gauge.set(true);
         tokio::select! {
             r = leading.wait_for(|l| !*l) => { let _ = r; }
-            r = run_controllers(client.clone(), &controllers, &registry, &wiring) => {
+            r = lead(client.clone(), &controllers, &registry, &wiring) => {
                 if let Err(e) = r {
                     // /healthz turns red so an orchestrator restarts us; until then, retry
                     // slowly rather than spin on a failure that returns at once.
@@ -352,6 +376,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             }
         }
         leader_gauge.set(false);
+        wiring.rival.paused.set(0);
         if election.is_finished() {
             break;
         }
@@ -367,6 +392,45 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
 fn in_span<F: std::future::Future>(name: &'static str, f: F) -> tracing::instrument::Instrumented<F> {
     use tracing::Instrument;
     f.instrument(tracing::info_span!("run", controller = name))
+}
+
+/// One term of leadership: the conflict detector beside the controllers. With
+/// `--on-conflict=pause` the controllers stop while a conflict holds (dropped, as when leadership
+/// is lost, so no write of theirs is left running) and start again, from fresh caches, once it is
+/// over; the Lease is kept meanwhile so no standby takes over into the same conflict.
+async fn lead(
+    client: Client,
+    controllers: &[&'static str],
+    registry: &Registry,
+    wiring: &Wiring,
+) -> anyhow::Result<()> {
+    if wiring.on_conflict == OnConflict::Ignore {
+        return run_controllers(client, controllers, registry, wiring).await;
+    }
+    let (mut conflict, _detector) =
+        rival::spawn(client.clone(), controllers, wiring.quiet, wiring.rival.clone());
+    if wiring.on_conflict == OnConflict::Warn {
+        return run_controllers(client, controllers, registry, wiring).await;
+    }
+    loop {
+        if *conflict.borrow() {
+            wiring.rival.paused.set(1);
+            tracing::warn!("controllers paused (--on-conflict=pause) until the conflict is over");
+            if conflict.wait_for(|c| !*c).await.is_err() {
+                anyhow::bail!("the conflict detector stopped");
+            }
+            wiring.rival.paused.set(0);
+            tracing::info!("conflict over: starting the controllers again");
+        }
+        tokio::select! {
+            r = run_controllers(client.clone(), controllers, registry, wiring) => return r,
+            r = conflict.wait_for(|c| *c) => {
+                if r.is_err() {
+                    anyhow::bail!("the conflict detector stopped");
+                }
+            }
+        }
+    }
 }
 
 /// Runs the selected controllers until one fails or the future is dropped (leadership lost):

@@ -1,0 +1,297 @@
+//! Noticing a second storage controller. If kube-controller-manager's binder or attach/detach
+//! controller still runs beside stowage's, both write the same PVs, claims, VolumeAttachments and
+//! Node statuses, and each undoes what the other decided. Two kinds of evidence are read:
+//!
+//! - **writes**: managedFields entries of the manager `kube-controller-manager` (the apiserver
+//!   names a manager by its client's user agent) that own a storage field (`footprint.rs`) and
+//!   were written while stowage runs, seen on a metadata-only watch of each kind;
+//! - **flags**: a kube-controller-manager pod in `kube-system` (kubeadm's and kind's static pods
+//!   carry `component=kube-controller-manager`) whose `--controllers` turns on a controller
+//!   stowage also runs, caught before it writes anything.
+//!
+//! Each is reported as a Warning Event `ConflictingController`, a metric and a log line; with
+//! `--on-conflict=pause` the controllers stop until neither has been seen for the quiet period.
+//! The decisions here are pure; `exec.rs` does the watching and reporting.
+
+mod exec;
+pub mod footprint;
+
+use std::time::Duration;
+
+use k8s_openapi::jiff::Timestamp;
+use serde::Deserialize;
+
+pub use exec::{Metrics, spawn};
+pub use footprint::Footprint;
+
+/// The field manager kube-controller-manager's writes are recorded under.
+pub const KCM_MANAGER: &str = "kube-controller-manager";
+
+/// The kinds whose writes are watched, with the stowage controller that owns their storage fields.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Kind {
+    PersistentVolume,
+    PersistentVolumeClaim,
+    VolumeAttachment,
+    Node,
+}
+
+impl Kind {
+    pub const ALL: [Kind; 4] = [
+        Kind::PersistentVolume,
+        Kind::PersistentVolumeClaim,
+        Kind::VolumeAttachment,
+        Kind::Node,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Kind::PersistentVolume => "PersistentVolume",
+            Kind::PersistentVolumeClaim => "PersistentVolumeClaim",
+            Kind::VolumeAttachment => "VolumeAttachment",
+            Kind::Node => "Node",
+        }
+    }
+
+    /// The stowage controller whose writes to this kind a rival's would clash with.
+    pub fn owner(self) -> &'static str {
+        match self {
+            Kind::PersistentVolume | Kind::PersistentVolumeClaim => "binder",
+            Kind::VolumeAttachment | Kind::Node => "attachdetach",
+        }
+    }
+}
+
+/// One managedFields entry, as much of it as the decision needs.
+#[derive(Debug, Clone, Deserialize)]
+pub struct Entry {
+    #[serde(default)]
+    pub manager: String,
+    #[serde(default)]
+    pub subresource: String,
+    /// RFC 3339, second precision.
+    #[serde(default)]
+    pub time: Option<String>,
+    #[serde(rename = "fieldsV1", default)]
+    pub fields: Footprint,
+}
+
+/// The metadata of a watched object (a `PartialObjectMetadata`).
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Meta {
+    #[serde(default)]
+    pub name: String,
+    #[serde(default)]
+    pub namespace: Option<String>,
+    #[serde(default)]
+    pub uid: Option<String>,
+    #[serde(default)]
+    pub resource_version: Option<String>,
+    #[serde(default)]
+    pub managed_fields: Vec<Entry>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct Object {
+    #[serde(default)]
+    pub metadata: Meta,
+}
+
+/// What kube-controller-manager wrote to one object that stowage's `kind.owner()` writes too:
+/// the fields and when, or `None`.
+pub fn rival_write(kind: Kind, meta: &Meta, since: Timestamp) -> Option<(Timestamp, &'static str)> {
+    meta.managed_fields
+        .iter()
+        .filter(|e| e.manager == KCM_MANAGER)
+        .filter_map(|e| {
+            let at: Timestamp = e.time.as_deref()?.parse().ok()?;
+            (at >= since).then_some((at, storage_fields(kind, &e.subresource, e.fields)?))
+        })
+        .max_by_key(|(at, _)| *at)
+}
+
+/// Which storage fields an entry of `kind` owns, named for the Event, or `None`.
+pub fn storage_fields(kind: Kind, subresource: &str, fp: Footprint) -> Option<&'static str> {
+    let status = subresource == "status";
+    match kind {
+        Kind::PersistentVolume if fp.claim_ref => Some("spec.claimRef"),
+        Kind::PersistentVolume | Kind::PersistentVolumeClaim if status && fp.phase => Some("status.phase"),
+        Kind::PersistentVolume | Kind::PersistentVolumeClaim if fp.bind_annotations => {
+            Some("bind annotations")
+        }
+        Kind::PersistentVolumeClaim if fp.volume_name => Some("spec.volumeName"),
+        Kind::VolumeAttachment if fp.attachment_spec => Some("spec (created it)"),
+        Kind::Node if status && fp.volumes_attached => Some("status.volumesAttached"),
+        _ => None,
+    }
+}
+
+/// The storage controllers a kube-controller-manager command line turns on, by stowage's names.
+/// `--controllers` is read as kube-controller-manager reads it: names on, `-name` off, `*` every
+/// default one (all five storage controllers are on by default); absent, it is `*`.
+pub fn kcm_storage_controllers(argv: &[String]) -> Vec<&'static str> {
+    let mut value: Option<&str> = None;
+    let mut args = argv.iter();
+    while let Some(a) = args.next() {
+        if let Some(v) = a.strip_prefix("--controllers=") {
+            value = Some(v);
+        } else if a == "--controllers" {
+            value = args.next().map(String::as_str);
+        }
+    }
+    let items: Vec<&str> = value.unwrap_or("*").split(',').map(str::trim).collect();
+    let star = items.contains(&"*");
+    // KCM's old names `attachdetach`, `pvc-protection` and `pv-protection` are stowage's own.
+    let ours = |kcm: &str| {
+        crate::KCM_ALIASES
+            .iter()
+            .find(|(k, _)| *k == kcm)
+            .map(|(_, n)| *n)
+            .or_else(|| {
+                crate::CONTROLLERS
+                    .iter()
+                    .find(|(n, _)| *n == kcm)
+                    .map(|(n, _)| *n)
+            })
+    };
+    let mut on: Vec<&'static str> = Vec::new();
+    for (name, _) in crate::CONTROLLERS {
+        let named = |item: &str| ours(item) == Some(*name);
+        let off = items.iter().any(|i| i.strip_prefix('-').is_some_and(named));
+        let explicit = items.iter().any(|i| named(i));
+        if !off && (star || explicit) {
+            on.push(*name);
+        }
+    }
+    on
+}
+
+/// The conflict as last seen: which rival pods' flags clash, and when a rival write was last seen.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Seen {
+    /// `namespace/name` of kube-controller-manager pods whose flags turn on what stowage runs,
+    /// with those controllers.
+    pub flagged: Vec<(String, Vec<&'static str>)>,
+    /// When the last rival write was seen (monotonic time, as a duration since the detector began).
+    pub last_write: Option<Duration>,
+}
+
+impl Seen {
+    /// A conflict holds while a pod's flags clash, or for `quiet` after the last rival write.
+    pub fn active(&self, now: Duration, quiet: Duration) -> bool {
+        !self.flagged.is_empty() || self.writes_active(now, quiet)
+    }
+
+    pub fn writes_active(&self, now: Duration, quiet: Duration) -> bool {
+        self.last_write.is_some_and(|t| now.saturating_sub(t) < quiet)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use serde_json::json;
+
+    fn s(v: &[&str]) -> Vec<String> {
+        v.iter().map(|x| x.to_string()).collect()
+    }
+
+    fn meta(entries: serde_json::Value) -> Meta {
+        serde_json::from_value(json!({"name": "pv-1", "managedFields": entries})).unwrap()
+    }
+
+    #[test]
+    fn a_binders_write_after_start_is_a_rival_write() {
+        let m = meta(json!([
+            {"manager": "kube-controller-manager", "operation": "Update", "subresource": "status",
+             "time": "2026-11-27T18:00:05Z", "fieldsType": "FieldsV1", "fieldsV1": {"f:status": {"f:phase": {}}}},
+        ]));
+        let since: Timestamp = "2026-11-27T18:00:00Z".parse().unwrap();
+        assert_eq!(
+            rival_write(Kind::PersistentVolume, &m, since).map(|(_, f)| f),
+            Some("status.phase")
+        );
+        // Written before stowage began watching: history, not a conflict now.
+        let later: Timestamp = "2026-11-27T18:00:06Z".parse().unwrap();
+        assert_eq!(rival_write(Kind::PersistentVolume, &m, later), None);
+    }
+
+    #[test]
+    fn stowage_and_other_managers_are_not_rivals() {
+        let m = meta(json!([
+            {"manager": "stowage-controller", "subresource": "status", "time": "2026-11-27T18:00:05Z",
+             "fieldsV1": {"f:status": {"f:phase": {}}}},
+            {"manager": "kube-controller-manager", "time": "2026-11-27T18:00:05Z",
+             "fieldsV1": {"f:metadata": {"f:ownerReferences": {}}}},
+        ]));
+        let since: Timestamp = "2026-11-27T17:00:00Z".parse().unwrap();
+        assert_eq!(rival_write(Kind::PersistentVolume, &m, since), None);
+    }
+
+    #[test]
+    fn node_status_attachments_belong_to_attach_detach() {
+        let fp = Footprint {
+            volumes_attached: true,
+            ..Default::default()
+        };
+        assert_eq!(
+            storage_fields(Kind::Node, "status", fp),
+            Some("status.volumesAttached")
+        );
+        assert_eq!(Kind::Node.owner(), "attachdetach");
+        // The kubelet's volumesInUse is not the controller's field.
+        assert_eq!(storage_fields(Kind::Node, "status", Footprint::default()), None);
+    }
+
+    #[test]
+    fn kcm_flags_are_read_as_kcm_reads_them() {
+        assert_eq!(
+            kcm_storage_controllers(&s(&["kube-controller-manager", "--kubeconfig=/x"])),
+            vec![
+                "binder",
+                "pv-protection",
+                "pvc-protection",
+                "attachdetach",
+                "expand"
+            ]
+        );
+        let off = "--controllers=*,bootstrapsigner,-persistentvolume-binder-controller,-persistentvolume-attach-detach-controller,-persistentvolume-expander-controller,-persistentvolume-protection-controller,-persistentvolumeclaim-protection-controller";
+        assert!(kcm_storage_controllers(&s(&["kube-controller-manager", off])).is_empty());
+        assert_eq!(
+            kcm_storage_controllers(&s(&["--controllers", "persistentvolume-binder,garbagecollector"])),
+            vec!["binder"]
+        );
+        // The old aliases turned off count as off.
+        assert_eq!(
+            kcm_storage_controllers(&s(&["--controllers=*,-persistentvolume-binder"])),
+            vec!["pv-protection", "pvc-protection", "attachdetach", "expand"]
+        );
+        assert!(
+            kcm_storage_controllers(&s(&[
+                "--controllers=*,-persistentvolume-binder,-attachdetach,-persistentvolume-expander,-pvc-protection,-pv-protection"
+            ]))
+            .is_empty()
+        );
+    }
+
+    proptest! {
+        #[test]
+        fn a_conflict_ends_only_when_quiet_and_unflagged(
+            last in proptest::option::of(0u64..1000),
+            now in 0u64..2000,
+            quiet in 1u64..500,
+            flagged in any::<bool>(),
+        ) {
+            let seen = Seen {
+                flagged: if flagged { vec![("kube-system/kcm".into(), vec!["binder"])] } else { vec![] },
+                last_write: last.map(Duration::from_secs),
+            };
+            let now_d = Duration::from_secs(now.max(last.unwrap_or(0)));
+            let active = seen.active(now_d, Duration::from_secs(quiet));
+            let recent = last.is_some_and(|l| now.max(l) - l < quiet);
+            prop_assert_eq!(active, flagged || recent);
+        }
+    }
+}
