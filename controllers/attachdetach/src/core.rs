@@ -7,8 +7,10 @@ use std::time::{Duration, Instant};
 
 use crate::Config;
 use crate::actual::{Actual, Attachment, Op};
+pub use crate::desired::Kind;
 use crate::desired::{Desired, DesiredVolume, PodRef, VolumeSpec};
 use crate::objects::{LOOP_DRIVER, LOOP_SINGLE_NODE_RULE, NodeInfo, attachment_name};
+use crate::translate::is_managed_name;
 
 pub type Nodes = BTreeMap<String, NodeInfo>;
 
@@ -56,17 +58,22 @@ pub enum Action {
         waited: Duration,
     },
     /// Replace the node's `status.volumesAttached` (unique name, device path), sorted by name.
+    /// Entries the controller does not manage are carried over as the node had them; `guard` is
+    /// then the resourceVersion they were read at, so a write never drops one added since.
     UpdateNodeStatus {
         node: String,
         volumes: Vec<(String, String)>,
+        guard: Option<String>,
     },
-    /// Create the VolumeAttachment.
+    /// Attach: create the VolumeAttachment (naming the PV, or with the inline spec), or for
+    /// iSCSI/FC mark the volume attached (their plugins' attach does nothing).
     Attach {
         volume: String,
         node: String,
         va_name: String,
         pv_name: String,
         driver: String,
+        kind: Kind,
     },
     /// The built-in driver's attachment on a node that is gone (or out of service) is being
     /// deleted, and no agent is left there to drop its finalizer: the controller releases it.
@@ -203,6 +210,16 @@ pub fn reconcile(
         if !info.managed && want.is_empty() && !detaching.iter().any(|(_, n)| n == name) {
             continue;
         }
+        // Entries of plugins this controller does not have stay as they are: upstream cannot
+        // detach them either, so it keeps them listed.
+        let mut want = want;
+        let mut foreign = false;
+        for (v, p) in &info.volumes_attached {
+            if !is_managed_name(v) {
+                want.insert(v.as_str(), p.as_str());
+                foreign = true;
+            }
+        }
         let same = want.len() == info.volumes_attached.len()
             && want
                 .iter()
@@ -214,6 +231,7 @@ pub fn reconcile(
                     .into_iter()
                     .map(|(v, p)| (v.to_string(), p.to_string()))
                     .collect(),
+                guard: foreign.then(|| info.resource_version.clone()).flatten(),
             });
         }
     }
@@ -307,6 +325,7 @@ fn attaches<'a>(
             va_name: attachment_name(&want.spec.handle, &want.spec.driver, node),
             pv_name: want.spec.pv_name.clone(),
             driver: want.spec.driver.clone(),
+            kind: want.spec.kind.clone(),
         });
     }
     actions

@@ -12,19 +12,42 @@ use serde::Deserialize;
 use stowage_common::packed::Packed;
 use stowage_common::slim::Pod;
 
-use crate::objects::{PvSpecView, pv_multi_attach_allowed, unique_volume_name};
+use crate::objects::PvSpecView;
+pub use crate::translate::Kind;
+use crate::translate::{Target, inline_target, pv_target};
 use crate::vecmap::VecMap;
 
 /// One attachable volume.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct VolumeSpec {
-    /// Unique volume name (`kubernetes.io/csi/<driver>^<handle>`).
+    /// Unique volume name (`kubernetes.io/csi/<driver>^<handle>`, or `<plugin>/<name>` for
+    /// iSCSI and FC).
     pub name: String,
+    /// The PV; for an inline volume, the name of its translated PV (or the pod volume's name
+    /// for inline iSCSI/FC), which upstream's events show.
     pub pv_name: String,
+    /// CSI driver (translated for migrated in-tree volumes), or the iSCSI/FC plugin.
     pub driver: String,
     pub handle: String,
     /// False for ReadWriteOnce / ReadWriteOncePod-only volumes.
     pub multi_attach: bool,
+    /// How it is attached: a VolumeAttachment naming the PV, one with the inline spec, or only
+    /// a mark in node status (iSCSI, FC).
+    pub kind: Kind,
+}
+
+impl VolumeSpec {
+    /// The desired entry of an attachable `target`.
+    pub fn of(t: Target) -> Self {
+        Self {
+            name: t.unique_name(),
+            pv_name: t.pv_name,
+            driver: t.driver,
+            handle: t.handle,
+            multi_attach: t.multi_attach,
+            kind: t.kind,
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -315,7 +338,30 @@ pub fn resolve_pod(pod: &Pod, lookup: &impl Lookup) -> PodVolumes {
             }),
         }
     }
+    // Inline volumes: migrated in-tree sources (translated to their CSI driver) and inline
+    // iSCSI/FC, as upstream's populator creates their specs from the pod alone.
+    let inline = pod.spec.iter().flat_map(|s| s.volumes.iter().flatten());
+    for v in inline {
+        match inline_target(v, &ns) {
+            Ok(Some(t)) if attachable(&t, lookup) => {
+                let spec = VolumeSpec::of(t);
+                if !out.attachable.iter().any(|s| s.name == spec.name) {
+                    out.attachable.push(spec);
+                }
+            }
+            Ok(_) => {}
+            // Upstream skips such a volume (a debug log), and so does this.
+            Err(e) => {
+                tracing::debug!(pod = %pod.name_any(), volume = %v.name, error = %e, "inline volume does not translate")
+            }
+        }
+    }
     out
+}
+
+/// Needs attaching: iSCSI/FC always, a CSI driver unless its CSIDriver says otherwise.
+fn attachable(t: &Target, lookup: &impl Lookup) -> bool {
+    matches!(t.kind, Kind::InTree) || driver_attachable(lookup.driver(&t.driver).as_deref())
 }
 
 /// The claim's attachable volume, `Ok(None)` for a volume that needs no attaching, or why the
@@ -356,19 +402,19 @@ fn resolve_claim(
             claim_ref_uid.unwrap_or("none")
         ));
     }
-    let Some(csi) = pv.csi.as_ref() else {
-        return Ok(None);
+    // A source that does not translate is skipped, as upstream skips it (logged).
+    let target = match pv_target(&pv_name, &pv) {
+        Ok(Some(t)) => t,
+        Ok(None) => return Ok(None),
+        Err(e) => {
+            tracing::debug!(pv = %pv_name, error = %e, "volume source does not translate to CSI");
+            return Ok(None);
+        }
     };
-    if !driver_attachable(lookup.driver(&csi.driver).as_deref()) {
+    if !attachable(&target, lookup) {
         return Ok(None);
     }
-    Ok(Some(VolumeSpec {
-        name: unique_volume_name(&csi.driver, &csi.volume_handle),
-        pv_name,
-        multi_attach: pv_multi_attach_allowed(&pv),
-        driver: csi.driver.clone(),
-        handle: csi.volume_handle.clone(),
-    }))
+    Ok(Some(VolumeSpec::of(target)))
 }
 
 /// The note of the event on a pod that keeps volumes its claims no longer resolve to: what is
@@ -597,6 +643,7 @@ mod tests {
             driver: "d".into(),
             handle: "h".into(),
             multi_attach: false,
+            kind: Kind::Csi,
         };
         let p = |uid: &str| PodRef {
             namespace: "ns".into(),
@@ -628,6 +675,7 @@ mod tests {
             driver: "d".into(),
             handle: n.into(),
             multi_attach: false,
+            kind: Kind::Csi,
         };
         let p = PodRef {
             namespace: "ns".into(),
@@ -725,6 +773,7 @@ mod tests {
                     driver: format!("d{v}"),
                     handle: format!("h{v}"),
                     multi_attach: false,
+                    kind: Kind::Csi,
                 }).collect();
                 // Driver `d<detachable>` no longer needs attaching (4: all still do).
                 let gone = format!("d{detachable}");
@@ -768,6 +817,7 @@ mod tests {
                         driver: "d".into(),
                         handle: format!("h{v}"),
                         multi_attach: false,
+                        kind: Kind::Csi,
                     }).collect();
                     let r = PodRef { namespace: "ns".into(), name: format!("p{pod}"), uid: uid.clone() };
                     d.set_pod(r, &format!("n{node}"), specs)

@@ -30,7 +30,7 @@ use tokio::sync::{Semaphore, mpsc};
 
 use crate::actual::Op;
 use crate::controller::Controller;
-use crate::core::{Action, ForceReason};
+use crate::core::{Action, ForceReason, Kind};
 use crate::error::Error;
 use crate::metrics::{Metrics, Snapshot};
 use crate::objects::{PvSpecView, pv_finalizer_change};
@@ -111,7 +111,7 @@ pub(crate) struct Executor {
 impl Controller {
     pub(crate) fn apply(&mut self, actions: Vec<Action>, now: Instant) {
         let mut detaches: BTreeMap<String, Vec<DetachJob>> = BTreeMap::new();
-        let mut statuses: BTreeMap<String, Vec<(String, String)>> = BTreeMap::new();
+        let mut statuses: BTreeMap<String, StatusPatch> = BTreeMap::new();
         for a in actions {
             match a {
                 Action::MarkDetachRequested { volume, node } => {
@@ -137,8 +137,8 @@ impl Controller {
                     forced,
                     waited,
                 }),
-                Action::UpdateNodeStatus { node, volumes } => {
-                    statuses.insert(node, volumes);
+                Action::UpdateNodeStatus { node, volumes, guard } => {
+                    statuses.insert(node, StatusPatch { volumes, guard });
                 }
                 Action::Attach {
                     volume,
@@ -146,7 +146,8 @@ impl Controller {
                     va_name,
                     pv_name,
                     driver,
-                } => self.start_attach(volume, node, va_name, pv_name, driver, now),
+                    kind,
+                } => self.start_attach(volume, node, va_name, pv_name, driver, kind, now),
                 Action::ReleaseAttachment {
                     volume,
                     node,
@@ -200,6 +201,7 @@ impl Controller {
         });
     }
 
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn start_attach(
         &mut self,
         volume: String,
@@ -207,6 +209,7 @@ impl Controller {
         va_name: String,
         pv_name: String,
         driver: String,
+        kind: Kind,
         now: Instant,
     ) {
         let Some(handle) = self.desired.get(&volume, &node).map(|d| d.spec.handle.clone()) else {
@@ -219,6 +222,27 @@ impl Controller {
                 .observe(t.elapsed().as_secs_f64());
         }
         let e = self.actual.entry(&volume, &node, &driver, &handle);
+        let inline = match kind {
+            Kind::Csi => None,
+            Kind::Inline(spec) => Some(Box::new(spec.0.clone())),
+            // iSCSI/FC: their plugins' attach does nothing and reports no device path, so the
+            // volume is attached now; the next pass lists it in node status, and the pods hear
+            // of it as upstream tells them.
+            Kind::InTree => {
+                e.reported = Some(String::new());
+                e.succeeded();
+                self.executor
+                    .metrics
+                    .operations
+                    .with_label_values(&["attach", "success"])
+                    .inc();
+                self.pod_events(&volume, &node, false, "SuccessfulAttachVolume", |pv| {
+                    format!("AttachVolume.Attach succeeded for volume \"{pv}\"")
+                });
+                self.touch();
+                return;
+            }
+        };
         e.op = Some(Op::Attach);
         e.attach_started.get_or_insert(now);
         let w = self.executor.clone();
@@ -231,9 +255,10 @@ impl Controller {
             spec: VolumeAttachmentSpec {
                 attacher: driver,
                 node_name: node.clone(),
+                // An inline volume's attachment carries its translated spec instead of a PV.
                 source: VolumeAttachmentSource {
-                    persistent_volume_name: Some(pv_name),
-                    inline_volume_spec: None,
+                    persistent_volume_name: inline.is_none().then_some(pv_name),
+                    inline_volume_spec: inline,
                 },
             },
             status: None,
@@ -415,7 +440,7 @@ impl Controller {
     pub(crate) fn start_node_writes(
         &mut self,
         node: String,
-        patch: Option<Vec<(String, String)>>,
+        patch: Option<StatusPatch>,
         jobs: Vec<DetachJob>,
         now: Instant,
     ) {
@@ -465,7 +490,7 @@ impl Controller {
                     .operation_seconds
                     .with_label_values(&["node_status"])
                     .start_timer();
-                let result = patch_node_status(&w.nodes, &node, &volumes)
+                let result = patch_node_status(&w.nodes, &node, &volumes.volumes, volumes.guard.as_deref())
                     .await
                     .map(Box::new)
                     .map_err(Error::Api);
@@ -531,14 +556,20 @@ impl Controller {
                         .operation_seconds
                         .with_label_values(&["detach"])
                         .start_timer();
-                    let result = match w.vas.delete(&j.va_name, &DeleteParams::default()).await {
-                        // The apiserver may answer with the object as it was when removed at
-                        // once; only one still held by finalizers is still there.
-                        Ok(either) => Ok(either.left().map(Lean::into_inner).filter(|va| {
-                            va.metadata.deletion_timestamp.is_some() && !va.finalizers().is_empty()
-                        })),
-                        Err(e) if stowage_common::errors::is_not_found(&e) => Ok(None),
-                        Err(e) => Err(Error::Api(e)),
+                    // iSCSI/FC have no VolumeAttachment: their plugins' detach does nothing, so
+                    // with the node status written and the live Node checked, it is done.
+                    let result = if !crate::translate::is_csi_name(&j.volume) {
+                        Ok(None)
+                    } else {
+                        match w.vas.delete(&j.va_name, &DeleteParams::default()).await {
+                            // The apiserver may answer with the object as it was when removed at
+                            // once; only one still held by finalizers is still there.
+                            Ok(either) => Ok(either.left().map(Lean::into_inner).filter(|va| {
+                                va.metadata.deletion_timestamp.is_some() && !va.finalizers().is_empty()
+                            })),
+                            Err(e) if stowage_common::errors::is_not_found(&e) => Ok(None),
+                            Err(e) => Err(Error::Api(e)),
+                        }
                     };
                     timer.observe_duration();
                     owed.send(Outcome::Detach {
@@ -624,16 +655,28 @@ pub(crate) fn split_unsafe_detaches(
     (safe, refused)
 }
 
+/// A node's new `status.volumesAttached`, and the resourceVersion it must still have when the
+/// list carries entries of other plugins (they were read there; a newer one may have more).
+#[derive(Debug, Clone)]
+pub(crate) struct StatusPatch {
+    pub(crate) volumes: Vec<(String, String)>,
+    pub(crate) guard: Option<String>,
+}
+
 pub(crate) async fn patch_node_status(
     api: &Api<Node>,
     node: &str,
     volumes: &[(String, String)],
+    guard: Option<&str>,
 ) -> Result<Node, kube::Error> {
     let list: Vec<serde_json::Value> = volumes
         .iter()
         .map(|(name, path)| serde_json::json!({ "name": name, "devicePath": path }))
         .collect();
-    let patch = serde_json::json!({ "status": { "volumesAttached": list } });
+    let mut patch = serde_json::json!({ "status": { "volumesAttached": list } });
+    if let Some(rv) = guard {
+        patch["metadata"] = serde_json::json!({ "resourceVersion": rv });
+    }
     api.patch_status(node, &PatchParams::default(), &Patch::Merge(&patch))
         .await
 }

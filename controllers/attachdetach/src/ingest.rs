@@ -18,11 +18,12 @@ use stowage_common::slim::Pod;
 use crate::actual::Actual;
 use crate::controller::Controller;
 use crate::core::pass_unaffected;
-use crate::desired::{Lookup, PodRef, driver_attachable, kept_note, resolve_pod};
+use crate::desired::{Kind, Lookup, PodRef, driver_attachable, kept_note, resolve_pod};
 use crate::objects::{
     NodeInfo, PvSpecView, VaState, pod_claims, pod_is_active, pod_node, pv_finalizer_change,
     split_unique_volume_name, unique_volume_name,
 };
+use crate::translate::{is_csi_name, pv_target, split_in_tree_name};
 
 /// Resolves pod volumes through the shared stores.
 pub(crate) struct Stores<'a>(&'a Informers);
@@ -62,8 +63,11 @@ impl Controller {
         for node in self.cluster.nodes.store().state() {
             let info = NodeInfo::of(&node);
             let name = node.name_any();
+            // CSI, iSCSI and FC entries become attachments; any other entry (a plugin this
+            // controller does not have) is left to the node status as it is.
             for (volume, path) in &info.volumes_attached {
-                if let Some((driver, handle)) = split_unique_volume_name(volume) {
+                let parts = split_unique_volume_name(volume).or_else(|| split_in_tree_name(volume));
+                if let Some((driver, handle)) = parts {
                     self.actual.entry(volume, &name, driver, handle).reported = Some(path.clone());
                 }
             }
@@ -116,11 +120,13 @@ impl Controller {
             self.va_applied(va);
         }
         let now = Instant::now();
-        for ((_, _), a) in self.actual.iter_mut() {
+        for ((volume, _), a) in self.actual.iter_mut() {
             if a.va.as_ref().is_some_and(|v| !names.contains(&v.name)) {
                 a.va = None;
             }
-            if verify && a.va.is_none() && a.op.is_none() {
+            // iSCSI/FC attachments have no VolumeAttachment to confirm them; their plugins
+            // report every volume attached, as upstream's verify does.
+            if verify && a.va.is_none() && a.op.is_none() && is_csi_name(volume) {
                 a.reported = None;
             }
         }
@@ -348,13 +354,22 @@ impl Controller {
         );
     }
 
-    /// (volume, node, driver, handle) of an attachment, through its PV.
+    /// (volume, node, driver, handle) of an attachment, through its PV (translated when it is a
+    /// migrated in-tree volume) or its inline spec.
     pub(crate) fn resolve_va(
         &mut self,
         va: &VolumeAttachment,
         remember: bool,
     ) -> Option<(String, String, String, String)> {
-        // Inline (migrated) volumes are not handled by this controller.
+        if let Some(spec) = va.spec.source.inline_volume_spec.as_deref() {
+            let csi = spec.csi.as_ref()?;
+            return Some((
+                unique_volume_name(&csi.driver, &csi.volume_handle),
+                va.spec.node_name.clone(),
+                csi.driver.clone(),
+                csi.volume_handle.clone(),
+            ));
+        }
         let pv_name = va.spec.source.persistent_volume_name.as_deref()?;
         let pv = self
             .cluster
@@ -362,7 +377,8 @@ impl Controller {
             .store()
             .get(&ObjectRef::new(pv_name))
             .and_then(|p| PvSpecView::of(&p));
-        let Some(csi) = pv.and_then(|p| p.csi) else {
+        let target = pv.and_then(|p| pv_target(pv_name, &p).ok().flatten());
+        let Some(csi) = target.filter(|t| !matches!(t.kind, Kind::InTree)) else {
             // Left alone until its volume shows up, as upstream skips it.
             if remember {
                 self.unresolved
@@ -373,10 +389,10 @@ impl Controller {
             return None;
         };
         Some((
-            unique_volume_name(&csi.driver, &csi.volume_handle),
+            unique_volume_name(&csi.driver, &csi.handle),
             va.spec.node_name.clone(),
             csi.driver,
-            csi.volume_handle,
+            csi.handle,
         ))
     }
 

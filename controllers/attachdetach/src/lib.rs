@@ -1,4 +1,5 @@
-//! The attach/detach controller: upstream's attachdetach-controller behaviour for CSI volumes.
+//! The attach/detach controller: upstream's attachdetach-controller behaviour for CSI volumes,
+//! migrated in-tree volumes (translated to their CSI drivers) and iSCSI/FC.
 //!
 //! Files, in the order a newcomer reads them: `core` (the pure pass: desired, actual and nodes
 //! in, actions out), `desired` and `actual` (the two states, pure), `controller` (`Controller`,
@@ -16,6 +17,7 @@ pub mod ingest;
 pub mod metrics;
 pub mod objects;
 pub mod results;
+pub mod translate;
 pub mod vecmap;
 
 use std::time::Duration;

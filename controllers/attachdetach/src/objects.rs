@@ -3,7 +3,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use k8s_openapi::api::core::v1::{Node, PersistentVolume};
+use k8s_openapi::api::core::v1::{self as v1, Node, PersistentVolume};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::ResourceExt;
 use serde::Deserialize;
@@ -76,13 +76,29 @@ pub const LOOP_SINGLE_NODE_RULE: &str = "loop.stowage.dev volumes that are not R
 /// What attach/detach reads of a PV's spec. Pod and attachment events each read their volume,
 /// and this view decodes only these fields from the stored JSON (`PvSpecView::of`) instead of
 /// building the whole `PersistentVolume` and cloning its metadata.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct PvSpecView {
     #[serde(default)]
     pub access_modes: Vec<String>,
     pub claim_ref: Option<RefView>,
     pub csi: Option<CsiView>,
+    // In-tree sources (translated to CSI, or iSCSI/FC attached in-tree); boxed, as they are rare.
+    pub aws_elastic_block_store: Option<Box<v1::AWSElasticBlockStoreVolumeSource>>,
+    pub gce_persistent_disk: Option<Box<v1::GCEPersistentDiskVolumeSource>>,
+    pub azure_disk: Option<Box<v1::AzureDiskVolumeSource>>,
+    pub azure_file: Option<Box<v1::AzureFilePersistentVolumeSource>>,
+    pub cinder: Option<Box<v1::CinderPersistentVolumeSource>>,
+    pub vsphere_volume: Option<Box<v1::VsphereVirtualDiskVolumeSource>>,
+    pub portworx_volume: Option<Box<v1::PortworxVolumeSource>>,
+    pub iscsi: Option<Box<v1::ISCSIPersistentVolumeSource>>,
+    pub fc: Option<Box<v1::FCVolumeSource>>,
+    /// The PV's labels and annotations (GCE PD's zones, Azure File's resource group feed the
+    /// translated handle); read from metadata, not the spec.
+    #[serde(skip)]
+    pub labels: BTreeMap<String, String>,
+    #[serde(skip)]
+    pub annotations: BTreeMap<String, String>,
 }
 
 /// The claim a volume is bound to.
@@ -112,7 +128,17 @@ impl PvSpecView {
             spec: Option<PvSpecView>,
         }
         match pv.view::<Wire>() {
-            Ok(w) => Some(w.spec.unwrap_or_default()),
+            Ok(w) => {
+                let mut spec = w.spec.unwrap_or_default();
+                // Only the in-tree sources that read them copy them (from the decoded metadata).
+                if spec.gce_persistent_disk.is_some() {
+                    spec.labels = pv.metadata.labels.clone().unwrap_or_default();
+                }
+                if spec.azure_file.is_some() {
+                    spec.annotations = pv.metadata.annotations.clone().unwrap_or_default();
+                }
+                Some(spec)
+            }
             Err(e) => {
                 tracing::error!(pv = ?pv.metadata.name, error = %e, "stored volume does not read back");
                 None
@@ -351,6 +377,7 @@ mod access_mode_tests {
                     driver: "nfs.csi.example".into(),
                     volume_handle: "h".into()
                 }),
+                ..Default::default()
             }
         );
         assert_eq!(view(&PersistentVolume::default()), PvSpecView::default());

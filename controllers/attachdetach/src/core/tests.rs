@@ -19,6 +19,7 @@ fn spec(v: &str, multi: bool) -> VolumeSpec {
         driver: "d".into(),
         handle: v.into(),
         multi_attach: multi,
+        kind: Kind::Csi,
     }
 }
 
@@ -100,6 +101,7 @@ fn wanted_volume_gets_an_attachment_named_as_upstream() {
             va_name: attachment_name("v", "d", "n1"),
             pv_name: "pv-v".into(),
             driver: "d".into(),
+            kind: Kind::Csi,
         }]
     );
 }
@@ -147,7 +149,8 @@ fn unwanted_and_unmounted_is_detached_after_the_node_stops_reporting_it() {
             },
             Action::UpdateNodeStatus {
                 node: "n1".into(),
-                volumes: vec![]
+                volumes: vec![],
+                guard: None
             },
         ]
     );
@@ -417,7 +420,8 @@ fn node_status_lists_confirmed_attachments_with_device_paths() {
         actions,
         vec![Action::UpdateNodeStatus {
             node: "n1".into(),
-            volumes: vec![(vname("v"), "/dev/v".into())]
+            volumes: vec![(vname("v"), "/dev/v".into())],
+            guard: None
         }]
     );
     // Already so: nothing to write.
@@ -707,7 +711,7 @@ proptest! {
         let (d, a, nodes, config) = build(&w, t0);
         let actions = reconcile(&d, &a, &nodes, t0, &config);
         for act in &actions {
-            let Action::UpdateNodeStatus { node, volumes } = act else { continue };
+            let Action::UpdateNodeStatus { node, volumes, .. } = act else { continue };
             for (volume, detach_node, _) in detaches(&actions) {
                 prop_assert!(detach_node != node || volumes.iter().all(|(v, _)| v != volume));
             }
@@ -825,4 +829,131 @@ fn only_a_calm_wanted_entry_skips_the_pass() {
         !pass_unaffected(&Attachment::default(), &created, true),
         "a new entry"
     );
+}
+
+/// Entries of plugins the controller does not have (here an old in-tree EBS name and a flex
+/// volume's) are written back as the node had them, guarded by the resourceVersion they were
+/// read at; before, a status write replaced the list and dropped them.
+#[test]
+fn entries_of_other_plugins_stay_in_node_status() {
+    let mut d = Desired::default();
+    d.set_pod(pod(NS, "p"), "n1", vec![spec("v", false)]);
+    let mut a = Actual::default();
+    attach(&mut a, "v", "n1");
+    let mut n = node(true);
+    n.resource_version = Some("42".into());
+    n.volumes_attached.insert(
+        "kubernetes.io/aws-ebs/aws://zone/vol-1".into(),
+        "/dev/xvdf".into(),
+    );
+    n.volumes_attached
+        .insert("flexvolume-example/foo/bar".into(), String::new());
+    let nodes = Nodes::from([("n1".to_string(), n.clone())]);
+    let actions = reconcile(&d, &a, &nodes, Instant::now(), &cfg());
+    assert_eq!(
+        actions,
+        vec![Action::UpdateNodeStatus {
+            node: "n1".into(),
+            volumes: vec![
+                ("flexvolume-example/foo/bar".into(), String::new()),
+                (
+                    "kubernetes.io/aws-ebs/aws://zone/vol-1".into(),
+                    "/dev/xvdf".into()
+                ),
+                (vname("v"), "/dev/v".into()),
+            ],
+            guard: Some("42".into()),
+        }]
+    );
+    // Once written, nothing more to do; and they stay however the managed ones change.
+    let mut n2 = n.clone();
+    n2.volumes_attached.insert(vname("v"), "/dev/v".into());
+    let nodes = Nodes::from([("n1".to_string(), n2)]);
+    assert!(reconcile(&d, &a, &nodes, Instant::now(), &cfg()).is_empty());
+    let nodes = Nodes::from([("n1".to_string(), n)]);
+    let actions = reconcile(
+        &Desired::default(),
+        &Actual::default(),
+        &nodes,
+        Instant::now(),
+        &cfg(),
+    );
+    assert!(actions.is_empty(), "{actions:?}");
+}
+
+/// iSCSI and FC volumes are attached by the same rules, without a VolumeAttachment: the
+/// action says so, and their detach waits for the node to stop using them like any other.
+#[test]
+fn in_tree_volumes_attach_and_detach_by_the_same_rules() {
+    let iscsi = VolumeSpec {
+        name: "kubernetes.io/iscsi/10.0.0.1:3260:iqn.2001-04.com.example:t:0".into(),
+        pv_name: "pv-iscsi".into(),
+        driver: "kubernetes.io/iscsi".into(),
+        handle: "10.0.0.1:3260:iqn.2001-04.com.example:t:0".into(),
+        multi_attach: false,
+        kind: Kind::InTree,
+    };
+    let mut d = Desired::default();
+    d.set_pod(pod(NS, "p"), "n1", vec![iscsi.clone()]);
+    let nodes = Nodes::from([("n1".to_string(), node(true))]);
+    let actions = reconcile(&d, &Actual::default(), &nodes, Instant::now(), &cfg());
+    assert!(
+        matches!(&actions[..], [Action::Attach { kind: Kind::InTree, volume, .. }] if *volume == iscsi.name)
+    );
+    // Marked attached: listed with an empty device path.
+    let mut a = Actual::default();
+    a.entry(&iscsi.name, "n1", &iscsi.driver, &iscsi.handle).reported = Some(String::new());
+    let actions = reconcile(&d, &a, &nodes, Instant::now(), &cfg());
+    assert!(
+        matches!(&actions[..], [Action::UpdateNodeStatus { volumes, .. }] if *volumes == vec![(iscsi.name.clone(), String::new())])
+    );
+    // Not wanted, still in use on a Ready node: waits.
+    let mut n = node(true);
+    n.in_use.insert(iscsi.name.clone());
+    n.volumes_attached.insert(iscsi.name.clone(), String::new());
+    a.get_mut(&iscsi.name, "n1").unwrap().detach_requested = Some(Instant::now());
+    let nodes = Nodes::from([("n1".to_string(), n.clone())]);
+    let actions = reconcile(&Desired::default(), &a, &nodes, Instant::now(), &cfg());
+    assert!(
+        matches!(&actions[..], [Action::WaitForUnmount { .. }]),
+        "{actions:?}"
+    );
+    // No longer in use: leaves node status in the pass that detaches it.
+    n.in_use.clear();
+    let nodes = Nodes::from([("n1".to_string(), n)]);
+    let actions = reconcile(&Desired::default(), &a, &nodes, Instant::now(), &cfg());
+    assert_eq!(detaches(&actions), vec![(iscsi.name.as_str(), "n1", None)]);
+    assert!(
+        actions
+            .iter()
+            .any(|x| matches!(x, Action::UpdateNodeStatus { volumes, .. } if volumes.is_empty()))
+    );
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(1000))]
+
+    /// Whatever the pass decides, every node status it writes keeps every entry the
+    /// controller does not manage, with its device path, guarded by the version it was read at.
+    #[test]
+    fn entries_the_controller_does_not_manage_are_never_dropped(
+        w in world(),
+        foreign in proptest::collection::btree_map("(kubernetes\\.io/(aws-ebs|rbd|iscsi|fc|csi)|[a-z]{1,6})/[a-z0-9^]{0,6}", "[a-z/]{0,4}", 0..4),
+    ) {
+        let t0 = Instant::now() + Duration::from_secs(10_000);
+        let (d, a, mut nodes, config) = build(&w, t0);
+        for (i, n) in nodes.values_mut().enumerate() {
+            n.resource_version = Some(format!("{i}"));
+            n.volumes_attached.extend(foreign.clone());
+        }
+        for act in reconcile(&d, &a, &nodes, t0, &config) {
+            let Action::UpdateNodeStatus { node, volumes, guard } = act else { continue };
+            let n = &nodes[&node];
+            let kept: Vec<(&String, &String)> = n.volumes_attached.iter().filter(|(v, _)| !is_managed_name(v)).collect();
+            for (v, p) in &kept {
+                prop_assert!(volumes.iter().any(|(x, y)| x == *v && y == *p), "dropped {}", v);
+            }
+            prop_assert_eq!(guard.is_some(), !kept.is_empty());
+        }
+    }
 }
