@@ -74,6 +74,11 @@ impl Layout {
     pub fn pod_mount(&self, uid: &str, pv: &str) -> PathBuf {
         self.pod_volume_dir(uid, pv).join("mount")
     }
+    /// This node's record of an offline repair of `pv` while its tools run
+    /// (`<root>/plugins/<driver>/repairs/<pv>`; not a mount point, never parsed back).
+    pub fn repair_record(&self, pv: &str) -> PathBuf {
+        stowage_loopdriver::fence::record_path(&self.root.join("plugins").join(DRIVER), pv)
+    }
     pub fn pod_device(&self, uid: &str, pv: &str) -> PathBuf {
         self.pods_dir()
             .join(uid)

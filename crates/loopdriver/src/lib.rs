@@ -4,6 +4,7 @@
 //! that let a kubelet, csi-sanity or the upstream sidecars drive it over gRPC.
 
 pub mod csi;
+pub mod fence;
 pub mod image;
 pub mod mountinfo;
 pub mod sys;

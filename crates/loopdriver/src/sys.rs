@@ -33,6 +33,9 @@ pub enum SysError {
     },
     #[error("{0}")]
     Io(String),
+    /// Refused by multi-mount protection (`fence`): the file system is in use elsewhere.
+    #[error("{0}")]
+    Fenced(String),
 }
 
 pub type Result<T, E = SysError> = std::result::Result<T, E>;
@@ -305,8 +308,13 @@ pub fn decide_probe(code: Option<i32>, stdout: &str, stderr: &str) -> Result<Pro
 }
 
 pub async fn mkfs_ext4(dev: &str) -> Result<()> {
-    // -m 0: these are data volumes, reserving blocks for root only hides capacity.
-    run("mkfs.ext4", &["-q", "-F", "-m", "0", dev]).await.map(|_| ())
+    // -m 0: these are data volumes, reserving blocks for root only hides capacity. MMP: a second
+    // kernel (or loop device) cannot mount it read-write while it is mounted (`fence`).
+    let mmp = crate::fence::mkfs_options();
+    let mut args = vec!["-q", "-F", "-m", "0"];
+    args.extend(mmp.iter().map(String::as_str));
+    args.push(dev);
+    run("mkfs.ext4", &args).await.map(|_| ())
 }
 
 pub async fn mount_device(dev: &str, target: &Path, read_only: bool) -> Result<()> {
@@ -321,7 +329,12 @@ pub async fn mount_device_with(dev: &str, target: &Path, read_only: bool, flags:
         opts.push(',');
         opts.push_str(f);
     }
-    run("mount", &["-o", &opts, dev, s(target)]).await.map(|_| ())
+    match run("mount", &["-o", &opts, dev, s(target)]).await {
+        Ok(_) => Ok(()),
+        // Only a read-write mount goes through MMP.
+        Err(e) if !read_only => Err(crate::fence::explain_mount_failure(dev, e).await),
+        Err(e) => Err(e),
+    }
 }
 
 pub async fn bind_mount(src: &Path, target: &Path, read_only: bool) -> Result<()> {

@@ -2,7 +2,7 @@
 //! of its own with what the pass that started it saw.
 
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::ObjectReference;
@@ -16,6 +16,7 @@ use crate::mountinfo::{self, DevNo};
 use crate::probe::Health;
 use crate::state::{Attachment, DesiredVolume, Mounted, PodInfo};
 use crate::sys;
+use stowage_loopdriver::fence;
 
 /// One operation with everything it needs from the pass that started it.
 pub(crate) struct Executor {
@@ -222,6 +223,8 @@ impl Executor {
                     may_format,
                     grow,
                     lazy,
+                    image: image.clone(),
+                    repair_record: layout.repair_record(&dv.pv),
                 },
             )
             .await;
@@ -534,6 +537,10 @@ pub(crate) struct MountMode {
     pub(crate) grow: bool,
     /// A mount already there was judged broken: it may be detached lazily.
     pub(crate) lazy: bool,
+    /// The volume's image (multi-mount protection looks for other loop devices of it).
+    pub(crate) image: PathBuf,
+    /// This node's record of an offline repair of the volume while it runs (`fence::repair`).
+    pub(crate) repair_record: PathBuf,
 }
 
 /// Mounts the device at the global path, formatting it first only when it holds nothing at all
@@ -559,7 +566,7 @@ pub(crate) async fn mount_global(
         // it first.
         sys::unmount(global, mode.lazy).await.map_err(step(s))?;
     }
-    match sys::probe(device).await.map_err(step(s))? {
+    let ext = match sys::probe(device).await.map_err(step(s))? {
         sys::Probe::Blank if !mode.may_format => {
             return Err(StepError {
                 step: s,
@@ -572,23 +579,34 @@ pub(crate) async fn mount_global(
         sys::Probe::Blank => {
             tracing::info!(device, "no file system found, formatting ext4");
             sys::mkfs_ext4(device).await.map_err(step(s))?;
+            true
         }
         sys::Probe::Found(kind) => {
             tracing::debug!(device, kind, "file system found, not formatting");
-            if mode.grow && kind.starts_with("ext") {
-                let s = "NodeExpandVolume";
-                sys::loop_refresh(device).await.map_err(step(s))?;
-                sys::fsck_ext_to_end("e2fsck", device).await.map_err(step(s))?;
-                sys::resize2fs_to_end("resize2fs", device)
-                    .await
-                    .map_err(step(s))?;
-                tracing::info!(device, "file system grown before mounting");
-                sys::mount_device(device, global, read_only)
-                    .await
-                    .map_err(step("MountDevice"))?;
-                return Ok(true);
-            }
+            kind.starts_with("ext")
         }
+    };
+    // Multi-mount protection before a read-write mount, and before an offline repair (which
+    // would otherwise wait on a "fsck" number its own stopped predecessor left). A read-only
+    // mount never touches it.
+    let ready = if read_only || !ext {
+        fence::Ready::Mount
+    } else {
+        fence::ready_for_write(device, &mode.image, &mode.repair_record)
+            .await
+            .map_err(step(s))?
+    };
+    if (mode.grow || ready == fence::Ready::RepairFirst) && !read_only && ext {
+        let s = "NodeExpandVolume";
+        sys::loop_refresh(device).await.map_err(step(s))?;
+        fence::repair("e2fsck", "resize2fs", device, &mode.repair_record)
+            .await
+            .map_err(|(_, e)| step(s)(e))?;
+        tracing::info!(device, "file system checked and grown before mounting");
+        sys::mount_device(device, global, read_only)
+            .await
+            .map_err(step("MountDevice"))?;
+        return Ok(mode.grow);
     }
     sys::mount_device(device, global, read_only)
         .await

@@ -75,6 +75,9 @@ pub(crate) fn required<'a>(value: &'a str, what: &str) -> Result<&'a str, Status
 pub(crate) fn sys_status(what: &str, e: crate::sys::SysError) -> Status {
     match e {
         crate::sys::SysError::Timeout { .. } => Status::unavailable(format!("{what}: {e}")),
+        // The mount did not happen and will not until the other user is gone: a final error
+        // (the kubelet keeps no uncertain mount), retried as the CO retries any stage.
+        crate::sys::SysError::Fenced(_) => Status::failed_precondition(format!("{what}: {e}")),
         e => Status::internal(format!("{what}: {e}")),
     }
 }

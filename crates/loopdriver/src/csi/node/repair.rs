@@ -8,6 +8,7 @@
 //! stage finds it still running (Aborted, the CO retries) or finished, and takes its result.
 
 use std::collections::HashMap;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -15,7 +16,7 @@ use tokio::sync::watch;
 use tonic::Status;
 
 use crate::csi::{VolumeGuard, sys_status};
-use crate::sys;
+use crate::fence;
 
 /// How long the stage that starts a repair waits for it before answering Aborted. Only the
 /// waiting stops then; the repair goes on.
@@ -124,7 +125,15 @@ impl OfflineRepairs {
 
     /// Starts the repair of `device`, which holds `guard` (the volume's operation lock) until it
     /// ends, then waits for it up to the configured time.
-    pub async fn run(&self, id: &str, device: &str, guard: Arc<VolumeGuard>) -> Result<(), Status> {
+    /// `record`: where the repair keeps this node's record of it while its tools run
+    /// (`fence::repair`).
+    pub async fn run(
+        &self,
+        id: &str,
+        device: &str,
+        record: PathBuf,
+        guard: Arc<VolumeGuard>,
+    ) -> Result<(), Status> {
         let (tx, rx) = watch::channel(None);
         self.lock().insert(
             id.to_string(),
@@ -137,7 +146,7 @@ impl OfflineRepairs {
         let (volume, dev) = (id.to_string(), device.to_string());
         // Spawned, not awaited here: dropping the RPC must not drop (kill) the repair.
         tokio::spawn(async move {
-            let result = repair(&tools, &dev).await;
+            let result = repair(&tools, &dev, &record).await;
             match &result {
                 Ok(()) => tracing::info!(volume, device = dev, "offline check and resize done"),
                 Err(e) => {
@@ -167,20 +176,16 @@ impl OfflineRepairs {
     }
 }
 
-async fn repair(tools: &RepairTools, dev: &str) -> Result<(), Status> {
-    sys::fsck_ext_to_end(&tools.e2fsck, dev)
+async fn repair(tools: &RepairTools, dev: &str, record: &Path) -> Result<(), Status> {
+    fence::repair(&tools.e2fsck, &tools.resize2fs, dev, record)
         .await
-        .map_err(|e| sys_status("e2fsck", e))?;
-    sys::resize2fs_to_end(&tools.resize2fs, dev)
-        .await
-        .map_err(|e| sys_status("resize2fs", e))
+        .map_err(|(step, e)| sys_status(step, e))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::csi::VolumeLocks;
-    use std::path::Path;
     use tonic::Code;
 
     /// A program that waits for `release` to exist, then exits with the code in `release`.
@@ -220,7 +225,8 @@ mod tests {
         // The caller is dropped while it waits (an RPC cancelled).
         let call = tokio::spawn({
             let repairs = repairs.clone();
-            async move { repairs.run("v", "/dev/fake", guard).await }
+            let record = dir.path().join("record");
+            async move { repairs.run("v", "/dev/fake", record, guard).await }
         });
         while repairs.busy("v").is_none() {
             tokio::time::sleep(Duration::from_millis(10)).await;
@@ -263,7 +269,10 @@ mod tests {
         let repairs = OfflineRepairs::new(tools, Duration::from_millis(50));
         let locks = VolumeLocks::default();
         let guard = Arc::new(locks.try_lock("v").unwrap());
-        let e = repairs.run("v", "/dev/fake", guard).await.unwrap_err();
+        let e = repairs
+            .run("v", "/dev/fake", dir.path().join("record"), guard)
+            .await
+            .unwrap_err();
         assert_eq!(e.code(), Code::Aborted, "{e:?}");
         assert!(e.message().contains("in progress"), "{e:?}");
         assert!(repairs.busy("v").is_some());
@@ -282,7 +291,10 @@ mod tests {
         // Taken: the next one starts afresh (and now succeeds).
         let guard = Arc::new(locks.try_lock("v").unwrap());
         release(dir.path(), "fsck", 0);
-        if let Err(e) = repairs.run("v", "/dev/fake", guard).await {
+        if let Err(e) = repairs
+            .run("v", "/dev/fake", dir.path().join("record"), guard)
+            .await
+        {
             // A slow machine: 50 ms may not be enough for two processes.
             assert_eq!(e.code(), Code::Aborted, "{e:?}");
             repairs.wait_all().await;

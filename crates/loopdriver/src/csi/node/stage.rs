@@ -1,6 +1,6 @@
 //! NodeStageVolume and NodeUnstageVolume: the device (taken from the attacher or attached here),
-//! its file system (formatted only when blank and writable, grown offline when the image grew),
-//! and the staging mount.
+//! its file system (formatted only when blank and writable, with multi-mount protection turned on
+//! before a read-write mount, grown offline when the image grew), and the staging mount.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -14,6 +14,7 @@ use crate::PUBLISH_DEVICE_KEY;
 use crate::csi::caps::{self, Access};
 use crate::csi::v1::{NodeStageVolumeRequest, NodeUnstageVolumeRequest};
 use crate::csi::{VolumeGuard, required, sys_status};
+use crate::fence;
 use crate::sys::{self, Probe};
 
 impl NodeService {
@@ -96,11 +97,24 @@ impl NodeService {
     /// The check and resize run in a task of their own that holds `guard` until they end
     /// (`repair.rs`): a cancelled stage never kills them halfway. This stage waits for them a
     /// while; a later one takes their result.
-    async fn grow_offline(&self, id: &str, dev: &str, guard: &Arc<VolumeGuard>) -> Result<(), Status> {
+    ///
+    /// `force`: check (and grow, if need be) even when the sizes match, because a repair of this
+    /// node was stopped halfway (`fence::Ready::RepairFirst`).
+    async fn grow_offline(
+        &self,
+        id: &str,
+        dev: &str,
+        force: bool,
+        guard: &Arc<VolumeGuard>,
+    ) -> Result<(), Status> {
         // A repair an earlier (cancelled or impatient) stage left has ended: its failure is this
         // stage's answer, as if it had run here; after a success the sizes below match.
         if let Some(result) = self.repairs.take_finished(id) {
             result?;
+        }
+        let record = fence::record_path(&self.state_dir, id);
+        if force {
+            return self.repairs.run(id, dev, record, guard.clone()).await;
         }
         let Some(devno) = sys::rdev(Path::new(dev)).await else {
             return Ok(());
@@ -115,7 +129,7 @@ impl NodeService {
             return Ok(());
         }
         tracing::info!(volume = %id, device = %dev, from = fs, to = device, "growing the file system before mounting");
-        self.repairs.run(id, dev, guard.clone()).await
+        self.repairs.run(id, dev, record, guard.clone()).await
     }
 
     pub(super) async fn stage(&self, req: NodeStageVolumeRequest) -> Result<(), Status> {
@@ -160,7 +174,15 @@ impl NodeService {
         }
         self.ensure_fs(id, &staged.device, read_only).await?;
         if !read_only {
-            self.grow_offline(id, &staged.device, &guard).await?;
+            // MMP before the mount (and before an offline repair, which would otherwise wait on
+            // a "fsck" number its own stopped predecessor left). A read-only mount never
+            // touches the MMP block and never turns it on.
+            let ready =
+                fence::ready_for_write(&staged.device, &image, &fence::record_path(&self.state_dir, id))
+                    .await
+                    .map_err(|e| sys_status("multi-mount protection", e))?;
+            let force = ready == fence::Ready::RepairFirst;
+            self.grow_offline(id, &staged.device, force, &guard).await?;
         }
         tokio::fs::create_dir_all(&staging)
             .await
