@@ -1,17 +1,20 @@
 //! A second storage controller beside stowage, on the real apiserver: a kube-controller-manager
 //! pod whose flags turn the binder on is reported and, with `--on-conflict=pause`, stops
 //! stowage's binder; the real kube-controller-manager's binds are then seen as rival writes
-//! (Event, metric); once both are gone, stowage's binder starts again and binds.
+//! (Event, metric); once both are gone, stowage's binder starts again and binds. The same for
+//! attach/detach: kube-controller-manager's VolumeAttachment is reported, and stowage, resumed,
+//! reports the attachment it then finds in the Node's status.
 
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod, ServiceAccount};
+use k8s_openapi::api::core::v1::{Node, PersistentVolume, PersistentVolumeClaim, Pod, ServiceAccount};
 use k8s_openapi::api::events::v1::Event;
-use kube::Api;
-use kube::api::{DeleteParams, ListParams, PostParams};
+use k8s_openapi::api::storage::v1::VolumeAttachment;
+use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::{Api, ResourceExt};
 use serde_json::json;
 use stowage_testkit::binary::Running;
-use stowage_testkit::builders::{pv, pvc};
+use stowage_testkit::builders::{node, pod, pv, pvc};
 use stowage_testkit::{ControlPlane, eventually};
 
 const LIMIT: Duration = Duration::from_secs(90);
@@ -63,17 +66,9 @@ fn claim_ref_managers(pv: &PersistentVolume) -> Vec<String> {
         .collect()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_rival_binder_is_reported_and_pauses_stowage_until_it_is_gone() {
-    let cp = tokio::task::spawn_blocking(ControlPlane::start)
-        .await
-        .unwrap()
-        .unwrap();
-    let client = cp.client().await;
-    let images = tempfile::tempdir().unwrap();
-
-    // kubeadm's static pod, as the apiserver shows it: the binder left on by its flags. It never
-    // runs (no such node); what it says is the evidence.
+/// kubeadm's static kube-controller-manager pod as the apiserver shows it, with `controllers` as
+/// its `--controllers`. It never runs (no such node); what it says is the evidence.
+async fn kcm_pod(client: &kube::Client, controllers: &str) -> Api<Pod> {
     let sas: Api<ServiceAccount> = Api::namespaced(client.clone(), "kube-system");
     let _ = sas
         .create(
@@ -91,43 +86,52 @@ async fn a_rival_binder_is_reported_and_pauses_stowage_until_it_is_gone() {
                 "name": "kube-controller-manager",
                 "image": "registry.k8s.io/kube-controller-manager:v1.36.3",
                 "command": ["kube-controller-manager", "--kubeconfig=/etc/kubernetes/controller-manager.conf",
-                            "--controllers=*,bootstrapsigner,tokencleaner,-persistentvolume-attach-detach-controller"]
+                            format!("--controllers={controllers}")]
             }]
         }
     }))
     .unwrap();
     pods.create(&PostParams::default(), &kcm_pod).await.unwrap();
+    pods
+}
 
-    let stowage = Running::start(
+/// stowage-controller running `controllers`, paused on a conflict, quiet after 5 s.
+fn stowage(cp: &ControlPlane, controllers: &str, images: &std::path::Path) -> Running {
+    Running::start(
         std::path::Path::new(env!("CARGO_BIN_EXE_stowage-controller")),
         &[
             format!("--kubeconfig={}", cp.kubeconfig().display()),
-            "--controllers=binder".into(),
+            format!("--controllers={controllers}"),
             "--leader-elect=false".into(),
             "--on-conflict=pause".into(),
             "--conflict-quiet-period=5s".into(),
-            format!("--image-dir={}", images.path().display()),
+            format!("--image-dir={}", images.display()),
         ],
         cp.dir(),
         "stowage-conflict",
     )
-    .unwrap();
+    .unwrap()
+}
 
-    // The flags are caught before anything is written, and the binder stops.
-    until_gauge(&stowage, "stowage_conflict", &[("source", "flags")], |v| v == 1.0).await;
-    until_gauge(&stowage, "stowage_controllers_paused", &[], |v| v == 1.0).await;
+/// The flags are caught before anything is written: the pod gets an Event naming the flag entry
+/// that turns `kcm_name` off, and the controllers stop.
+async fn paused_by_flags(client: &kube::Client, stowage: &Running, kcm_name: &str) {
+    until_gauge(stowage, "stowage_conflict", &[("source", "flags")], |v| v == 1.0).await;
+    until_gauge(stowage, "stowage_controllers_paused", &[], |v| v == 1.0).await;
     eventually(LIMIT, || async {
-        let evs = conflict_events(&client, "kube-system", "Pod").await;
+        let evs = conflict_events(client, "kube-system", "Pod").await;
         match evs.first().and_then(|e| e.note.clone()) {
-            Some(note) if note.contains("-persistentvolume-binder-controller") => Ok(()),
+            Some(note) if note.contains(&format!("-{kcm_name}")) => Ok(()),
             other => Err(format!(
                 "no ConflictingController event on the pod yet: {other:?}"
             )),
         }
     })
     .await;
+}
 
-    // The real kube-controller-manager binds a pair while stowage's binder is paused.
+/// The real kube-controller-manager with only `controller` on.
+fn real_kcm(cp: &ControlPlane, controller: &str) -> Guard {
     let kcm =
         std::process::Command::new(stowage_testkit::controlplane::bin_dir().join("kube-controller-manager"))
             .args([
@@ -135,14 +139,34 @@ async fn a_rival_binder_is_reported_and_pauses_stowage_until_it_is_gone() {
                 "--leader-elect=false".into(),
                 "--use-service-account-credentials=false".into(),
                 "--secure-port=0".into(),
-                "--controllers=persistentvolume-binder-controller".into(),
+                format!("--controllers={controller}"),
                 "--pvclaimbinder-sync-period=1s".into(),
             ])
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())
             .spawn()
             .expect("kube-controller-manager starts");
-    let mut kcm = scopeguard(kcm);
+    Guard(kcm)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rival_binder_is_reported_and_pauses_stowage_until_it_is_gone() {
+    let cp = tokio::task::spawn_blocking(ControlPlane::start)
+        .await
+        .unwrap()
+        .unwrap();
+    let client = cp.client().await;
+    let images = tempfile::tempdir().unwrap();
+    let pods = kcm_pod(
+        &client,
+        "*,bootstrapsigner,tokencleaner,-persistentvolume-attach-detach-controller",
+    )
+    .await;
+    let stowage = stowage(&cp, "binder", images.path());
+    paused_by_flags(&client, &stowage, "persistentvolume-binder-controller").await;
+
+    // The real kube-controller-manager binds a pair while stowage's binder is paused.
+    let mut kcm = real_kcm(&cp, "persistentvolume-binder-controller");
     let pvs: Api<PersistentVolume> = Api::all(client.clone());
     let claims: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), "default");
     pvs.create(&PostParams::default(), &pv("rival-1").class("c").build())
@@ -224,12 +248,154 @@ async fn a_rival_binder_is_reported_and_pauses_stowage_until_it_is_gone() {
     .await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rival_attach_detach_controller_is_reported_and_stowage_takes_over() {
+    let cp = tokio::task::spawn_blocking(ControlPlane::start)
+        .await
+        .unwrap()
+        .unwrap();
+    let client = cp.client().await;
+    let images = tempfile::tempdir().unwrap();
+    let pods = kcm_pod(&client, "*,-persistentvolume-binder-controller").await;
+    let stowage = stowage(&cp, "attachdetach", images.path());
+    paused_by_flags(&client, &stowage, "persistentvolume-attach-detach-controller").await;
+
+    // A managed, Ready node; a claim and volume bound as a binder leaves them; a pod on the node.
+    let nodes: Api<Node> = Api::all(client.clone());
+    nodes
+        .create(
+            &PostParams::default(),
+            &node("node-a").controller_attach().build(),
+        )
+        .await
+        .unwrap();
+    let ready = json!({"status": {"conditions": [{"type": "Ready", "status": "True"}]}});
+    nodes
+        .patch_status("node-a", &PatchParams::default(), &Patch::Merge(ready))
+        .await
+        .unwrap();
+    let claims: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), "default");
+    let claim = claims
+        .create(
+            &PostParams::default(),
+            &pvc("default", "data").volume_name("vol-1").build(),
+        )
+        .await
+        .unwrap();
+    let pvs: Api<PersistentVolume> = Api::all(client.clone());
+    pvs.create(
+        &PostParams::default(),
+        &pv("vol-1")
+            .claim_ref("default", "data", &claim.uid().unwrap())
+            .build(),
+    )
+    .await
+    .unwrap();
+    let bound = Patch::Merge(json!({"status": {"phase": "Bound"}}));
+    pvs.patch_status("vol-1", &PatchParams::default(), &bound)
+        .await
+        .unwrap();
+    claims
+        .patch_status("data", &PatchParams::default(), &bound)
+        .await
+        .unwrap();
+    let app_pods: Api<Pod> = Api::namespaced(client.clone(), "default");
+    let sas: Api<ServiceAccount> = Api::namespaced(client.clone(), "default");
+    let _ = sas
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({"metadata": {"name": "default"}})).unwrap(),
+        )
+        .await;
+    app_pods
+        .create(
+            &PostParams::default(),
+            &pod("default", "app").claim("data", "data").node("node-a").build(),
+        )
+        .await
+        .unwrap();
+
+    // kube-controller-manager creates the VolumeAttachment while stowage's attach/detach waits.
+    let mut kcm = real_kcm(&cp, "persistentvolume-attach-detach-controller");
+    let vas: Api<VolumeAttachment> = Api::all(client.clone());
+    let va = eventually(LIMIT, || async {
+        let list = vas
+            .list(&ListParams::default())
+            .await
+            .map_err(|e| e.to_string())?;
+        list.items
+            .into_iter()
+            .next()
+            .ok_or_else(|| "no VolumeAttachment yet".to_string())
+    })
+    .await;
+    let creators: Vec<String> = va
+        .metadata
+        .managed_fields
+        .iter()
+        .flatten()
+        .filter_map(|e| e.manager.clone())
+        .collect();
+    assert_eq!(
+        creators,
+        vec!["kube-controller-manager".to_string()],
+        "paused stowage wrote it"
+    );
+    until_gauge(
+        &stowage,
+        "stowage_conflicting_writes_total",
+        &[("resource", "VolumeAttachment"), ("controller", "attachdetach")],
+        |v| v >= 1.0,
+    )
+    .await;
+    eventually(LIMIT, || async {
+        if conflict_events(&client, "default", "VolumeAttachment")
+            .await
+            .is_empty()
+        {
+            Err("no ConflictingController event on the VolumeAttachment".to_string())
+        } else {
+            Ok(())
+        }
+    })
+    .await;
+
+    // kube-controller-manager goes; stowage resumes and takes over the attachment it left: once
+    // the attacher reports it attached, stowage lists it in the Node's status.
+    let _ = kcm.0.kill();
+    let _ = kcm.0.wait();
+    pods.delete(
+        "kube-controller-manager-cp0",
+        &DeleteParams::default().grace_period(0),
+    )
+    .await
+    .unwrap();
+    until_gauge(&stowage, "stowage_controllers_paused", &[], |v| v == 0.0).await;
+    let attached = json!({"status": {"attached": true}});
+    vas.patch_status(&va.name_any(), &PatchParams::default(), &Patch::Merge(attached))
+        .await
+        .unwrap();
+    let csi = pvs.get("vol-1").await.unwrap().spec.unwrap().csi.unwrap();
+    let want = format!("kubernetes.io/csi/{}^{}", csi.driver, csi.volume_handle);
+    eventually(LIMIT, || async {
+        let n = nodes.get("node-a").await.map_err(|e| e.to_string())?;
+        let listed = n
+            .status
+            .and_then(|s| s.volumes_attached)
+            .unwrap_or_default()
+            .iter()
+            .any(|v| v.name == want);
+        if listed {
+            Ok(())
+        } else {
+            Err(format!("{want} not in node-a's volumesAttached"))
+        }
+    })
+    .await;
+}
+
 /// Kills kube-controller-manager when the test ends, also on failure.
 struct Guard(std::process::Child);
-
-fn scopeguard(c: std::process::Child) -> Guard {
-    Guard(c)
-}
 
 impl Drop for Guard {
     fn drop(&mut self) {
