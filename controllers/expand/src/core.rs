@@ -219,6 +219,7 @@ pub fn sync_claim(
     match csi_driver(pv) {
         Some(LOOP_DRIVER) => sync_loop(claim, pv, class, attached, now, req, cap, pvcap),
         Some(driver) => hand_off(claim, class, driver, req, cap),
+        None if migrated_plugin(pv).is_some() => migrated(claim, pv, class, req, cap),
         None if req.bytes > cap.bytes => vec![Action::Event {
             warning: false,
             reason: REASON_EXTERNAL_EXPANDING,
@@ -229,6 +230,73 @@ pub fn sync_claim(
         }],
         None => vec![],
     }
+}
+
+/// Upstream's resizer annotation: the external-resizer of a migrated in-tree volume finds its
+/// claim by it (the PV still names the in-tree plugin, not the CSI driver).
+pub const ANN_STORAGE_RESIZER: &str = "volume.kubernetes.io/storage-resizer";
+
+/// The in-tree plugin of a PV whose plugin csi-translation-lib migrates (every one of them is
+/// migrated in v1.36), and the CSI driver that took it over.
+pub fn migrated_plugin(pv: &PersistentVolume) -> Option<(&'static str, &'static str)> {
+    let s = pv.spec.as_ref()?;
+    let plugin = if s.aws_elastic_block_store.is_some() {
+        "kubernetes.io/aws-ebs"
+    } else if s.gce_persistent_disk.is_some() {
+        "kubernetes.io/gce-pd"
+    } else if s.azure_disk.is_some() {
+        "kubernetes.io/azure-disk"
+    } else if s.azure_file.is_some() {
+        "kubernetes.io/azure-file"
+    } else if s.cinder.is_some() {
+        "kubernetes.io/cinder"
+    } else if s.vsphere_volume.is_some() {
+        "kubernetes.io/vsphere-volume"
+    } else if s.portworx_volume.is_some() {
+        "kubernetes.io/portworx-volume"
+    } else {
+        return None;
+    };
+    Some((plugin, stowage_common::pv::migrated_driver(plugin)?))
+}
+
+/// A migrated in-tree volume: as upstream, when the claim asks for more than it has (or the PV
+/// still carries `pre-resize-capacity`), say so and name the CSI driver in the claim's
+/// `volume.kubernetes.io/storage-resizer`, which is what its external-resizer acts on. The
+/// class check is the same as for any external driver.
+fn migrated(
+    claim: &PersistentVolumeClaim,
+    pv: &PersistentVolume,
+    class: Option<&StorageClass>,
+    req: Size,
+    cap: Size,
+) -> Vec<Action> {
+    let Some((plugin, driver)) = migrated_plugin(pv) else {
+        return vec![];
+    };
+    if req.bytes <= cap.bytes && ann(pv, ANN_PRE_RESIZE_CAPACITY).is_none() {
+        return vec![];
+    }
+    if req.bytes > cap.bytes && !class_allows(class) {
+        return vec![not_allowed(claim, class, &req)];
+    }
+    let mut out = vec![Action::Event {
+        warning: false,
+        reason: REASON_EXTERNAL_EXPANDING,
+        note: format!("CSI migration enabled for {plugin}; waiting for external resizer to expand the pvc"),
+    }];
+    if ann(claim, ANN_STORAGE_RESIZER) != Some(driver) {
+        let mut next = claim.clone();
+        next.metadata
+            .annotations
+            .get_or_insert_with(Default::default)
+            .insert(ANN_STORAGE_RESIZER.to_string(), driver.to_string());
+        out.push(Action::ClaimStatus {
+            claim: Box::new(next),
+            op: "set_resizer",
+        });
+    }
+    out
 }
 
 /// Other CSI drivers: their external-resizer finds the claim by the volume's driver; the

@@ -309,3 +309,78 @@ async fn an_unattached_block_volume_finishes_without_a_node_step() {
     assert_eq!(h.image_size(&pv), 128 * MI);
     h.event("app", "raw", "VolumeResizeSuccessful").await;
 }
+
+/// A migrated in-tree volume (its PV still says `awsElasticBlockStore`) is handed to the CSI
+/// driver that took the plugin over, as upstream does: the claim gets
+/// `volume.kubernetes.io/storage-resizer: ebs.csi.aws.com`, which is what that driver's
+/// external-resizer acts on. Before, only an event went out and the claim was never expanded.
+#[tokio::test]
+async fn a_migrated_in_tree_claim_names_its_csi_resizer() {
+    use stowage_testkit::builders::pvc;
+    let h = Harness::start().await;
+    h.namespace("app").await;
+    let sc = class(&h, "kubernetes.io/aws-ebs", true).await;
+    let c = h
+        .pvcs("app")
+        .create(
+            &PostParams::default(),
+            &pvc("app", "legacy")
+                .request("1Gi")
+                .class(&sc)
+                .volume_name("pv-legacy")
+                .build(),
+        )
+        .await
+        .unwrap();
+    let pv: k8s_openapi::api::core::v1::PersistentVolume = serde_json::from_value(serde_json::json!({
+        "metadata": { "name": "pv-legacy" },
+        "spec": {
+            "capacity": { "storage": "1Gi" }, "accessModes": ["ReadWriteOnce"],
+            "storageClassName": sc, "persistentVolumeReclaimPolicy": "Retain",
+            "awsElasticBlockStore": { "volumeID": "aws://us-east-1a/vol-0abc" },
+            "claimRef": { "namespace": "app", "name": "legacy", "uid": c.metadata.uid }
+        }
+    }))
+    .unwrap();
+    let mut pv = h.pvs().create(&PostParams::default(), &pv).await.unwrap();
+    pv.status.get_or_insert_with(Default::default).phase = Some("Bound".into());
+    h.pvs()
+        .replace_status("pv-legacy", &PostParams::default(), &pv)
+        .await
+        .unwrap();
+    let mut c = c;
+    let st = c.status.get_or_insert_with(Default::default);
+    st.phase = Some("Bound".into());
+    st.capacity = Some(
+        [(
+            "storage".to_string(),
+            k8s_openapi::apimachinery::pkg::api::resource::Quantity("1Gi".into()),
+        )]
+        .into(),
+    );
+    h.pvcs("app")
+        .replace_status("legacy", &PostParams::default(), &c)
+        .await
+        .unwrap();
+    h.request("app", "legacy", "2Gi").await;
+    let c = eventually(std::time::Duration::from_secs(60), || async {
+        let c = h.pvcs("app").get("legacy").await.map_err(|e| e.to_string())?;
+        match anns(&c).get("volume.kubernetes.io/storage-resizer") {
+            Some(_) => Ok(c),
+            None => Err("no resizer annotation yet".to_string()),
+        }
+    })
+    .await;
+    assert_eq!(
+        anns(&c)["volume.kubernetes.io/storage-resizer"],
+        "ebs.csi.aws.com"
+    );
+    let note = h.event("app", "legacy", "ExternalExpanding").await;
+    assert_eq!(
+        note,
+        "CSI migration enabled for kubernetes.io/aws-ebs; waiting for external resizer to expand the pvc"
+    );
+    // The resize itself is the external-resizer's: nothing else on the claim or volume changed.
+    assert_eq!(status_entry(&c), None);
+    assert_eq!(pv_capacity(&h.pvs().get("pv-legacy").await.unwrap()), "1Gi");
+}

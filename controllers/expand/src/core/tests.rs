@@ -239,6 +239,69 @@ fn other_drivers_are_handed_to_their_resizer_without_a_write() {
     );
 }
 
+/// A migrated in-tree volume (its PV still names the in-tree plugin) is handed to the CSI
+/// driver's external-resizer through upstream's `volume.kubernetes.io/storage-resizer` on the
+/// claim; before, only an event went out and the claim was never expanded.
+#[test]
+fn migrated_in_tree_claims_name_their_csi_resizer() {
+    use k8s_openapi::api::core::v1::{AWSElasticBlockStoreVolumeSource, GCEPersistentDiskVolumeSource};
+    let c = claim("2Gi", "1Gi");
+    let mut v = pv("1Gi", "unused");
+    let spec = v.spec.as_mut().unwrap();
+    spec.csi = None;
+    spec.aws_elastic_block_store = Some(AWSElasticBlockStoreVolumeSource {
+        volume_id: "vol-1".into(),
+        ..Default::default()
+    });
+    let a = sync(&c, &v, true);
+    let [
+        Action::Event { reason, note, .. },
+        Action::ClaimStatus { claim: next, .. },
+    ] = a.as_slice()
+    else {
+        panic!("{a:?}");
+    };
+    assert_eq!(*reason, REASON_EXTERNAL_EXPANDING);
+    assert_eq!(
+        note,
+        "CSI migration enabled for kubernetes.io/aws-ebs; waiting for external resizer to expand the pvc"
+    );
+    assert_eq!(ann(next.as_ref(), ANN_STORAGE_RESIZER), Some("ebs.csi.aws.com"));
+    // Already named: the event only.
+    assert!(matches!(sync(next, &v, true).as_slice(), [Action::Event { .. }]));
+    // Grown: nothing, unless the PV still carries pre-resize-capacity (upstream's second case).
+    assert!(sync(&claim("2Gi", "2Gi"), &v, true).is_empty());
+    v.metadata.annotations = Some(BTreeMap::from([(
+        ANN_PRE_RESIZE_CAPACITY.to_string(),
+        "1Gi".to_string(),
+    )]));
+    assert_eq!(sync(&claim("2Gi", "2Gi"), &v, true).len(), 2);
+    // A class that does not allow expansion: the same warning as for any driver.
+    let a = sync(&c, &v, false);
+    assert!(
+        matches!(
+            a.as_slice(),
+            [Action::Event {
+                reason: REASON_NOT_ALLOWED,
+                warning: true,
+                ..
+            }]
+        ),
+        "{a:?}"
+    );
+    // Every migrated plugin maps to its driver.
+    let spec = v.spec.as_mut().unwrap();
+    spec.aws_elastic_block_store = None;
+    spec.gce_persistent_disk = Some(GCEPersistentDiskVolumeSource {
+        pd_name: "d".into(),
+        ..Default::default()
+    });
+    assert_eq!(
+        migrated_plugin(&v),
+        Some(("kubernetes.io/gce-pd", "pd.csi.storage.gke.io"))
+    );
+}
+
 #[test]
 fn block_volumes_finish_without_a_node_unless_attached() {
     let c = claim("128Mi", "64Mi");
