@@ -28,12 +28,16 @@ promtool: ## Build promtool from the Prometheus module pinned in e2e/promtool (c
 storage-e2e-suite: ## Build Kubernetes' storage e2e suite, ginkgo and agnhost from e2e/storage (cached by go.mod/go.sum)
 	@./e2e/scripts/build-storage-e2e.sh
 
+.PHONY: sidecars
+sidecars: ## Build the upstream external-provisioner and external-attacher from e2e/sidecars (cached by go.mod/go.sum)
+	@./e2e/scripts/build-sidecars.sh
+
 .PHONY: build
 build: ## Build both binaries
 	$(CARGO) build --workspace --bins
 
 .PHONY: test
-test: deps controlplane csi-sanity promtool storage-e2e-suite ## Run unit, property and integration tests (real control plane, csi-sanity, promtool, real nodes, a subset of Kubernetes' storage e2e suite)
+test: deps controlplane csi-sanity promtool storage-e2e-suite sidecars ## Run unit, property and integration tests (real control plane, csi-sanity, promtool, real nodes, a subset of Kubernetes' storage e2e suite)
 	$(CARGO) build --workspace --bins
 	@# The image tests unpack an archive of the binaries under test; debug ones cost no second build.
 	STOWAGE_IMAGE_BIN_DIR=$(TARGET_DIR)/debug ./e2e/scripts/image.sh
@@ -41,12 +45,14 @@ test: deps controlplane csi-sanity promtool storage-e2e-suite ## Run unit, prope
 	./e2e/scripts/pod-images.sh
 	@# csi-sanity and the real-node scenarios run on their own, their output shown: CI logs keep
 	@# the csi-sanity counts and each real-node step's state.
-	$(CARGO) test --workspace --no-fail-fast -- --skip a_kubelet_runs_pods_on_loop_volumes --skip csi_sanity_passes
+	$(CARGO) test --workspace --no-fail-fast -- --skip a_kubelet_runs_pods_on_loop_volumes --skip csi_sanity_passes --skip a_third_party_csi_driver
 	$(CARGO) test -p stowage-agent --test csi_sanity -- --nocapture
 	@start=$$(date +%s); $(CARGO) test -p stowage-chart-tests --test realnode -- --nocapture && \
 	  echo "real-node scenarios: $$(( $$(date +%s) - start ))s"
 	@start=$$(date +%s); $(CARGO) test -p stowage-chart-tests --test realnode2 -- --nocapture && \
 	  echo "two-node scenarios: $$(( $$(date +%s) - start ))s"
+	@start=$$(date +%s); $(CARGO) test -p stowage-chart-tests --test realnode_external -- --nocapture && \
+	  echo "third-party driver, KCM and stowage side by side: $$(( $$(date +%s) - start ))s"
 	@# Kubernetes' own storage e2e suite: the tests of e2e/storage/subset.txt on two real nodes
 	@# (make e2e-storage runs all of it). Its counts close the log.
 	./e2e/scripts/curl-image.sh
@@ -82,6 +88,10 @@ realnode-up: deps controlplane node-images ## Start a real node (kubelet, contai
 .PHONY: realnode-down
 realnode-down: ## Stop the real node and remove what it left behind
 	./e2e/scripts/realnode.sh down
+
+.PHONY: side-by-side
+side-by-side: deps controlplane sidecars node-images ## A third-party CSI driver (the upstream sidecars) on a real node under KCM's storage controllers, then stowage's; end states compared
+	$(CARGO) test -p stowage-chart-tests --test realnode_external -- --nocapture
 
 .PHONY: demo-node
 demo-node: deps controlplane node-images ## The demo on a real kubelet: a claim and a pod with a mounted volume

@@ -120,14 +120,24 @@ impl RealNode {
     /// Starts node 1 (`realnode`, in the host's namespaces) against `cp`, with KCM and the
     /// scheduler, and imports the OCI archives `images` into its containerd.
     pub fn start(cp: &ControlPlane, images: &[PathBuf]) -> anyhow::Result<Self> {
-        Self::start_node(cp, images, 0, None)
+        Self::start_node(cp, images, 0, None, KCM_CONTROLLERS)
+    }
+
+    /// `start`, with KCM running `kcm_controllers` (its `--controllers`): `"*"` keeps KCM's own
+    /// storage controllers, for a run compared side by side with stowage's.
+    pub fn start_with_kcm(
+        cp: &ControlPlane,
+        images: &[PathBuf],
+        kcm_controllers: &str,
+    ) -> anyhow::Result<Self> {
+        Self::start_node(cp, images, 0, None, kcm_controllers)
     }
 
     /// Starts `realnode2` beside node 1 (`self`), in namespaces of its own, against `cp`, which
     /// must have been started for two nodes (`ControlPlane::start_for_nodes`). Drop it before
     /// node 1 (node 1 restores the sysctls both kubelets change).
     pub fn start_second(&self, cp: &ControlPlane, images: &[PathBuf]) -> anyhow::Result<Self> {
-        Self::start_node(cp, images, 1, Some(&self.kubelet_dir))
+        Self::start_node(cp, images, 1, Some(&self.kubelet_dir), KCM_CONTROLLERS)
     }
 
     /// Starts `nodes` nodes (1 or 2), each Ready before this returns; `cp` must have been started
@@ -141,7 +151,7 @@ impl RealNode {
         };
         for index in 1..nodes {
             let shared = cluster.nodes[0].kubelet_dir.clone();
-            let node = Self::start_node(cp, images, index, Some(&shared))?;
+            let node = Self::start_node(cp, images, index, Some(&shared), KCM_CONTROLLERS)?;
             cluster.nodes.push(node);
         }
         Ok(cluster)
@@ -154,6 +164,7 @@ impl RealNode {
         images: &[PathBuf],
         index: usize,
         shared_kubelet_dir: Option<&Path>,
+        kcm_controllers: &str,
     ) -> anyhow::Result<Self> {
         for tool in ["containerd", "runc", "ctr", "ip", "unshare", "nsenter", "tini"] {
             if which(tool).is_none() {
@@ -213,7 +224,7 @@ impl RealNode {
             node.import(image)?;
         }
         if index == 0 {
-            node.start_kcm_and_scheduler(cp)?;
+            node.start_kcm_and_scheduler(cp, kcm_controllers)?;
         }
         node.start_kubelet(cp)?;
         node.wait_ready(cp, Duration::from_secs(120))?;
@@ -239,6 +250,12 @@ impl RealNode {
     /// Node 2's network namespace (`ip netns exec <it>`), `None` on node 1.
     pub fn netns(&self) -> Option<&str> {
         self.isolation.as_ref().map(|i| i.netns.as_str())
+    }
+
+    /// Runs `cmd` beside the node (a CSI plugin, sidecars, a controller), its output in
+    /// `<node dir>/<name>.log`, stopped with the node (before the processes started earlier).
+    pub fn spawn_beside(&self, name: &str, cmd: Command) -> anyhow::Result<()> {
+        self.spawn(name, cmd)
     }
 
     fn spawn(&self, name: &str, mut cmd: Command) -> anyhow::Result<()> {
@@ -329,11 +346,11 @@ state = "{state}"
         Ok(())
     }
 
-    fn start_kcm_and_scheduler(&self, cp: &ControlPlane) -> anyhow::Result<()> {
+    fn start_kcm_and_scheduler(&self, cp: &ControlPlane, controllers: &str) -> anyhow::Result<()> {
         let kc = cp.kubeconfig().display().to_string();
         let mut kcm = Command::new(binary("kube-controller-manager")?);
         kcm.arg(format!("--kubeconfig={kc}"))
-            .arg(format!("--controllers={KCM_CONTROLLERS}"))
+            .arg(format!("--controllers={controllers}"))
             .arg(format!("--root-ca-file={}", cp.dir().join("ca.crt").display()))
             .arg(format!(
                 "--service-account-private-key-file={}",
