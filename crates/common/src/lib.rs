@@ -19,6 +19,7 @@ pub mod pv;
 pub mod quantity;
 pub mod queue;
 pub mod ratelimit;
+pub mod secure;
 pub mod serve;
 pub mod shutdown;
 pub mod slim;

@@ -46,13 +46,9 @@ fn flag(ok: bool) -> (StatusCode, &'static str) {
     }
 }
 
-/// Binds `addr` (so a taken port fails start-up with a clear error) and serves in the background.
-pub async fn spawn(addr: SocketAddr, health: Health) -> anyhow::Result<SocketAddr> {
-    let listener = tokio::net::TcpListener::bind(addr)
-        .await
-        .map_err(|e| anyhow::anyhow!("cannot listen on {addr} for metrics and health: {e}"))?;
-    let bound = listener.local_addr()?;
-    let app = Router::new()
+/// The three endpoints, for the plain port here and the secure one (`secure.rs`).
+pub fn router(health: Health) -> Router {
+    Router::new()
         .route("/metrics", get(metrics))
         .route(
             "/healthz",
@@ -64,7 +60,16 @@ pub async fn spawn(addr: SocketAddr, health: Health) -> anyhow::Result<SocketAdd
                 flag(h.alive.load(Ordering::Relaxed) && h.ready.load(Ordering::Relaxed))
             }),
         )
-        .with_state(health);
+        .with_state(health)
+}
+
+/// Binds `addr` (so a taken port fails start-up with a clear error) and serves in the background.
+pub async fn spawn(addr: SocketAddr, health: Health) -> anyhow::Result<SocketAddr> {
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot listen on {addr} for metrics and health: {e}"))?;
+    let bound = listener.local_addr()?;
+    let app = router(health);
     tokio::spawn(async move {
         if let Err(e) = axum::serve(listener, app).await {
             tracing::error!(error = %e, "metrics server stopped");

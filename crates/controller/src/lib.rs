@@ -46,9 +46,12 @@ pub struct Args {
     /// (kube-controller-manager's syntax).
     #[arg(long, value_delimiter = ',', default_value = "*")]
     pub controllers: Vec<String>,
-    /// Address for /metrics, /healthz and /readyz.
-    #[arg(long, default_value = "0.0.0.0:8080")]
-    pub metrics_bind_address: SocketAddr,
+    /// Plain-HTTP address for /metrics, /healthz and /readyz; `0` turns it off (with
+    /// --secure-port serving them instead).
+    #[arg(long, default_value = "0.0.0.0:8080", value_parser = plain_address)]
+    pub metrics_bind_address: PlainAddress,
+    #[command(flatten)]
+    pub secure: stowage_common::secure::SecureArgs,
     /// Run controllers only while holding the leader Lease.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub leader_elect: bool,
@@ -103,6 +106,20 @@ pub struct Args {
     /// A conflict seen only through writes is over this long after the last one.
     #[arg(long, default_value = "2m", value_parser = humantime::parse_duration)]
     pub conflict_quiet_period: Duration,
+}
+
+/// The plain metrics address, or none (`0`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PlainAddress(pub Option<SocketAddr>);
+
+fn plain_address(s: &str) -> Result<PlainAddress, String> {
+    match s {
+        "0" | "" => Ok(PlainAddress(None)),
+        a => a
+            .parse()
+            .map(|a| PlainAddress(Some(a)))
+            .map_err(|e| format!("{e}: an address:port, or 0 for none")),
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -315,7 +332,13 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let controllers = resolve_controllers(&args.controllers)?;
     let (registry, leader_gauge, wiring) = metrics(&args);
     let health = Health::new(registry.clone());
-    serve::spawn(args.metrics_bind_address, health.clone()).await?;
+    if let PlainAddress(Some(addr)) = args.metrics_bind_address {
+        serve::spawn(addr, health.clone()).await?;
+    } else if args.secure.secure_port == 0 {
+        anyhow::bail!(
+            "--metrics-bind-address=0 and --secure-port=0 leave no way to read /metrics or the probes"
+        );
+    }
     let timings = Timings {
         lease_duration: args.leader_elect_lease_duration,
         renew_deadline: args.leader_elect_renew_deadline,
@@ -325,6 +348,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         timings.validate().map_err(anyhow::Error::msg)?;
     }
     let (client, election_client) = args.api.clients(args.limit()).await?;
+    stowage_common::secure::spawn(&args.secure, health.clone(), &client).await?;
     health.ready.store(true, Ordering::Relaxed);
     tracing::info!(
         controllers = ?controllers,
@@ -513,11 +537,17 @@ mod tests {
             "--leader-elect=true",
             "--leader-elect-resource-lock=leases",
             "--leader-elect-lease-duration=15s",
+            "--secure-port=10257",
+            "--bind-address=0.0.0.0",
+            "--authorization-always-allow-paths=/healthz,/readyz,/livez,/metrics",
+            "--metrics-bind-address=0",
             "--v=4",
         ])
         .unwrap();
         assert_eq!(args.log.log_format, stowage_common::logging::Format::Json);
         assert_eq!(args.log.verbosity, 4);
+        assert_eq!(args.secure.secure_port, 10257);
+        assert_eq!(args.metrics_bind_address, PlainAddress(None));
         let err = Args::try_parse_from(["stowage-controller", "--leader-elect-resource-lock=endpoints"])
             .unwrap_err()
             .to_string();
