@@ -111,14 +111,17 @@ pub async fn run(cluster: Arc<Informers>, metrics: Metrics, config: Config) -> a
             events: Events::new(client.clone(), "stowage-binder"),
             client,
             metrics,
-            image_dir: config.image_dir.clone(),
+            images: crate::loopdev::ImageStore::new(config.image_dir.clone()),
             live: Default::default(),
+            store_check: Default::default(),
         }),
         cluster,
     };
     ctl.pods_resync();
     ctl.resync();
     let mut resync = tokio::time::interval_at(Instant::now() + config.resync, config.resync);
+    // First tick at once: the gauge is right from the start of the term.
+    let mut store_tick = tokio::time::interval(stowage_loopdriver::image::RECHECK);
     loop {
         ctl.executor.metrics.queue_depth.set(ctl.queue.len() as i64);
         ctl.queue.report(Instant::now());
@@ -144,6 +147,7 @@ pub async fn run(cluster: Arc<Informers>, metrics: Metrics, config: Config) -> a
             // A new or changed class can unblock claims waiting for it.
             r = class_feed.next() => { r?; ctl.wake_pending_claims() }
             _ = resync.tick() => ctl.resync(),
+            _ = store_tick.tick() => ctl.executor.check_store(),
             _ = std::future::ready(()), if ctl.window.has_room() && (ctl.queue.has_ready() || !ctl.woken.is_empty()) => {
                 ctl.work(Instant::now())
             }

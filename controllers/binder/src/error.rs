@@ -14,6 +14,9 @@ pub enum Error {
     /// The built-in driver's image could not be created or removed.
     #[error("{0}")]
     Image(#[from] ImageError),
+    /// The image store has no marker: nothing is created or deleted there until it has.
+    #[error("{0}")]
+    StoreNotReady(#[from] stowage_loopdriver::NotReady),
     /// A live read found the claim a volume names still there: the cache had not seen it yet.
     #[error("claim {0} still exists; not releasing its volume")]
     StaleCache(String),
@@ -38,6 +41,7 @@ impl MetricLabel for Error {
         match self {
             Error::Api(e) => api_label(e),
             Error::Image(_) => "image",
+            Error::StoreNotReady(_) => "image_store_not_ready",
             Error::StaleCache(_) => "stale_cache",
             Error::InvalidState(_) => "invalid_state",
             Error::Panic => "panic",

@@ -3,7 +3,6 @@
 //! batch's `Outcome`. The built-in driver's steps are in `exec/builtin.rs`.
 
 use std::collections::{BTreeMap, HashMap};
-use std::path::PathBuf;
 use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::{ObjectReference, PersistentVolume, PersistentVolumeClaim};
@@ -29,9 +28,12 @@ pub(crate) struct Executor {
     pub(crate) pvs: Api<PersistentVolume>,
     pub(crate) events: Events,
     pub(crate) metrics: Metrics,
-    pub(crate) image_dir: PathBuf,
+    /// The image store, its marker check cached across write tasks.
+    pub(crate) images: loopdev::ImageStore,
     /// The newest live lists of built-in handles and of attachments (see `live_handles`).
     pub(crate) live: tokio::sync::Mutex<Option<LiveHandles>>,
+    /// A periodic marker check is running (a hung store must not pile them up).
+    pub(crate) store_check: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// Built-in handle → PV names, and PV name → nodes of the VolumeAttachments naming it, from live
@@ -197,6 +199,36 @@ impl Snapshot {
 }
 
 impl Executor {
+    /// Reads the image store's marker now, off the decision loop, for the readiness gauge (and
+    /// the cache the image steps use); logs when readiness changes. The store can be unmounted
+    /// while nothing is provisioned or deleted, and the gauge should say so.
+    pub(crate) fn check_store(&self) {
+        use std::sync::atomic::Ordering;
+        if self.store_check.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let (store, gauge, running) = (
+            self.images.clone(),
+            self.metrics.image_store_ready.clone(),
+            self.store_check.clone(),
+        );
+        tokio::task::spawn_blocking(move || {
+            let r = store.ready_now();
+            let was = gauge.get();
+            gauge.set(i64::from(r.is_ok()));
+            match r {
+                Ok(m) if was != 1 => {
+                    tracing::info!(dir = %store.dir().display(), id = %m.id, "image store ready")
+                }
+                Err(e) if was != 0 => {
+                    tracing::warn!(error = %e, "image store not ready: no image is created or deleted")
+                }
+                _ => {}
+            }
+            running.store(false, Ordering::Release);
+        });
+    }
+
     pub(crate) fn claims(&self, ns: &str) -> Api<PersistentVolumeClaim> {
         Api::namespaced(self.client.clone(), ns)
     }

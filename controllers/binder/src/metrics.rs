@@ -48,6 +48,10 @@ pub struct Metrics {
     pub deletions: IntCounterVec,
     /// Warning events sent (once per change of their text), by reason.
     pub warnings: IntCounterVec,
+    /// 1 while the image store's marker was found at the last check, else 0.
+    pub image_store_ready: IntGauge,
+    /// Image creations and deletions refused because the marker was missing, by operation.
+    pub image_store_refusals: IntCounterVec,
     stores: SharedStores,
 }
 
@@ -130,6 +134,19 @@ impl Metrics {
                 &["reason"],
             )
             .unwrap(),
+            image_store_ready: IntGauge::new(
+                "stowage_binder_image_store_ready",
+                "1 while the image store's marker was found at the last check (every 10 s while leading), else 0.",
+            )
+            .unwrap(),
+            image_store_refusals: IntCounterVec::new(
+                Opts::new(
+                    "stowage_binder_image_store_refusals_total",
+                    "Image creations and deletions refused because the image store's marker was missing, by operation.",
+                ),
+                &["operation"],
+            )
+            .unwrap(),
             stores: Arc::new(RwLock::new(None)),
         };
         register(registry, m.reconciles.clone());
@@ -143,6 +160,11 @@ impl Metrics {
         register(registry, m.provisioning.clone());
         register(registry, m.deletions.clone());
         register(registry, m.warnings.clone());
+        register(registry, m.image_store_ready.clone());
+        register(registry, m.image_store_refusals.clone());
+        for op in ["create", "delete"] {
+            m.image_store_refusals.with_label_values(&[op]);
+        }
         // Known outcomes start at zero, so the families are visible from the first scrape.
         for result in [stowage_common::errors::SUCCESS, stowage_common::errors::ERROR] {
             m.provisioning.with_label_values(&[result]);
@@ -155,6 +177,7 @@ impl Metrics {
             "ProvisioningFailed",
             "VolumeFailedDelete",
             crate::core::DELETE_REFUSED,
+            crate::core::IMAGE_STORE_NOT_READY,
         ] {
             m.warnings.with_label_values(&[reason]);
         }

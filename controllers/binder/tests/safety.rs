@@ -15,6 +15,7 @@ use stowage_testkit::builders::{pv, pvc, storage_class};
 use stowage_testkit::eventually;
 
 const DELETER: &str = "loop.stowage.dev/deleter";
+use stowage_loopdriver::image::MARKER;
 
 fn has_deleter(v: &PersistentVolume) -> bool {
     v.finalizers().iter().any(|f| f == DELETER)
@@ -57,6 +58,15 @@ async fn pending_because(h: &Harness, ns: &str, name: &str, reason: &str) -> Str
         .find(|c| c.type_ == "stowage.dev/Pending")
         .and_then(|c| c.message)
         .unwrap_or_default()
+}
+
+/// What the image directory holds besides the store's marker.
+fn images_left(h: &Harness) -> Vec<std::path::PathBuf> {
+    std::fs::read_dir(h.images.path())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| !p.ends_with(MARKER))
+        .collect()
 }
 
 fn counter(h: &Harness, name: &str, label: (&str, &str)) -> f64 {
@@ -210,7 +220,7 @@ async fn a_claim_too_big_for_the_image_dir_fails_for_good_and_cleans_up() {
         v.annotations().contains_key("loop.stowage.dev/image-pending"),
         "never bindable"
     );
-    let leftovers: Vec<_> = std::fs::read_dir(h.images.path()).unwrap().collect();
+    let leftovers = images_left(&h);
     assert!(leftovers.is_empty(), "no empty image left behind: {leftovers:?}");
 
     // Many syncs later (1 s resync), still one ProvisioningFailed Event object for the claim.
@@ -235,7 +245,7 @@ async fn a_claim_too_big_for_the_image_dir_fails_for_good_and_cleans_up() {
 
     h.delete_claim("app", "huge").await;
     released_by_binder(&h, &name).await;
-    let leftovers: Vec<_> = std::fs::read_dir(h.images.path()).unwrap().collect();
+    let leftovers = images_left(&h);
     assert!(leftovers.is_empty(), "{leftovers:?}");
 }
 
@@ -262,7 +272,7 @@ async fn a_failed_provisioned_volume_deleted_by_an_admin_does_not_hang() {
         }
     })
     .await;
-    let leftovers: Vec<_> = std::fs::read_dir(h.images.path()).unwrap().collect();
+    let leftovers = images_left(&h);
     assert!(leftovers.is_empty(), "{leftovers:?}");
 }
 
@@ -291,10 +301,7 @@ async fn a_read_write_many_loop_claim_is_refused() {
         h.pvs().list(&Default::default()).await.unwrap().items.is_empty(),
         "no volume created"
     );
-    assert!(
-        std::fs::read_dir(h.images.path()).unwrap().next().is_none(),
-        "no image created"
-    );
+    assert!(images_left(&h).is_empty(), "no image created");
 
     // ReadOnlyMany is provisioned (the node side makes it read-only).
     h.create_pvc(
@@ -349,8 +356,8 @@ async fn a_volume_with_an_unsafe_handle_is_refused_with_one_event() {
     assert!(h.events(None, "unsafe", "VolumeFailedDelete").await.is_empty());
 }
 
-/// A transient failure (the image directory is missing, as before a mount appears) is retried
-/// with backoff, not given up: once the directory exists the claim binds.
+/// A missing image directory (as before a mount appears) is retried with backoff, not given up:
+/// once the directory exists with the store's marker the claim binds.
 #[tokio::test]
 async fn a_missing_image_dir_is_retried_until_it_appears() {
     let dir = tempfile::tempdir().unwrap();
@@ -363,7 +370,7 @@ async fn a_missing_image_dir_is_retried_until_it_appears() {
     let c = h
         .create_pvc(pvc("app", "wait").request("16Mi").class("loop").build())
         .await;
-    let note = h.event("wait", "ProvisioningFailed").await;
+    let note = h.event("wait", "ImageStoreNotReady").await;
     assert!(note.contains("retrying"), "{note}");
     let name = format!("pvc-{}", c.metadata.uid.clone().unwrap());
     let v = h.pvs().get(&name).await.unwrap();
@@ -373,6 +380,7 @@ async fn a_missing_image_dir_is_retried_until_it_appears() {
         "a transient failure is not final"
     );
     std::fs::create_dir(&images).unwrap();
+    stowage_loopdriver::ImageStore::new(&images).init().unwrap();
     h.claim_phase("app", "wait", "Bound").await;
     assert_eq!(
         std::fs::metadata(images.join(format!("{name}.img")))
@@ -398,7 +406,7 @@ async fn a_failing_image_creation_backs_off_across_resyncs() {
         .await;
     h.create_pvc(pvc("app", "slow").request("16Mi").class("loop").build())
         .await;
-    h.event("slow", "ProvisioningFailed").await;
+    h.event("slow", "ImageStoreNotReady").await;
     // Twelve resyncs of the claim (one a second) later...
     let syncs = counter(&h, "stowage_binder_reconcile_total", ("kind", "claim"));
     eventually(WAIT, || async {
@@ -411,9 +419,13 @@ async fn a_failing_image_creation_backs_off_across_resyncs() {
     })
     .await;
     // ...the image was tried at 0, 1, 3, 7 (and maybe 15) s: a handful, not one per resync.
-    let attempts = counter(&h, "stowage_binder_provisioning_total", ("result", "error"));
+    let attempts = counter(
+        &h,
+        "stowage_binder_image_store_refusals_total",
+        ("operation", "create"),
+    );
     assert!((2.0..=7.0).contains(&attempts), "{attempts} attempts");
-    let events = h.events(Some("app"), "slow", "ProvisioningFailed").await;
+    let events = h.events(Some("app"), "slow", "ImageStoreNotReady").await;
     assert_eq!(events.len(), 1, "{events:#?}");
     assert_eq!(events[0].series, None, "the event was repeated");
 }
@@ -454,7 +466,7 @@ async fn data_source_and_selector_claims_are_refused_not_given_empty_volumes() {
             "{name} was provisioned"
         );
     }
-    let images: Vec<_> = std::fs::read_dir(h.images.path()).unwrap().collect();
+    let images = images_left(&h);
     assert!(images.is_empty(), "{images:?}");
 }
 
@@ -553,4 +565,127 @@ async fn a_volume_still_attached_is_deleted_only_after_its_attachment_goes() {
     .unwrap();
     released_by_binder(&h, &name).await;
     assert!(!img.exists(), "deleted once no attachment names the volume");
+}
+
+fn gauge(h: &Harness, name: &str) -> f64 {
+    h.metric_sum(name)
+}
+
+/// A store without its marker (a shared file system not mounted on the leader's node leaves an
+/// empty directory): no image is made there; the claim gets a Warning `ImageStoreNotReady`, the
+/// refusal is counted and the readiness gauge is 0, and the volume is not Failed. Once the marker
+/// appears (the store is mounted), provisioning goes on.
+#[tokio::test]
+async fn an_unmarked_store_gets_no_image_until_its_marker_appears() {
+    let h = Harness::start().await;
+    let marker = h.images.path().join(MARKER);
+    let saved = std::fs::read(&marker).unwrap();
+    std::fs::remove_file(&marker).unwrap();
+    h.namespace("app").await;
+    h.create::<StorageClass>(storage_class("loop", "loop.stowage.dev").build())
+        .await;
+    let c = h
+        .create_pvc(pvc("app", "early").request("16Mi").class("loop").build())
+        .await;
+    let name = format!("pvc-{}", c.metadata.uid.clone().unwrap());
+    let note = h.event("early", "ImageStoreNotReady").await;
+    assert!(
+        note.contains(MARKER) && note.contains("init-image-store"),
+        "{note}"
+    );
+    assert!(images_left(&h).is_empty(), "no image on an unmarked store");
+    assert!(
+        counter(
+            &h,
+            "stowage_binder_image_store_refusals_total",
+            ("operation", "create")
+        ) >= 1.0
+    );
+    assert_eq!(gauge(&h, "stowage_binder_image_store_ready"), 0.0);
+    let v = h.pvs().get(&name).await.unwrap();
+    assert_ne!(v.status.as_ref().and_then(|s| s.phase.as_deref()), Some("Failed"));
+    assert!(
+        v.annotations().contains_key("loop.stowage.dev/image-pending"),
+        "not bindable yet"
+    );
+
+    std::fs::write(&marker, saved).unwrap();
+    h.claim_phase("app", "early", "Bound").await;
+    assert_eq!(
+        std::fs::metadata(h.images.path().join(format!("{name}.img")))
+            .unwrap()
+            .len(),
+        16 << 20
+    );
+    eventually(WAIT, || async {
+        match gauge(&h, "stowage_binder_image_store_ready") {
+            1.0 => Ok(()),
+            g => Err(format!("image store ready gauge {g}")),
+        }
+    })
+    .await;
+}
+
+/// The store goes away under a bound Delete-policy volume (unmounted: the directory is empty,
+/// the image "missing"): deleting the claim neither deletes the volume nor marks it Failed, and
+/// no `VolumeImageMissing` is reported; the volume waits with a Warning `ImageStoreNotReady`.
+/// Once the store is back, the deleter removes the image and the volume.
+#[tokio::test]
+async fn a_volume_whose_store_is_unmounted_is_not_deleted_as_missing() {
+    let h = Harness::start().await;
+    h.namespace("app").await;
+    h.create::<StorageClass>(storage_class("loop", "loop.stowage.dev").build())
+        .await;
+    let c = h
+        .create_pvc(pvc("app", "data").request("16Mi").class("loop").build())
+        .await;
+    let name = format!("pvc-{}", c.metadata.uid.clone().unwrap());
+    h.claim_phase("app", "data", "Bound").await;
+    // "Unmount": everything the directory held moves away, as if it were on another disk.
+    let elsewhere = tempfile::tempdir().unwrap();
+    let moved: Vec<_> = std::fs::read_dir(h.images.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    for f in &moved {
+        std::fs::rename(h.images.path().join(f), elsewhere.path().join(f)).unwrap();
+    }
+    let refusals = counter(
+        &h,
+        "stowage_binder_image_store_refusals_total",
+        ("operation", "delete"),
+    );
+    h.delete_claim("app", "data").await;
+    let note = h.event(&name, "ImageStoreNotReady").await;
+    assert!(note.contains(MARKER), "{note}");
+    eventually(WAIT, || async {
+        let now = counter(
+            &h,
+            "stowage_binder_image_store_refusals_total",
+            ("operation", "delete"),
+        );
+        if now > refusals {
+            Ok(())
+        } else {
+            Err(format!("{now} delete refusals"))
+        }
+    })
+    .await;
+    let v = h.pvs().get(&name).await.unwrap();
+    assert!(
+        v.metadata.deletion_timestamp.is_none(),
+        "the volume is not deleted"
+    );
+    assert!(has_deleter(&v), "the deleter still holds it");
+    assert_ne!(v.status.as_ref().and_then(|s| s.phase.as_deref()), Some("Failed"));
+    assert!(h.events(None, &name, "VolumeImageMissing").await.is_empty());
+    assert!(h.events(None, &name, "VolumeFailedDelete").await.is_empty());
+    assert_eq!(gauge(&h, "stowage_binder_image_store_ready"), 0.0);
+
+    // "Mounted" again: the retry deletes the image and then the volume.
+    for f in &moved {
+        std::fs::rename(elsewhere.path().join(f), h.images.path().join(f)).unwrap();
+    }
+    released_by_binder(&h, &name).await;
+    assert!(images_left(&h).is_empty(), "{:?}", images_left(&h));
 }

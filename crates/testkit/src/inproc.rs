@@ -44,7 +44,9 @@ macro_rules! in_process_harness {
 pub struct InProcess {
     pub cp: ControlPlane,
     pub client: Client,
-    /// The image directory handed to controllers that manage loop volumes.
+    /// The image directory handed to controllers that manage loop volumes, marked as the image
+    /// store (`ImageStore::init`, the install step); a test of the unmarked case removes
+    /// `stowage_loopdriver::image::MARKER`.
     pub images: tempfile::TempDir,
     pub registry: stowage_common::metrics::Registry,
     informers: JoinSet<()>,
@@ -59,10 +61,14 @@ impl InProcess {
             .expect("control plane start task")
             .expect("control plane");
         let client = cp.client().await;
+        let images = tempfile::tempdir().expect("temporary image directory");
+        stowage_loopdriver::ImageStore::new(images.path())
+            .init()
+            .expect("image store marker");
         Self {
             cp,
             client,
-            images: tempfile::tempdir().expect("temporary image directory"),
+            images,
             registry: stowage_common::metrics::Registry::new(),
             informers: JoinSet::new(),
             controller: None,

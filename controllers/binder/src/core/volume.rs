@@ -288,6 +288,10 @@ pub(super) fn deleter(pv: &PersistentVolume) -> Deleter {
 /// Event reason for a Delete-policy volume of the built-in driver whose image is kept.
 pub const DELETE_REFUSED: &str = "VolumeDeleteRefused";
 
+/// Reason of the Warning on a claim whose image, or a volume whose image deletion, waits for the
+/// image store's marker (the store may not be mounted on the leader's node).
+pub const IMAGE_STORE_NOT_READY: &str = "ImageStoreNotReady";
+
 /// Reason of the Warning on a volume whose deletion waits for its VolumeAttachments to go.
 pub const DELETE_WAITS_FOR_DETACH: &str = "VolumeStillAttached";
 

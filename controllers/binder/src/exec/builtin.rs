@@ -74,26 +74,45 @@ impl Executor {
         let claim = claim_of(&v);
         let handle = volume_handle(&v).unwrap_or_default().to_string();
         let capacity = pv_capacity(&v).unwrap_or(0);
-        let dir = self.image_dir.clone();
+        let store = self.images.clone();
         let h = handle.clone();
         let made = tokio::task::spawn_blocking(move || {
+            // An image made in a directory that is not the store (an unmounted shared file
+            // system's empty mount point) would hold the volume's data on the wrong disk.
+            store.ready()?;
             // A size no file offset can express is refused here, never rounded or truncated.
             let size = u64::try_from(capacity).map_err(|_| loopdev::ImageError::Io {
-                path: dir.join(format!("{h}.img")),
+                path: store.dir().join(format!("{h}.img")),
                 source: std::io::Error::new(
                     std::io::ErrorKind::InvalidInput,
                     format!("{capacity} bytes is more than a file can hold"),
                 ),
-            })?;
-            loopdev::ImageStore::new(dir).ensure(&h, size)
+            });
+            Ok(size.and_then(|size| store.ensure(&h, size)))
         })
         .await
         .unwrap_or_else(|e| {
-            Err(loopdev::ImageError::Io {
+            Ok(Err(loopdev::ImageError::Io {
                 path: PathBuf::new(),
                 source: std::io::Error::other(e),
-            })
+            }))
         });
+        self.metrics.image_store_ready.set(i64::from(made.is_ok()));
+        let made = match made {
+            Ok(made) => made,
+            Err(e) => {
+                self.metrics
+                    .image_store_refusals
+                    .with_label_values(&["create"])
+                    .inc();
+                if let Some(t) = claim {
+                    let note = format!("not creating the image of volume {pv}: {e}; retrying");
+                    done.events
+                        .push(claim_event(t, true, core::IMAGE_STORE_NOT_READY, note));
+                }
+                return Err(Error::StoreNotReady(e));
+            }
+        };
         // Still image-pending until this is done, so the claim cannot bind to a volume that has
         // no file system yet.
         let made = match made {
@@ -229,15 +248,40 @@ impl Executor {
                 .push(volume_event(&v, true, core::DELETE_REFUSED, note));
             return Ok(());
         }
-        let dir = self.image_dir.clone();
-        let removed = tokio::task::spawn_blocking(move || loopdev::ImageStore::new(dir).remove(&handle))
-            .await
-            .unwrap_or_else(|e| {
-                Err(loopdev::ImageError::Io {
-                    path: PathBuf::new(),
-                    source: std::io::Error::other(e),
-                })
-            });
+        let store = self.images.clone();
+        let removed = tokio::task::spawn_blocking(move || {
+            store.ready()?;
+            let removed = store.remove(&handle);
+            // "Already gone" from a store unmounted a moment ago is not gone: read the marker
+            // again, uncached, before the volume object is deleted for it.
+            if matches!(removed, Ok(false)) {
+                store.ready_now()?;
+            }
+            Ok(removed)
+        })
+        .await
+        .unwrap_or_else(|e| {
+            Ok(Err(loopdev::ImageError::Io {
+                path: PathBuf::new(),
+                source: std::io::Error::other(e),
+            }))
+        });
+        self.metrics.image_store_ready.set(i64::from(removed.is_ok()));
+        let removed = match removed {
+            Ok(r) => r,
+            Err(e) => {
+                // Not Failed, not deleted: the image may be on a store this node does not see.
+                // Retried with the failure backoff until the marker is back.
+                self.metrics
+                    .image_store_refusals
+                    .with_label_values(&["delete"])
+                    .inc();
+                let note = format!("not deleting the image of volume {pv}: {e}; retrying");
+                done.events
+                    .push(volume_event(&v, true, core::IMAGE_STORE_NOT_READY, note));
+                return Err(Error::StoreNotReady(e));
+            }
+        };
         match removed {
             Ok(true) => {}
             Ok(false) => {

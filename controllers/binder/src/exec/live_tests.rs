@@ -25,8 +25,9 @@ async fn a_sharer_the_cache_has_not_seen_yet_keeps_the_image() {
         events: Events::new(h.client.clone(), "test"),
         client: h.client.clone(),
         metrics: Metrics::new(&h.registry),
-        image_dir: h.images.path().to_path_buf(),
+        images: loopdev::ImageStore::new(h.images.path()),
         live: Default::default(),
+        store_check: Default::default(),
     };
     // The cache knows only the volume being deleted.
     let mut cache = Cache::default();
@@ -68,8 +69,9 @@ fn executor(h: &InProcess) -> Executor {
         events: Events::new(h.client.clone(), "test"),
         client: h.client.clone(),
         metrics: Metrics::new(&h.registry),
-        image_dir: h.images.path().to_path_buf(),
+        images: loopdev::ImageStore::new(h.images.path()),
         live: Default::default(),
+        store_check: Default::default(),
     }
 }
 
