@@ -403,3 +403,116 @@ impl Drop for Guard {
         let _ = self.0.wait();
     }
 }
+
+/// The value docs/distributions.md gives kube-controller-manager, read from the guide itself.
+fn documented_value() -> String {
+    let guide = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../docs/distributions.md"
+    ))
+    .unwrap();
+    let line = guide
+        .lines()
+        .find(|l| {
+            l.trim_start()
+                .starts_with("value: \"*,bootstrapsigner,tokencleaner,")
+        })
+        .expect("the kubeadm value in docs/distributions.md");
+    line.trim()
+        .trim_start_matches("value: ")
+        .trim_matches('"')
+        .to_string()
+}
+
+/// The guide's kubeadm step, run as written: its `sed` on kubeadm's manifest line, then the real
+/// kube-controller-manager started with the result beside stowage. Nothing of KCM's touches the
+/// storage objects, stowage reports no conflict, and stowage binds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_documented_kcm_flag_leaves_the_storage_controllers_to_stowage() {
+    let guide = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../docs/distributions.md"
+    ))
+    .unwrap();
+    let sed_script = guide
+        .lines()
+        .find_map(|l| {
+            l.trim()
+                .strip_prefix("sudo sed -i '")
+                .map(|s| s.split('\'').next().unwrap().to_string())
+        })
+        .expect("the guide's sed command");
+    let dir = tempfile::tempdir().unwrap();
+    let manifest = dir.path().join("kube-controller-manager.yaml");
+    std::fs::write(
+        &manifest,
+        "spec:\n  containers:\n  - command:\n    - kube-controller-manager\n    - --controllers=*,bootstrapsigner,tokencleaner\n    - --leader-elect=true\n",
+    )
+    .unwrap();
+    let ok = std::process::Command::new("sed")
+        .args(["-i", &sed_script])
+        .arg(&manifest)
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "sed {sed_script}");
+    let edited = std::fs::read_to_string(&manifest).unwrap();
+    let value = documented_value();
+    assert!(
+        edited.contains(&format!("    - --controllers={value}\n")),
+        "the sed step and the configuration value differ:\n{edited}"
+    );
+
+    let cp = tokio::task::spawn_blocking(ControlPlane::start)
+        .await
+        .unwrap()
+        .unwrap();
+    let client = cp.client().await;
+    let images = tempfile::tempdir().unwrap();
+    // The static pod as kubeadm leaves it after the step: its flags are clean.
+    let _pods = kcm_pod(&client, &value).await;
+    let stowage = stowage(&cp, "*", images.path());
+    // KCM v1.36.3 takes the value (an unknown name would stop it at once) and runs the rest.
+    let mut kcm = real_kcm(&cp, &value);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(
+        kcm.0.try_wait().unwrap().is_none(),
+        "kube-controller-manager refused --controllers={value}"
+    );
+
+    let pvs: Api<PersistentVolume> = Api::all(client.clone());
+    let claims: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), "default");
+    pvs.create(&PostParams::default(), &pv("after-1").class("c").build())
+        .await
+        .unwrap();
+    claims
+        .create(
+            &PostParams::default(),
+            &pvc("default", "claim-after").class("c").build(),
+        )
+        .await
+        .unwrap();
+    eventually(LIMIT, || async {
+        let v = pvs.get("after-1").await.map_err(|e| e.to_string())?;
+        match claim_ref_managers(&v).as_slice() {
+            [] => Err("after-1 not bound yet".to_string()),
+            m if m.iter().any(|m| m == "kube-controller-manager") => Err(format!("bound by {m:?}")),
+            _ => Ok(()),
+        }
+    })
+    .await;
+    // Past the pod poll: still no conflict from either source, nothing paused.
+    tokio::time::sleep(Duration::from_secs(31)).await;
+    assert_eq!(
+        gauge(&stowage, "stowage_conflict", &[]),
+        0.0,
+        "{}",
+        stowage.log_text()
+    );
+    assert_eq!(gauge(&stowage, "stowage_conflicting_writes_total", &[]), 0.0);
+    assert_eq!(gauge(&stowage, "stowage_controllers_paused", &[]), 0.0);
+    assert!(
+        kcm.0.try_wait().unwrap().is_none(),
+        "kube-controller-manager stopped"
+    );
+}
