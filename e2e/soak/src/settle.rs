@@ -261,6 +261,8 @@ async fn find_leaks(
                 Ok(files) => leaks.extend(
                     files
                         .into_iter()
+                        // The store's marker (`stowage-controller init-image-store`) is no image.
+                        .filter(|f| f != ".stowage-image-store")
                         .filter(|f| !named.contains(f) && !reported.contains(f))
                         .map(|f| ("image no volume names".to_string(), f)),
                 ),
