@@ -13,6 +13,7 @@ mod owed;
 pub mod paths;
 pub mod probe;
 pub mod state;
+pub mod store;
 pub mod tracker;
 pub mod volumes;
 
@@ -238,6 +239,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     // Supervision, not write concurrency: one task per long-lived loop; one ending is fatal.
     let mut loops = JoinSet::new();
     loops.spawn(attacher::run(ctx.clone(), stop_rx.clone()));
+    loops.spawn(store::run(ctx.clone(), stop_rx.clone()));
     if args.kubelet_dir.is_none() {
         // Without a kubelet the agent is the node's volume manager and reports volumesInUse.
         loops.spawn(node::run(

@@ -40,6 +40,8 @@ pub struct Metrics {
     pub mount_health: IntGaugeVec,
     /// Mount probes (`stat` threads) that have not returned.
     pub probes_in_flight: IntGauge,
+    /// 1 while the image store's marker was found at the last check, else 0.
+    pub image_store_ready: IntGauge,
 }
 
 /// Label values of `observe_errors`.
@@ -146,6 +148,14 @@ impl Metrics {
                 IntGauge::new(
                     "stowage_agent_mount_probes_in_flight",
                     "Mount health probes (stat threads) that have not returned; at most one per mount.",
+                )
+                .expect("static metric definition"),
+            ),
+            image_store_ready: register(
+                registry,
+                IntGauge::new(
+                    "stowage_agent_image_store_ready",
+                    "1 while the image store's marker was found at the last check (every 10 s), else 0.",
                 )
                 .expect("static metric definition"),
             ),

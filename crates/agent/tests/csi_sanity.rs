@@ -83,6 +83,8 @@ fn csi_sanity_passes_for_mount_and_block_volumes() {
     let base = std::env::temp_dir().join(unique("stowage-csi-sanity"));
     let images = base.join("images");
     std::fs::create_dir_all(&images).unwrap();
+    // The install step (`stowage-controller init-image-store`): CreateVolume needs the marker.
+    stowage_loopdriver::ImageStore::new(&images).init().unwrap();
     let base = std::fs::canonicalize(&base).unwrap();
     let images = std::fs::canonicalize(&images).unwrap();
     let _cleanup = Cleanup {
@@ -130,6 +132,7 @@ fn csi_sanity_passes_for_mount_and_block_volumes() {
             .unwrap()
             .flatten()
             .map(|e| e.path())
+            .filter(|p| !p.ends_with(stowage_loopdriver::image::MARKER))
             .collect();
         assert!(left.is_empty(), "{access_type}: images left: {left:?}");
         let loops = String::from_utf8(Command::new("losetup").arg("-a").output().unwrap().stdout).unwrap();

@@ -221,6 +221,13 @@ async fn attach(ctx: &Ctx, va: &VolumeAttachment) -> Result<(String, String), St
         .path(&handle)
         .ok()
         .ok_or_else(|| format!("volume handle {handle:?} is not a plain file name"))?;
+    // Without the marker this directory may be an empty mount point, not the store: the image
+    // is not "missing", and the volume must not be attached from anywhere else.
+    let store = ctx.images.clone();
+    tokio::task::spawn_blocking(move || store.ready())
+        .await
+        .map_err(|e| format!("image store check failed: {e}"))?
+        .map_err(|e| format!("image store not ready: {e}"))?;
     match tokio::fs::metadata(&image).await {
         Ok(m) if m.is_file() => {}
         Ok(_) => return Err(format!("image {} is not a regular file", image.display())),

@@ -44,6 +44,8 @@ pub(crate) async fn env(prefix: &str) -> (Env, Cleanup) {
     let base = std::env::temp_dir().join(unique(&format!("stowage-agent-{prefix}")));
     let images = base.join("images");
     std::fs::create_dir_all(&images).unwrap();
+    // The install step (`stowage-controller init-image-store`): attaches need the marker.
+    stowage_loopdriver::ImageStore::new(&images).init().unwrap();
     let base = std::fs::canonicalize(&base).unwrap();
     let images = std::fs::canonicalize(&images).unwrap();
     let logs = std::env::temp_dir().join("stowage-test-logs");

@@ -6,3 +6,4 @@ mod env;
 mod faults;
 mod lifecycle;
 mod observe;
+mod store;
