@@ -237,7 +237,7 @@ impl Controller {
                     .with_label_values(&["attach", "success"])
                     .inc();
                 self.pod_events(&volume, &node, false, "SuccessfulAttachVolume", |pv| {
-                    format!("AttachVolume.Attach succeeded for volume \"{pv}\"")
+                    crate::objects::attach_succeeded_note(pv)
                 });
                 self.touch();
                 return;

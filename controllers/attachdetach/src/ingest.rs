@@ -450,7 +450,7 @@ impl Controller {
         if !self.quiet {
             if newly_attached {
                 self.pod_events(&volume, &node, false, "SuccessfulAttachVolume", |pv| {
-                    format!("Volume \"{pv}\" is attached to node {node}")
+                    crate::objects::attach_succeeded_note(pv)
                 });
             }
             if let Some(msg) = new_error {

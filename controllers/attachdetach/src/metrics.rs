@@ -29,7 +29,8 @@ pub struct Snapshot {
 struct Inventory {
     volumes: IntGaugeVec,
     /// kube-controller-manager's `attachdetach_controller_total_volumes`: the same counts by
-    /// `plugin_name` (`kubernetes.io/csi:<driver>`, as KCM names a CSI volume's plugin).
+    /// `plugin_name` (`kubernetes.io/csi:<driver>`, as KCM names a CSI volume's plugin, and
+    /// `kubernetes.io/iscsi` / `kubernetes.io/fc` for those in-tree plugins).
     kcm_volumes: IntGaugeVec,
     waiting: IntGauge,
     longest_wait: Gauge,
@@ -51,7 +52,10 @@ impl Collector for Inventory {
         self.kcm_volumes.reset();
         for ((state, driver), n) in &snap.volumes {
             self.volumes.with_label_values(&[state, driver.as_str()]).set(*n);
-            let plugin = format!("kubernetes.io/csi:{driver}");
+            let plugin = match driver.as_str() {
+                crate::translate::ISCSI_PLUGIN | crate::translate::FC_PLUGIN => driver.clone(),
+                _ => format!("kubernetes.io/csi:{driver}"),
+            };
             self.kcm_volumes
                 .with_label_values(&[plugin.as_str(), state])
                 .set(*n);
@@ -296,6 +300,8 @@ mod tests {
         let m = Metrics::new(&registry);
         let mut snap = Snapshot::default();
         snap.volumes.insert(("desired_state_of_world", "d".into()), 3);
+        snap.volumes
+            .insert(("actual_state_of_world", "kubernetes.io/iscsi".into()), 1);
         snap.waiting_since.push(Instant::now() - Duration::from_secs(5));
         m.set_snapshot(snap);
         let text = stowage_common::metrics::encode(&registry);
@@ -306,6 +312,13 @@ mod tests {
         assert!(
             text.contains(
                 "attachdetach_controller_total_volumes{plugin_name=\"kubernetes.io/csi:d\",state=\"desired_state_of_world\"} 3"
+            ),
+            "{text}"
+        );
+        // In-tree plugins are named as upstream names them, without the CSI prefix.
+        assert!(
+            text.contains(
+                "attachdetach_controller_total_volumes{plugin_name=\"kubernetes.io/iscsi\",state=\"actual_state_of_world\"} 1"
             ),
             "{text}"
         );

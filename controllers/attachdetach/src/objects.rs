@@ -42,6 +42,12 @@ pub fn attachment_name(handle: &str, driver: &str, node: &str) -> String {
     format!("csi-{}", hex::encode(h.finalize()))
 }
 
+/// Upstream's `SuccessfulAttachVolume` note, to the byte (its empty suffix leaves the trailing
+/// space), so the same greps match either controller's events.
+pub fn attach_succeeded_note(pv: &str) -> String {
+    format!("AttachVolume.Attach succeeded for volume \"{pv}\" ")
+}
+
 /// Scheduled and not finished. A pod being deleted still holds its volumes until it is gone or
 /// its phase says its containers are done (the kubelet may still be writing).
 pub fn pod_is_active(pod: &Pod) -> bool {

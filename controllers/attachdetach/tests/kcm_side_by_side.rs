@@ -2,8 +2,8 @@
 //! attach/detach controller: the same objects go to a fresh control plane once under
 //! kube-controller-manager (only `persistentvolume-attach-detach-controller`, from `e2e/bin`)
 //! and once under stowage, and the states both settle in must be the same: VolumeAttachments
-//! (name, attacher, node, source), every node's `status.volumesAttached`, and the reasons of the
-//! events on each pod. No kubelet or external attacher runs; the test plays the attacher (it sets
+//! (name, attacher, node, source), every node's `status.volumesAttached`, and the events on
+//! each pod (reason and note). No kubelet or external attacher runs; the test plays the attacher (it sets
 //! `status.attached` on every VolumeAttachment) for both.
 //!
 //! The world, one scenario per pod:
@@ -13,11 +13,14 @@
 //! - `iscsi-pod` on node-a: a claim bound to an iSCSI PV (in-tree: node status only);
 //! - `mixed-pod` on node-a: a CSI PV and an inline FC volume in one pod;
 //! - `unmigrated-pod` on node-b, whose CSINode lists no migrated plugin: a Cinder PV;
+//! - `no-csinode-pod` on node-c, which has no CSINode at all: an inline `awsElasticBlockStore`;
 //! - node-a starts with a `volumesAttached` entry of a plugin neither controller has, which its
 //!   `volumesInUse` lists (kube-controller-manager then keeps it steadily; see
 //!   docs/attachdetach.md for what it does otherwise).
 //!
-//! Then every pod is deleted and both must settle again in the same state.
+//! Then `second-pod` on node-c wants the ReadWriteOnce migrated volume `ebs-pod` holds on node-a
+//! (a multi-attach refusal), and last every pod is deleted; both must settle in the same state
+//! after each step. Event notes are compared to the byte.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
@@ -44,8 +47,8 @@ struct State {
     attachments: BTreeSet<String>,
     /// node → (unique name, device path).
     attached: BTreeMap<String, BTreeSet<(String, String)>>,
-    /// (pod, reason) of the events on pods.
-    events: BTreeSet<(String, String)>,
+    /// (pod, reason, note) of the events on pods.
+    events: BTreeSet<(String, String, String)>,
 }
 
 enum Runner {
@@ -127,7 +130,7 @@ async fn before_start(client: &Client) {
         .await
         .unwrap();
     let nodes: Api<Node> = Api::all(client.clone());
-    for name in ["node-a", "node-b"] {
+    for name in ["node-a", "node-b", "node-c"] {
         create(
             &nodes,
             json!({
@@ -265,6 +268,13 @@ async fn workload(client: &Client) {
         json!([claim_volume("cinder")]),
     )
     .await;
+    pod(
+        client,
+        "no-csinode-pod",
+        "node-c",
+        json!([{ "name": "ebs", "awsElasticBlockStore": { "volumeID": "vol-0ccc" } }]),
+    )
+    .await;
 }
 
 /// The state now; plays the external attacher on the way (every attachment becomes attached).
@@ -301,6 +311,7 @@ async fn observe(client: &Client) -> State {
             state.events.insert((
                 e.involved_object.name.unwrap_or_default(),
                 e.reason.unwrap_or_default(),
+                e.message.unwrap_or_default(),
             ));
         }
     }
@@ -326,7 +337,8 @@ async fn settle(client: &Client, done: impl Fn(&State) -> bool) -> State {
 }
 
 /// (with pods, after the pods are gone)
-async fn run(runner: Runner) -> (State, State) {
+/// (with pods, with a pod the multi-attach rule refuses, after the pods are gone)
+async fn run(runner: Runner) -> (State, State, State) {
     let cp = ControlPlane::start().expect("control plane");
     let client = cp.client().await;
     before_start(&client).await;
@@ -334,9 +346,11 @@ async fn run(runner: Runner) -> (State, State) {
     workload(&client).await;
     // Four attachments (EBS, inline PD, CSI, Cinder), all in node status, and the in-tree ones.
     let with_pods = settle(&client, |s| {
-        s.attachments.len() >= 4 && s.attached.get("node-a").is_some_and(|a| a.len() >= 6)
+        s.attachments.len() >= 5 && s.attached.get("node-a").is_some_and(|a| a.len() >= 6)
     })
     .await;
+    pod(&client, "second-pod", "node-c", json!([claim_volume("ebs")])).await;
+    let refused = settle(&client, |s| s.events.iter().any(|e| e.0 == "second-pod")).await;
     let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
     let now = DeleteParams {
         grace_period_seconds: Some(0),
@@ -346,25 +360,21 @@ async fn run(runner: Runner) -> (State, State) {
         pods.delete(&p.name_any(), &now).await.unwrap();
     }
     let after = settle(&client, |s| s.attachments.is_empty()).await;
-    (with_pods, after)
+    (with_pods, refused, after)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn in_tree_migrated_and_inline_volumes_match_kube_controller_manager() {
-    let (upstream, upstream_after) = run(Runner::Upstream).await;
-    let (stowage, stowage_after) = run(Runner::Stowage).await;
-    eprintln!("kube-controller-manager settled in {upstream:#?}\nthen {upstream_after:#?}");
+    let (upstream, upstream_refused, upstream_after) = run(Runner::Upstream).await;
+    let (stowage, stowage_refused, stowage_after) = run(Runner::Stowage).await;
+    eprintln!(
+        "kube-controller-manager settled in {upstream:#?}\nthen {upstream_refused:#?}\nthen {upstream_after:#?}"
+    );
     assert_eq!(stowage.attachments, upstream.attachments, "attachments with pods");
     assert_eq!(stowage.attached, upstream.attached, "node status with pods");
-    assert_eq!(stowage.events, upstream.events, "event reasons on pods");
-    assert_eq!(
-        stowage_after.attachments, upstream_after.attachments,
-        "attachments after"
-    );
-    assert_eq!(
-        stowage_after.attached, upstream_after.attached,
-        "node status after"
-    );
+    assert_eq!(stowage.events, upstream.events, "events on pods");
+    assert_eq!(stowage_refused, upstream_refused, "with the second pod");
+    assert_eq!(stowage_after, upstream_after, "after the pods are gone");
     // What both must show, so that agreeing on nothing cannot pass.
     let a = &stowage.attached["node-a"];
     for name in [
@@ -383,6 +393,21 @@ async fn in_tree_migrated_and_inline_volumes_match_kube_controller_manager() {
             .any(|(n, _)| n == "kubernetes.io/csi/cinder.csi.openstack.org^cinder-1"),
         "node-b: {:?}",
         stowage.attached["node-b"]
+    );
+    assert!(
+        stowage.attached["node-c"]
+            .iter()
+            .any(|(n, _)| n == "kubernetes.io/csi/ebs.csi.aws.com^vol-0ccc"),
+        "node-c: {:?}",
+        stowage.attached["node-c"]
+    );
+    assert!(
+        stowage_refused
+            .events
+            .iter()
+            .any(|(p, r, _)| p == "second-pod" && r == "FailedAttachVolume"),
+        "{:?}",
+        stowage_refused.events
     );
     assert_eq!(
         stowage_after.attached["node-a"],
