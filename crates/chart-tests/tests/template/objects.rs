@@ -139,6 +139,15 @@ async fn defaults_render_the_core_objects_only() {
         "images",
         &["mountPath: /var/lib/stowage/images"],
     );
+    // The store is the shared file system's mount point: never created on a node that lacks it.
+    for pod in [d, a] {
+        assert_entry(
+            pod,
+            "volumes",
+            "images",
+            &["hostPath:", "path: /var/lib/stowage/images", "type: Directory"],
+        );
+    }
     // Both pods use the pod network and the in-cluster apiserver address by default.
     for (what, pod) in [("controller Deployment", d), ("agent DaemonSet", a)] {
         for unwanted in ["hostNetwork", "dnsPolicy", "KUBERNETES_SERVICE_"] {
