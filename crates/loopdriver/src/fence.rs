@@ -265,6 +265,8 @@ fn fenced(msg: String) -> SysError {
 /// - MMP off: turned on (`tune2fs -O mmp`), unless the image could be mounted anywhere: a loop
 ///   device of it held on this host, or a journal that needs replaying (mounted elsewhere or
 ///   crashed; without MMP the two cannot be told apart, so it waits for a clean stage).
+/// - Clean, with this node's repair record still there: a repair that did not finish; repaired
+///   again before the mount.
 /// - "fsck": this node's own stopped repair (its record matches the block and nothing here holds
 ///   the device) is reset (`tune2fs -f -E clear_mmp`) and must be repaired again before the mount;
 ///   anything else is refused, never cleared: the tool may be running on another node.
@@ -301,12 +303,20 @@ pub async fn ready_for_write(dev: &str, image: &Path, record: &Path) -> Result<R
         }
         return Ok(Ready::Mount);
     };
+    let record_left = read_record(record).await;
+    if block.seq == Seq::Clean && record_left.is_some() {
+        // A repair of this node did not finish cleanly (its "fsck" mark was reset, or the block
+        // could not be read after it): check again before mounting.
+        tracing::warn!(
+            device = dev,
+            "an offline repair of this node did not finish; repairing again before mounting"
+        );
+        return Ok(Ready::RepairFirst);
+    }
     if block.seq != Seq::Fsck {
         return Ok(Ready::Mount);
     }
-    let own = read_record(record)
-        .await
-        .filter(|r| r.device == dev && r.matches(&block));
+    let own = record_left.filter(|r| r.device == dev && r.matches(&block));
     if own.is_some() && !held_here(dev).await {
         tracing::warn!(
             device = dev,
