@@ -50,6 +50,8 @@ wait_for() { # wait_for <what> <seconds> <command...>
 [ "$(id -u)" = 0 ] || { echo "demo: loop devices and mounts need root" >&2; exit 1; }
 cleanup; trap cleanup EXIT
 mkdir -p "$demo" "$images"
+# The install step: nothing creates, deletes or attaches images in a directory without the marker.
+"$bin/stowage-controller" init-image-store "$images"
 
 say "starting the upstream control plane (etcd + kube-apiserver $("$top/e2e/bin/kube-apiserver" --version | cut -d' ' -f2))"
 "$bin/stowage-devcluster" --dir "$demo/cp" >"$demo/cp.log" 2>&1 &

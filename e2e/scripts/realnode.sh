@@ -25,6 +25,8 @@ up() {
     echo "realnode: already up (KUBECONFIG=$KUBECONFIG)"; return
   fi
   rm -rf "$dir" && mkdir -p "$dir/images"
+  # The install step that marks the image store (docs/operator-guide.md, the image store marker).
+  "$top/target/debug/stowage-controller" init-image-store "$dir/images" >/dev/null
   # REALNODE_IMAGES: more OCI archives for every node's containerd (the storage e2e suite's).
   local extra=() img
   for img in ${REALNODE_IMAGES:-}; do extra+=(--image "$img"); done

@@ -87,6 +87,17 @@ pub async fn run(env: &Env, n: usize, bin: &Path) -> anyhow::Result<RunResult> {
     // The mount table shows canonical paths.
     let base = std::fs::canonicalize(&base)?;
     let images = std::fs::canonicalize(&images)?;
+    // The install step: the agent attaches nothing from a store without its marker.
+    let marked = std::process::Command::new(&env.setup.stowage_bin)
+        .arg("init-image-store")
+        .arg(&images)
+        .output()
+        .context("stowage-controller init-image-store")?;
+    anyhow::ensure!(
+        marked.status.success(),
+        "stowage-controller init-image-store: {}",
+        String::from_utf8_lossy(&marked.stderr)
+    );
     // Declared before the agent, so it drops after the agent stopped: unmounts and frees whatever
     // the teardown below left, also when the run fails half-way.
     let _guard = Cleanup {
