@@ -149,7 +149,8 @@ async fn alert_rules_pass_promtool() {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
-    // One behaviour test: a forced detach fires StowageDetachForced with its reason.
+    // Behaviour tests: a forced detach fires StowageDetachForced with its reason; a node without
+    // the image store's marker fires StowageImageStoreNotReady.
     let test = format!(
         r#"rule_files: [{rules}]
 evaluation_interval: 1m
@@ -170,6 +171,24 @@ tests:
       - eval_time: 1m
         alertname: StowageDetachForced
         exp_alerts: []
+  # An agent whose node lost the image store's marker; the standby controller's 0 is no alert.
+  - interval: 1m
+    input_series:
+      - series: 'stowage_agent_image_store_ready{{namespace="stowage-system",instance="node-a"}}'
+        values: '1 0 0 0 0 0 0 0'
+      - series: 'stowage_binder_image_store_ready{{namespace="stowage-system",instance="standby"}}'
+        values: '0 0 0 0 0 0 0 0'
+      - series: 'stowage_leader{{namespace="stowage-system",instance="standby"}}'
+        values: '0 0 0 0 0 0 0 0'
+    alert_rule_test:
+      - eval_time: 7m
+        alertname: StowageImageStoreNotReady
+        exp_alerts:
+          - exp_labels: {{severity: critical, namespace: stowage-system, instance: node-a}}
+            exp_annotations:
+              summary: The image store is not ready on node-a
+              description: The marker /var/lib/stowage/images/.stowage-image-store is missing there; claims wait, deletions wait and nothing is attached until the store is mounted (or, on a new install, marked with stowage-controller init-image-store).
+              runbook_url: docs/operator-guide.md#the-image-store-marker
 "#,
         rules = file.display()
     );
