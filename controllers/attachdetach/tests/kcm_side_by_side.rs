@@ -78,6 +78,8 @@ async fn start(runner: &Runner, cp: &ControlPlane, client: &Client) -> Running {
             let registry = stowage_common::metrics::Registry::new();
             let cluster =
                 stowage_common::informers::Informers::start(client.clone(), registry.clone(), &mut tasks);
+            // As stowage-controller does: controllers start once the stores are filled.
+            cluster.ready().await;
             let metrics = stowage_attachdetach::Metrics::new(&registry);
             let config = stowage_attachdetach::Config {
                 resync: Duration::from_secs(5),
