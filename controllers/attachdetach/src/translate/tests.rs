@@ -259,3 +259,65 @@ proptest! {
         }
     }
 }
+
+proptest! {
+    /// Whatever the source, a target's unique name is one the controller manages, of the kind
+    /// its attach needs, and splits back into the driver (or plugin) and handle it was made of:
+    /// what node status and the actual state key on stays consistent with what was attached.
+    #[test]
+    fn targets_name_themselves_consistently(
+        id in "[a-z0-9]{1,8}",
+        zone in proptest::option::of("[a-z]{2}-[a-z]{4}[0-9]-[a-c]"),
+        lun in 0..256i32,
+        which in 0..5usize,
+    ) {
+        let mut spec = PersistentVolumeSpec::default();
+        let mut labels = Vec::new();
+        match which {
+            0 => spec.aws_elastic_block_store = Some(v1::AWSElasticBlockStoreVolumeSource {
+                volume_id: format!("aws://zone/vol-{id}"),
+                ..Default::default()
+            }),
+            1 => {
+                spec.gce_persistent_disk = Some(v1::GCEPersistentDiskVolumeSource {
+                    pd_name: id.clone(),
+                    ..Default::default()
+                });
+                if let Some(z) = &zone {
+                    labels.push(("topology.kubernetes.io/zone", z.as_str()));
+                }
+            }
+            2 => spec.cinder = Some(v1::CinderPersistentVolumeSource {
+                volume_id: id.clone(),
+                ..Default::default()
+            }),
+            3 => spec.iscsi = Some(v1::ISCSIPersistentVolumeSource {
+                target_portal: format!("10.0.0.1:{lun}"),
+                iqn: format!("iqn.2001-04.com.example:{id}"),
+                lun,
+                ..Default::default()
+            }),
+            _ => spec.fc = Some(v1::FCVolumeSource {
+                target_wwns: Some(vec![id.clone()]),
+                lun: Some(lun),
+                ..Default::default()
+            }),
+        }
+        let t = target(&labels, spec);
+        let name = t.unique_name();
+        prop_assert!(is_managed_name(&name));
+        match t.kind {
+            Kind::InTree => {
+                prop_assert!(!is_csi_name(&name));
+                prop_assert_eq!(split_in_tree_name(&name), Some((t.driver.as_str(), t.handle.as_str())));
+            }
+            _ => {
+                prop_assert!(is_csi_name(&name));
+                prop_assert_eq!(
+                    crate::objects::split_unique_volume_name(&name),
+                    Some((t.driver.as_str(), t.handle.as_str()))
+                );
+            }
+        }
+    }
+}
