@@ -114,8 +114,9 @@ pub struct Marker {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum NotReady {
     #[error(
-        "image store {dir} has no marker {MARKER}: the shared file system may not be mounted here; \
-         if this directory is the image store, run `stowage-controller init-image-store {dir}` once"
+        "image store {dir} has no marker {MARKER}: the shared file system may not be mounted here \
+         (mount it), or, on a new install, it was never marked (run `stowage-controller \
+         init-image-store {dir}` once where it is mounted)"
     )]
     NoMarker { dir: String },
     #[error("image store {dir}: cannot read {MARKER}: {error}")]
