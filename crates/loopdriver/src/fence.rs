@@ -225,12 +225,13 @@ pub async fn repair(
     .await
     .map_err(|e| ("repair record", e))?;
     let result = async {
-        sys::fsck_ext_to_end(e2fsck, dev)
-            .await
-            .map_err(|e| ("e2fsck", e))?;
-        sys::resize2fs_to_end(resize2fs, dev)
-            .await
-            .map_err(|e| ("resize2fs", e))
+        if let Err(e) = sys::fsck_ext_to_end(e2fsck, dev).await {
+            return Err(("e2fsck", explain_tool_failure(dev, e).await));
+        }
+        if let Err(e) = sys::resize2fs_to_end(resize2fs, dev).await {
+            return Err(("resize2fs", explain_tool_failure(dev, e).await));
+        }
+        Ok(())
     }
     .await;
     let left_fsck = match read(dev).await {
@@ -332,6 +333,31 @@ pub async fn ready_for_write(dev: &str, image: &Path, record: &Path) -> Result<R
          `tune2fs -f -E clear_mmp`",
         block.node, block.device, block.updated
     )))
+}
+
+/// Explains a failed offline tool on `dev`: e2fsprogs refuse to open a file system whose MMP
+/// number moves (mounted read-write elsewhere), which is multi-mount protection at work.
+async fn explain_tool_failure(dev: &str, err: SysError) -> SysError {
+    if !matches!(err, SysError::Failed { .. }) {
+        return err;
+    }
+    match read(dev).await {
+        Ok(Protection {
+            mmp:
+                Some(
+                    block @ MmpBlock {
+                        seq: Seq::Live(_), ..
+                    },
+                ),
+            ..
+        }) => fenced(format!(
+            "the offline check of {dev} was refused: the file system is mounted read-write elsewhere \
+             (another node, or another loop device of the image); its MMP block was last updated by \
+             {:?} through {:?} at {}. It is checked once that mount is gone ({err})",
+            block.node, block.device, block.updated
+        )),
+        _ => err,
+    }
 }
 
 /// Explains a failed mount of `dev`: when MMP is on and its number is not clean, the kernel

@@ -182,7 +182,8 @@ fn protection(image: &Path) -> fence::Protection {
 
 /// The driver's own format gives MMP; while node A has the volume mounted read-write, node B's
 /// read-write stage through its own loop device is refused, FailedPrecondition naming
-/// multi-mount protection; once A unstages (a clean unmount), B's stage mounts at once.
+/// multi-mount protection, and so is its offline check of the grown volume; once A unstages (a
+/// clean unmount), B's stage checks, grows and mounts it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_loop_device_cannot_mount_the_image_until_the_first_mount_is_gone() {
     let s = Scratch::new("second");
@@ -215,14 +216,39 @@ async fn a_second_loop_device_cannot_mount_the_image_until_the_first_mount_is_go
     );
     eprintln!("second read-write mount refused after {refused_after:?}");
 
-    // Node A unmounts cleanly: node B's stage goes through without waiting, and sees A's data.
+    // Grown meanwhile: node B's stage must check and grow it offline first, which e2fsck refuses
+    // while A's mount keeps the MMP block moving; said the same way.
+    ctrl.controller_expand_volume(Request::new(ControllerExpandVolumeRequest {
+        volume_id: "v".into(),
+        capacity_range: Some(CapacityRange {
+            required_bytes: 128 << 20,
+            limit_bytes: 0,
+        }),
+        ..Default::default()
+    }))
+    .await
+    .unwrap();
+    let e = stage(&s, &b, "v", Mode::SingleNodeWriter, Some(&other))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e}");
+    assert!(
+        e.message().contains("multi-mount protection") && e.message().contains("offline check"),
+        "{e}"
+    );
+
+    // Node A unmounts cleanly: node B's stage goes through (its offline growth waits only for
+    // e2fsprogs' own MMP checks), and sees A's data.
     unstage(&s, &a, "v").await;
     assert_eq!(protection(&image).mmp.unwrap().seq, Seq::Clean);
     let started = Instant::now();
     stage(&s, &b, "v", Mode::SingleNodeWriter, Some(&other))
         .await
         .unwrap();
-    eprintln!("mount after a clean unmount took {:?}", started.elapsed());
+    eprintln!(
+        "stage after a clean unmount, with an offline check and grow, took {:?}",
+        started.elapsed()
+    );
     assert_eq!(
         std::fs::read(staging(&s, &b, "v").join("data")).unwrap(),
         b"written through node A"
