@@ -18,6 +18,9 @@
 //!   `volumesInUse` lists (kube-controller-manager then keeps it steadily; see
 //!   docs/attachdetach.md for what it does otherwise).
 //!
+//! - node-b and node-c start with iSCSI attachments no pod wants, node-c's still in use: the
+//!   first goes, the second stays (the unmount wait).
+//!
 //! Then `second-pod` on node-c wants the ReadWriteOnce migrated volume `ebs-pod` holds on node-a
 //! (a multi-attach refusal), and last every pod is deleted; both must settle in the same state
 //! after each step. Event notes are compared to the byte.
@@ -40,6 +43,9 @@ const LIMIT: Duration = Duration::from_secs(90);
 const QUIET: Duration = Duration::from_secs(4);
 /// An entry of a plugin neither controller has (in-tree EBS was removed in v1.27).
 const FOREIGN: &str = "kubernetes.io/aws-ebs/aws://us-east-1a/vol-legacy";
+/// iSCSI attachments from before the controller started, unused and still in use.
+const ISCSI_STALE: &str = "kubernetes.io/iscsi/10.0.0.9:3260:iqn.2003-01.org.example:stale:0";
+const ISCSI_BUSY: &str = "kubernetes.io/iscsi/10.0.0.9:3260:iqn.2003-01.org.example:busy:0";
 
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 struct State {
@@ -144,12 +150,17 @@ async fn before_start(client: &Client) {
         let ready = json!([{ "type": "Ready", "status": "True",
             "lastHeartbeatTime": "2026-01-01T00:00:00Z", "lastTransitionTime": "2026-01-01T00:00:00Z",
             "reason": "KubeletReady", "message": "ready" }]);
-        let status = if name == "node-a" {
-            json!({ "status": { "conditions": ready,
+        // What a previous controller left: node-b an iSCSI attachment no pod wants and the node
+        // no longer uses, node-c one it still uses.
+        let status = match name {
+            "node-a" => json!({ "status": { "conditions": ready,
                 "volumesAttached": [{ "name": FOREIGN, "devicePath": "/dev/xvdz" }],
-                "volumesInUse": [FOREIGN] } })
-        } else {
-            json!({ "status": { "conditions": ready } })
+                "volumesInUse": [FOREIGN] } }),
+            "node-b" => json!({ "status": { "conditions": ready,
+                "volumesAttached": [{ "name": ISCSI_STALE, "devicePath": "" }] } }),
+            _ => json!({ "status": { "conditions": ready,
+                "volumesAttached": [{ "name": ISCSI_BUSY, "devicePath": "" }],
+                "volumesInUse": [ISCSI_BUSY] } }),
         };
         nodes
             .patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
@@ -410,6 +421,16 @@ async fn in_tree_migrated_and_inline_volumes_match_kube_controller_manager() {
             .any(|(p, r, _)| p == "second-pod" && r == "FailedAttachVolume"),
         "{:?}",
         stowage_refused.events
+    );
+    assert!(
+        !stowage.attached["node-b"].iter().any(|(n, _)| n == ISCSI_STALE),
+        "the unused iSCSI attachment went"
+    );
+    assert!(
+        stowage_after.attached["node-c"]
+            .iter()
+            .any(|(n, _)| n == ISCSI_BUSY),
+        "the used one stays"
     );
     assert_eq!(
         stowage_after.attached["node-a"],
