@@ -234,8 +234,26 @@ async fn attach(ctx: &Ctx, va: &VolumeAttachment) -> Result<(String, String), St
         Err(e) => return Err(format!("image file {} of volume {pv_name}: {e}", image.display())),
     }
     let existing = sys::loops_of(&image).await.map_err(|e| e.to_string())?;
-    if let Some(dev) = existing.into_iter().next() {
-        return Ok((dev, handle));
+    if !existing.is_empty() {
+        // A device of the image is adopted (an attach this node made before a restart) unless
+        // it is mounted outside this node's root: then it is someone else's (an admin's mount;
+        // another node's where one kernel plays several), and sharing its file system would go
+        // around multi-mount protection. This node attaches its own device instead, and MMP
+        // keeps the two mounts apart.
+        let table = mountinfo::read()
+            .await
+            .map_err(|e| format!("cannot read the mount table: {e}"))?;
+        for dev in existing {
+            let Some(devno) = sys::rdev(Path::new(&dev)).await else {
+                continue;
+            };
+            let foreign = table
+                .iter()
+                .any(|m| m.devno == devno && !m.mount_point.starts_with(&ctx.layout.root));
+            if !foreign {
+                return Ok((dev, handle));
+            }
+        }
     }
     // A volume several nodes may hold (ReadOnlyMany only) gets a read-only device, so no node's
     // kernel can write the shared image, whatever a pod or a mount asks.
