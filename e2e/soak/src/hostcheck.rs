@@ -2,6 +2,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
+use std::sync::Mutex;
 
 use crate::cluster::Roots;
 use crate::host;
@@ -38,7 +39,11 @@ pub(crate) fn check_device_mounts(record: &Record, roots: &Roots) {
 /// No image is backed by two loop devices at once: two devices are two writers of one file
 /// system, whichever nodes they belong to (the attachment and mount checks see only what the API
 /// and the mount table say). Matched by inode on the image store's own file system.
-pub(crate) fn check_image_devices(record: &Record, images: &Path) {
+///
+/// Except a partitioned node's device (`fenced`): its kernel keeps it while another node attaches
+/// the image, as a real one would, and multi-mount protection is what keeps the second device
+/// from being mounted (the mount check above still applies, and the partition's own check).
+pub(crate) fn check_image_devices(record: &Record, images: &Path, fenced: &Mutex<BTreeSet<String>>) {
     let twice = match host::loop_devices().and_then(|d| Ok(host::images_on_two_devices(images, &d)?)) {
         Ok(t) => t,
         Err(e) => {
@@ -47,7 +52,13 @@ pub(crate) fn check_image_devices(record: &Record, images: &Path) {
         }
     };
     record.checks("single-writer-loop-device", 1);
+    let fenced = fenced.lock().unwrap_or_else(|p| p.into_inner()).clone();
     for (image, devices) in twice {
+        let unfenced = devices.iter().filter(|d| !fenced.contains(*d)).count();
+        if unfenced <= 1 && devices.len() == 2 {
+            record.checks("partitioned-device-fenced", 1);
+            continue;
+        }
         record.violation(
             &format!("loop2:{image}:{devices:?}"),
             "image backed by two loop devices",
@@ -57,7 +68,7 @@ pub(crate) fn check_image_devices(record: &Record, images: &Path) {
 }
 
 /// The host checks, once.
-pub(crate) fn check_host(record: &Record, roots: &Roots, images: &Path) {
+pub(crate) fn check_host(record: &Record, roots: &Roots, images: &Path, fenced: &Mutex<BTreeSet<String>>) {
     check_device_mounts(record, roots);
-    check_image_devices(record, images);
+    check_image_devices(record, images, fenced);
 }

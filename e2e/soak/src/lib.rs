@@ -222,6 +222,18 @@ async fn drive(opts: &Options, dir: &Path, record: Arc<Record>, env: &mut Env) -
     let procs = Procs::new(log_dir.clone(), record.clone());
     env.procs = Some(procs.clone());
     let (controller_bin, agent_bin) = tokio::task::spawn_blocking(cluster::binaries).await?;
+    // The install step that marks the shared store as the image store (controllers refuse to
+    // create or delete images in a directory without its marker).
+    let out = std::process::Command::new(&controller_bin)
+        .arg("init-image-store")
+        .arg(&images)
+        .output()
+        .context("stowage-controller init-image-store")?;
+    anyhow::ensure!(
+        out.status.success(),
+        "stowage-controller init-image-store failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     for i in 0..opts.controllers {
         let id = format!("controller-{}", (b'a' + i as u8) as char);
         procs.add(
@@ -298,6 +310,7 @@ async fn drive(opts: &Options, dir: &Path, record: Arc<Record>, env: &mut Env) -
         max_claims: opts.max_claims,
         stopping: Default::default(),
         followups: Default::default(),
+        fenced: Default::default(),
     });
     env.ctx = Some(ctx.clone());
     env.tasks
@@ -315,13 +328,16 @@ async fn drive(opts: &Options, dir: &Path, record: Arc<Record>, env: &mut Env) -
         }));
     }
     {
-        let (record, roots, images) = (record.clone(), roots.clone(), images.clone());
+        let (record, roots, images, fenced) =
+            (record.clone(), roots.clone(), images.clone(), ctx.fenced.clone());
         env.tasks.push(tokio::spawn(async move {
             loop {
                 tokio::time::sleep(Duration::from_secs(1)).await;
-                let (record, roots, images) = (record.clone(), roots.clone(), images.clone());
+                let (record, roots, images, fenced) =
+                    (record.clone(), roots.clone(), images.clone(), fenced.clone());
                 // losetup and the mount table are blocking reads.
-                let _ = tokio::task::spawn_blocking(move || check_host(&record, &roots, &images)).await;
+                let _ =
+                    tokio::task::spawn_blocking(move || check_host(&record, &roots, &images, &fenced)).await;
             }
         }));
     }
@@ -364,7 +380,7 @@ async fn drive(opts: &Options, dir: &Path, record: Arc<Record>, env: &mut Env) -
     })
     .await;
     observer.judge();
-    check_host(&record, &roots, &images);
+    check_host(&record, &roots, &images, &ctx.fenced);
     if let Ok(lease) = Api::<Lease>::namespaced(client.clone(), LEASE_NS)
         .get(LEASE)
         .await

@@ -38,7 +38,8 @@ fn three_minute_soak_keeps_every_invariant_and_leaks_nothing() {
     }
     // The run did work worth judging: data written and read back across pod starts and moves,
     // volumes grown while mounted and followed to their new size, nodes drained and shut down
-    // (the workload forces the last three when the dice did not), and each invariant evaluated.
+    // and partitioned (the workload forces the last four when the dice did not), and each
+    // invariant evaluated.
     for op in [
         "create-claim",
         "start-pod",
@@ -49,6 +50,7 @@ fn three_minute_soak_keeps_every_invariant_and_leaks_nothing() {
         "expansion-finished",
         "drain",
         "out-of-service-taint",
+        "partition",
     ] {
         assert!(
             c.operations.get(op).copied().unwrap_or(0) >= 1,
@@ -63,6 +65,7 @@ fn three_minute_soak_keeps_every_invariant_and_leaks_nothing() {
         "single-writer-mount",
         "single-writer-loop-device",
         "pattern-intact",
+        "partition-fenced",
         "fs-uuid-unchanged",
         "fs-grown-with-claim",
         "expansion-reached-size",

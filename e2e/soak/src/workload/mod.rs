@@ -1,7 +1,7 @@
 //! The seeded workload: claims of every class come and go, pods start on a node (the agent mounts
 //! their volume; the soak then reads the pattern the previous pod left and writes the next one
-//! through the mounted path), move between nodes, volumes grow online, nodes are drained or shut
-//! down with the out-of-service taint. The soak also plays the scheduler (selected-node,
+//! through the mounted path), move between nodes, volumes grow online, nodes are drained, shut
+//! down or partitioned (agent stopped, mounts kept) with the out-of-service taint. The soak also plays the scheduler (selected-node,
 //! `spec.nodeName`) and the external provisioner of the external-driver classes.
 //!
 //! `claims` creates, grows and deletes claims, `pods` starts, moves and verifies pods, `nodes`
@@ -162,6 +162,9 @@ pub struct Ctx {
     pub stopping: AtomicBool,
     /// Follow-up tasks (uncordon, node back) to await before quiescence.
     pub followups: Mutex<Vec<tokio::task::JoinHandle<()>>>,
+    /// Loop devices a partitioned node still holds (its mounts left in place): another node may
+    /// attach their images meanwhile, multi-mount protection keeping it from mounting them.
+    pub fenced: Arc<Mutex<BTreeSet<String>>>,
 }
 
 impl Ctx {
@@ -230,10 +233,11 @@ pub async fn run(ctx: Arc<Ctx>, mut rng: Rng, until: tokio::time::Instant) {
 
 /// Operations every run must show, however the dice fall, with the share of the churn after
 /// which one is forced while none has happened yet (and its preconditions hold).
-const MUST: [(&str, f64); 3] = [
+const MUST: [(&str, f64); 4] = [
     ("expand-online", 0.15),
     ("drain", 0.25),
     ("out-of-service-taint", 0.45),
+    ("partition", 0.60),
 ];
 
 fn forced(ctx: &Ctx, rng: &mut Rng, progress: f64, near_end: bool) -> Option<Op> {
@@ -260,6 +264,10 @@ fn forced(ctx: &Ctx, rng: &mut Rng, progress: f64, near_end: bool) -> Option<Op>
             // As in `choose`: a node leaves only while another takes its pods.
             _ if near_end || schedulable.len() < 2 || !w.down.is_empty() => None,
             "drain" => rng.pick(&schedulable).cloned().map(Op::Drain),
+            "partition" => rng
+                .pick(&partitionable(&w, &schedulable))
+                .cloned()
+                .map(Op::Partition),
             _ => rng.pick(&schedulable).cloned().map(Op::OutOfService),
         };
         if op.is_some() {
@@ -267,6 +275,16 @@ fn forced(ctx: &Ctx, rng: &mut Rng, progress: f64, near_end: bool) -> Option<Op>
         }
     }
     None
+}
+
+/// Schedulable nodes with a verified pod on a loop volume (data written through their mount,
+/// whose generation is known): a partition of one of them has something to fence.
+fn partitionable(w: &World, schedulable: &[String]) -> Vec<String> {
+    schedulable
+        .iter()
+        .filter(|n| nodes::partition_subject(w, n).is_some())
+        .cloned()
+        .collect()
 }
 
 /// A loop claim with a volume, below the largest size the soak asks for.
@@ -294,6 +312,7 @@ enum Op {
     DeleteClaim(String),
     Drain(String),
     OutOfService(String),
+    Partition(String),
 }
 
 fn choose(ctx: &Ctx, rng: &mut Rng, near_end: bool) -> Option<Op> {
@@ -357,6 +376,9 @@ fn choose(ctx: &Ctx, rng: &mut Rng, near_end: bool) -> Option<Op> {
         if let Some(n) = rng.pick(&schedulable) {
             menu.push((2, Op::OutOfService(n.clone())));
         }
+        if let Some(n) = rng.pick(&partitionable(&w, &schedulable)) {
+            menu.push((1, Op::Partition(n.clone())));
+        }
     }
     let total: u64 = menu.iter().map(|(w, _)| *w).sum();
     if total == 0 {
@@ -393,6 +415,7 @@ async fn execute(ctx: &Arc<Ctx>, rng: &mut Rng, op: Op) {
         Op::DeleteClaim(c) => claims::delete_claim(ctx, &c).await,
         Op::Drain(n) => nodes::drain(ctx, rng, &n).await,
         Op::OutOfService(n) => nodes::out_of_service(ctx, rng, &n).await,
+        Op::Partition(n) => nodes::partition(ctx, rng, &n).await,
     }
 }
 

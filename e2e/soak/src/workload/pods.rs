@@ -134,7 +134,7 @@ pub(super) async fn move_pod(ctx: &Arc<Ctx>, rng: &mut Rng, name: &str) -> bool 
 }
 
 /// Where the agent mounts `volume` for `pod` (the kubelet's layout under the node's root dir).
-fn pod_volume_dir(ctx: &Ctx, pod: &PodRef, volume: &str) -> PathBuf {
+pub(super) fn pod_volume_dir(ctx: &Ctx, pod: &PodRef, volume: &str) -> PathBuf {
     ctx.roots[&pod.node]
         .join("pods")
         .join(&pod.uid)
