@@ -254,3 +254,37 @@ async fn an_attachment_that_already_exists_is_adopted() {
         0.0
     );
 }
+
+/// Entries of `status.volumesAttached` the controller does not manage (a plugin it does not have)
+/// survive every status write it makes: one the node had before the controller started and does
+/// not list in `volumesInUse`, and one another writer adds while the controller runs. Before,
+/// the first write replaced the list and both were gone.
+#[tokio::test]
+async fn entries_of_other_plugins_survive_every_node_status_write() {
+    let w = World::with_one_volume().await;
+    let legacy = (
+        "kubernetes.io/aws-ebs/aws://us-east-1a/vol-old".to_string(),
+        "/dev/xvdf".to_string(),
+    );
+    let flex = ("flexvolume-example.com/nfs/share".to_string(), String::new());
+    let entry = |(name, path): &(String, String)| json!({ "name": name, "devicePath": path });
+    w.node_status("node-a", json!({ "volumesAttached": [entry(&legacy)] }))
+        .await;
+    let _c = Controller::start(&w.client, Config::default());
+    w.attached_pod("app", "vol-1", "node-a", "/dev/loop3").await;
+    let ours = (unique_volume_name(DRIVER, "vol-1"), "/dev/loop3".to_string());
+    let mut want = vec![legacy.clone(), ours.clone()];
+    want.sort();
+    w.wait_node_attached("node-a", want).await;
+    // Another writer adds an entry of its own while the controller runs.
+    w.node_status(
+        "node-a",
+        json!({ "volumesAttached": [entry(&legacy), entry(&ours), entry(&flex)] }),
+    )
+    .await;
+    w.delete_pod("app").await;
+    w.wait_no_va("vol-1", "node-a").await;
+    let mut want = vec![legacy, flex];
+    want.sort();
+    w.wait_node_attached("node-a", want).await;
+}
