@@ -23,6 +23,15 @@ struct Args {
     /// address.
     #[arg(long, default_value_t = 1, requires = "real_node")]
     nodes: usize,
+    /// With --real-node: kube-controller-manager's `--controllers`; `*` keeps its own storage
+    /// controllers (for runs compared with stowage's). Default: without the five stowage replaces.
+    #[arg(long, requires = "real_node")]
+    kcm_controllers: Option<String>,
+    /// With --real-node: also run the loop driver as the third-party driver ext.loop.stowage.dev
+    /// over this image store: its node plugin on every node, its controller plugin and the
+    /// upstream external-provisioner and external-attacher (`make sidecars`) beside node 1.
+    #[arg(long, requires = "real_node")]
+    external_driver_images: Option<PathBuf>,
 }
 
 fn main() {
@@ -40,7 +49,25 @@ fn main() {
         cp.kubeconfig().display()
     );
     let cluster = if args.real_node {
-        match stowage_testkit::realnode::RealNode::start_cluster(&cp, &args.images, args.nodes) {
+        let kcm = args
+            .kcm_controllers
+            .as_deref()
+            .unwrap_or(stowage_testkit::realnode::KCM_CONTROLLERS);
+        let started =
+            stowage_testkit::realnode::RealNode::start_cluster_with_kcm(&cp, &args.images, args.nodes, kcm)
+                .and_then(|c| {
+                    if let Some(images) = &args.external_driver_images {
+                        use stowage_testkit::realnode::external;
+                        // stowage-agent is built beside this binary.
+                        let exe = std::env::current_exe()?;
+                        let bins =
+                            external::Binaries::find(exe.parent().unwrap_or(std::path::Path::new(".")))?;
+                        external::start(c.nodes(), &cp.kubeconfig(), images, &bins)?;
+                        println!("{} served beside the nodes", external::DRIVER);
+                    }
+                    Ok(c)
+                });
+        match started {
             Ok(c) => {
                 for n in c.nodes() {
                     let netns = n.netns().map(|ns| format!(", netns {ns}")).unwrap_or_default();

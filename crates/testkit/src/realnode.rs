@@ -26,6 +26,7 @@ use crate::process::{free_port, spawn_tied, stop};
 pub use nodens::HOST_IP;
 use nodens::Isolation;
 
+pub mod external;
 mod nodens;
 
 /// The first node's name, and its bearer token (`system:node:realnode` in `system:nodes`, so the
@@ -143,11 +144,21 @@ impl RealNode {
     /// Starts `nodes` nodes (1 or 2), each Ready before this returns; `cp` must have been started
     /// for as many (`ControlPlane::start_for_nodes`).
     pub fn start_cluster(cp: &ControlPlane, images: &[PathBuf], nodes: usize) -> anyhow::Result<Cluster> {
+        Self::start_cluster_with_kcm(cp, images, nodes, KCM_CONTROLLERS)
+    }
+
+    /// `start_cluster`, with KCM running `kcm_controllers` (see `start_with_kcm`).
+    pub fn start_cluster_with_kcm(
+        cp: &ControlPlane,
+        images: &[PathBuf],
+        nodes: usize,
+        kcm_controllers: &str,
+    ) -> anyhow::Result<Cluster> {
         if !(1..=MAX_NODES).contains(&nodes) {
             bail!("a real cluster has 1 to {MAX_NODES} nodes, not {nodes}");
         }
         let mut cluster = Cluster {
-            nodes: vec![Self::start(cp, images)?],
+            nodes: vec![Self::start_with_kcm(cp, images, kcm_controllers)?],
         };
         for index in 1..nodes {
             let shared = cluster.nodes[0].kubelet_dir.clone();
@@ -232,7 +243,7 @@ impl RealNode {
     }
 
     /// `program` in the node's namespaces.
-    fn command(&self, program: impl AsRef<std::ffi::OsStr>) -> Command {
+    pub(crate) fn command(&self, program: impl AsRef<std::ffi::OsStr>) -> Command {
         match &self.isolation {
             Some(iso) => iso.command(program),
             None => Command::new(program),
