@@ -78,8 +78,10 @@ impl Executor {
         let h = handle.clone();
         let made = tokio::task::spawn_blocking(move || {
             // An image made in a directory that is not the store (an unmounted shared file
-            // system's empty mount point) would hold the volume's data on the wrong disk.
-            store.ready()?;
+            // system's empty mount point) would hold the volume's data on the wrong disk. Read
+            // uncached: a store unmounted since the last check must not get one (a deletion or
+            // an attach in that window finds no image and re-reads the marker instead).
+            store.ready_now()?;
             // A size no file offset can express is refused here, never rounded or truncated.
             let size = u64::try_from(capacity).map_err(|_| loopdev::ImageError::Io {
                 path: store.dir().join(format!("{h}.img")),

@@ -231,7 +231,14 @@ async fn attach(ctx: &Ctx, va: &VolumeAttachment) -> Result<(String, String), St
     match tokio::fs::metadata(&image).await {
         Ok(m) if m.is_file() => {}
         Ok(_) => return Err(format!("image {} is not a regular file", image.display())),
-        Err(e) => return Err(format!("image file {} of volume {pv_name}: {e}", image.display())),
+        Err(e) => {
+            // Missing since a cached check: the store may have just been unmounted; say so.
+            let store = ctx.images.clone();
+            if let Ok(Err(not_ready)) = tokio::task::spawn_blocking(move || store.ready_now()).await {
+                return Err(format!("image store not ready: {not_ready}"));
+            }
+            return Err(format!("image file {} of volume {pv_name}: {e}", image.display()));
+        }
     }
     let existing = sys::loops_of(&image).await.map_err(|e| e.to_string())?;
     if !existing.is_empty() {

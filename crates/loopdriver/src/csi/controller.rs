@@ -74,8 +74,8 @@ impl ControllerService {
 
     /// Refuses while the image store's marker is missing (`ImageStore::ready`): `Unavailable`,
     /// which the caller retries, since the store may yet be mounted.
-    async fn store_ready(&self) -> Result<(), Status> {
-        self.blocking(|s| s.ready())
+    async fn store_ready(&self, uncached: bool) -> Result<(), Status> {
+        self.blocking(move |s| if uncached { s.ready_now() } else { s.ready() })
             .await?
             .map(|_| ())
             .map_err(|e| Status::unavailable(format!("image store not ready: {e}")))
@@ -111,7 +111,8 @@ impl Controller for ControllerService {
         let range = req.capacity_range;
         let size = size_for(range.as_ref())?;
         let _guard = self.locks.try_lock(&name)?;
-        self.store_ready().await?;
+        // Uncached: no new image on a store unmounted since the last check.
+        self.store_ready(true).await?;
         let id = name.clone();
         let existing = self
             .blocking(move |s| match s.size(&id) {
@@ -161,7 +162,7 @@ impl Controller for ControllerService {
         let _guard = self.locks.try_lock(&id)?;
         // Without the marker an image "already gone" may be on a store not mounted here: the
         // caller would forget a volume whose data still exists.
-        self.store_ready().await?;
+        self.store_ready(false).await?;
         // An image still behind a loop device is in use on this host: deleting it would leave
         // the device serving an unlinked file until it is freed.
         let loops = crate::sys::loops_of(&path)
@@ -179,6 +180,9 @@ impl Controller for ControllerService {
             .map_err(image_status)?;
         if removed {
             tracing::info!(volume = %req.volume_id, "deleted image");
+        } else {
+            // "Already gone" from a store unmounted since the last check is not gone.
+            self.store_ready(true).await?;
         }
         Ok(Response::new(DeleteVolumeResponse {}))
     }
@@ -396,7 +400,22 @@ mod tests {
             Code::Ok
         );
         assert!(dir.path().join("v.img").exists());
-        assert_eq!(code(s.delete_volume(Request::new(del)).await).await, Code::Ok);
+        assert_eq!(
+            code(s.delete_volume(Request::new(del.clone())).await).await,
+            Code::Ok
+        );
+        // Unmounted a moment ago, the marker still cached as found: creation reads it again, and
+        // so does a deletion that finds no image.
+        std::fs::remove_file(dir.path().join(crate::image::MARKER)).unwrap();
+        assert_eq!(
+            code(s.create_volume(Request::new(create("w", 0, 0))).await).await,
+            Code::Unavailable
+        );
+        assert!(!dir.path().join("w.img").exists());
+        assert_eq!(
+            code(s.delete_volume(Request::new(del)).await).await,
+            Code::Unavailable
+        );
     }
 
     fn create(name: &str, required: i64, limit: i64) -> CreateVolumeRequest {
