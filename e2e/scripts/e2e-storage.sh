@@ -13,13 +13,21 @@
 #      skipped, time) to e2e/results/storage-<time>/, print the summary, take the cluster down.
 # Environment: E2E_NODES (2), E2E_PROCS (3), E2E_SUBSET=1 (only the tests of
 # e2e/storage/subset.txt, as make test runs them), E2E_FOCUS (a regex narrowing the focus further),
-# E2E_RESULTS (the results dir). Exit status: the suite's. Root is needed.
+# E2E_RESULTS (the results dir), E2E_DRIVER (loop.stowage.dev, or ext.loop.stowage.dev: the loop
+# driver as a third-party driver behind the upstream sidecars, e2e/storage/<driver>.yaml),
+# E2E_CONTROLLERS (stowage, or kcm: kube-controller-manager's own storage controllers, stowage's
+# controller scaled to zero; for side-by-side runs). Exit status: the suite's. Root is needed.
 set -euo pipefail
 top=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$top"
 nodes=${E2E_NODES:-2}
 procs=${E2E_PROCS:-3}
-results=${E2E_RESULTS:-$top/e2e/results/storage-$(date -u +%Y%m%dT%H%M%SZ)}
+driver_name=${E2E_DRIVER:-loop.stowage.dev}
+controllers=${E2E_CONTROLLERS:-stowage}
+tag=""
+[ "$driver_name" != loop.stowage.dev ] && tag="$tag-$driver_name"
+[ "$controllers" != stowage ] && tag="$tag-$controllers"
+results=${E2E_RESULTS:-$top/e2e/results/storage$tag-$(date -u +%Y%m%dT%H%M%SZ)}
 mkdir -p "$results"
 start=$(date +%s)
 
@@ -30,8 +38,8 @@ bin="$top/e2e/storage/bin"
 
 # The driver definition as the machine allows: without CAP_SYS_RESOURCE (bit 24 of the effective
 # set) the kernel refuses to grow a mounted ext4, so online expansion is not claimed here.
-driver="$results/loop.stowage.dev.yaml"
-cp e2e/storage/loop.stowage.dev.yaml "$driver"
+driver="$results/$driver_name.yaml"
+cp "e2e/storage/$driver_name.yaml" "$driver"
 capeff=$(awk '/^CapEff:/ {print $2}' /proc/self/status)
 if (( (16#$capeff >> 24 & 1) == 0 )); then
   sed -i 's/^\(\s*onlineExpansion:\) true/\1 false/' "$driver"
@@ -51,6 +59,8 @@ fi
 archives=()
 for f in target/image/e2e-*.oci.tar; do archives+=("$f"); done
 export REALNODE_NODES=$nodes REALNODE_IMAGES="${archives[*]}"
+[ "$driver_name" = ext.loop.stowage.dev ] && export REALNODE_EXTERNAL=1
+[ "$controllers" = kcm ] && export REALNODE_KCM=storage
 trap './e2e/scripts/realnode.sh down >/dev/null 2>&1 || true' EXIT
 ./e2e/scripts/realnode.sh up
 export KUBECONFIG=$top/.realnode/kubeconfig
@@ -68,7 +78,7 @@ done
 [ "$missing" = 0 ] || exit 1
 
 kubelet_dir=$(sed -n 's/^agent: {mode: csi, kubeletDir: \([^,]*\),.*/\1/p' .realnode/values.yaml)
-focus='External.Storage.*loop\.stowage\.dev'
+focus="External.Storage.*Driver: ${driver_name//./\\.}\\]"
 if [ "${E2E_SUBSET:-0}" = 1 ]; then
   focus="$focus.*($(grep -v '^#' e2e/storage/subset.txt | paste -sd'|'))"
 fi

@@ -9,6 +9,10 @@
 #                      cgroups, processes)
 #   realnode.sh demo   up, a claim and a pod that writes to it, the state printed, then down
 # KUBECONFIG=.realnode/kubeconfig afterwards. Root is required.
+# REALNODE_EXTERNAL=1 also serves the loop driver as the third-party driver ext.loop.stowage.dev
+# (node plugins, controller plugin, the upstream external-provisioner and external-attacher;
+# docs/csi.md) and creates its CSIDriver. REALNODE_KCM=storage keeps kube-controller-manager's own
+# storage controllers and scales stowage-controller to zero: the same cluster under KCM's.
 set -euo pipefail
 top=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$top"
@@ -30,6 +34,8 @@ up() {
   # REALNODE_IMAGES: more OCI archives for every node's containerd (the storage e2e suite's).
   local extra=() img
   for img in ${REALNODE_IMAGES:-}; do extra+=(--image "$img"); done
+  [ "${REALNODE_EXTERNAL:-0}" = 1 ] && extra+=(--external-driver-images "$dir/images")
+  [ "${REALNODE_KCM:-}" = storage ] && extra+=(--kcm-controllers '*')
   setsid "$top/target/debug/stowage-devcluster" --dir "$dir" --real-node --nodes "$nodes" \
     --image target/image/busybox.oci.tar --image target/image/pause.oci.tar \
     --image target/image/curl.oci.tar \
@@ -55,6 +61,19 @@ storageClass: {create: true, default: true, name: loop, volumeBindingMode: WaitF
 tests: {image: {repository: localhost/curl, tag: stowage, pullPolicy: Never}, hostNetwork: true}
 VALUES
   ./e2e/scripts/helm.sh install st charts/stowage -n stowage --create-namespace -f "$dir/values.yaml" --wait --timeout 3m >/dev/null
+  # KCM's storage controllers run: stowage's must not (the chart keeps one replica at least).
+  if [ "${REALNODE_KCM:-}" = storage ]; then
+    "$kubectl" scale deployment st-stowage-controller -n stowage --replicas=0 >/dev/null
+    "$kubectl" rollout status deployment st-stowage-controller -n stowage --timeout=60s >/dev/null
+  fi
+  if [ "${REALNODE_EXTERNAL:-0}" = 1 ]; then
+    "$kubectl" apply -f - >/dev/null <<'YAML'
+apiVersion: storage.k8s.io/v1
+kind: CSIDriver
+metadata: {name: ext.loop.stowage.dev}
+spec: {attachRequired: true, podInfoOnMount: false, fsGroupPolicy: File, volumeLifecycleModes: [Persistent]}
+YAML
+  fi
   "$kubectl" get nodes -o wide
   "$kubectl" get pods -n stowage -o wide
   echo "realnode: up ($nodes node(s)); export KUBECONFIG=$KUBECONFIG (e2e/bin/kubectl)"
