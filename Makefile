@@ -59,6 +59,12 @@ test: deps controlplane csi-sanity promtool storage-e2e-suite sidecars ## Run un
 	@start=$$(date +%s); E2E_SUBSET=1 ./e2e/scripts/e2e-storage.sh && \
 	  echo "storage e2e subset: $$(( $$(date +%s) - start ))s"
 
+.PHONY: test-versions
+test-versions: deps controlplane ## The controllers' apiserver integration tests against older Kubernetes (K8S_VERSIONS, default every e2e/versions/<minor>)
+	@# Each minor's kube-apiserver, kube-controller-manager and kubectl are built once and cached
+	@# (e2e/scripts/build-controlplane-version.sh); logs in e2e/results/versions/.
+	CARGO=$(CARGO) ./e2e/scripts/test-versions.sh $(K8S_VERSIONS)
+
 .PHONY: image
 image: deps ## Build the OCI image archive target/image/stowage-<version>.oci.tar offline (Debian packages + release binaries)
 	@./e2e/scripts/image.sh
