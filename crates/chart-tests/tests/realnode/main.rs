@@ -104,9 +104,51 @@ async fn a_kubelet_runs_pods_on_loop_volumes_installed_by_helm() {
     k.show("0: helm test passed and left no claim, volume or attachment behind");
 
     // 1. WaitForFirstConsumer: claim + pod → provisioned on the pod's node, attached, staged and
-    //    published by the kubelet through the agent; the pod writes a file.
+    //    published by the kubelet through the agent; the pod writes a file. First without the
+    //    image store's marker (as on a node where the shared file system is not mounted): no
+    //    image, ImageStoreNotReady on the claim and on the Node, the controller's gauge at 0;
+    //    then the marker is back and everything goes on by itself.
+    let marker = images.join(stowage_loopdriver::image::MARKER);
+    let saved = std::fs::read(&marker).unwrap();
+    std::fs::remove_file(&marker).unwrap();
     k.apply(&claim("data", "loop", "ReadWriteOnce"));
     k.apply(&pod("writer", "data"));
+    poll(|| {
+        let seen = k.event_objects("ImageStoreNotReady");
+        match seen.contains("PersistentVolumeClaim/data") && seen.contains(&format!("Node/{NODE_NAME}")) {
+            true => Ok(()),
+            false => Err(format!(
+                "ImageStoreNotReady events on {seen:?}; the claim:\n{}",
+                k.run(&["describe", "pvc", "-n", NS, "data"])
+                    .unwrap_or_else(|e| e)
+            )),
+        }
+    });
+    let controller_pod = k.must(&[
+        "get",
+        "pods",
+        "-n",
+        "stowage",
+        "-l",
+        "app.kubernetes.io/component=controller",
+        "-o",
+        "jsonpath={.items[0].metadata.name}:{.items[0].spec.containers[0].ports[?(@.name==\"metrics\")].containerPort}",
+    ]);
+    let m = k
+        .metrics(&format!(
+            "/api/v1/namespaces/stowage/pods/{}/proxy/metrics",
+            controller_pod.trim()
+        ))
+        .unwrap();
+    assert_eq!(m.sum("stowage_binder_image_store_ready"), 0.0);
+    let made: Vec<_> = std::fs::read_dir(&images)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
+    assert!(made.is_empty(), "images made on an unmarked store: {made:?}");
+    k.show("1a: no marker, no image; ImageStoreNotReady on the claim and the Node");
+    std::fs::write(&marker, saved).unwrap();
     k.wait(&["pod", "-n", NS, "writer"], "{.status.phase}", "Running");
     k.wait(&["pvc", "-n", NS, "data"], "{.status.phase}", "Bound");
     let pv = k.must(&[

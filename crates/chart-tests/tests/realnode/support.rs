@@ -99,6 +99,21 @@ impl Kubectl {
         scrape::parse(&self.run(&["get", "--raw", path])?)
     }
 
+    /// The `kind/name` of every object with an Event of `reason`, one a line.
+    pub fn event_objects(&self, reason: &str) -> String {
+        let selector = format!("reason={reason}");
+        self.run(&[
+            "get",
+            "events",
+            "-A",
+            "--field-selector",
+            &selector,
+            "-o",
+            "jsonpath={range .items[*]}{.involvedObject.kind}/{.involvedObject.name}{\"\\n\"}{end}",
+        ])
+        .unwrap_or_default()
+    }
+
     /// Waits until the pod's log holds `want` (what its command printed about its volume).
     pub fn wait_logs(&self, pod: &str, want: &str) {
         poll(|| {
@@ -168,8 +183,9 @@ pub fn rollout(k: &Kubectl, what: &str, logs: impl Fn() -> String) {
         });
 }
 
-/// A control plane of its own for a real cluster of `nodes` nodes, and its image store: the guard
-/// removes the images, and the loop devices over them, before the control plane goes.
+/// A control plane of its own for a real cluster of `nodes` nodes, and its image store, marked as
+/// an install marks it (`stowage-controller init-image-store`): the guard removes the images, and
+/// the loop devices over them, before the control plane goes.
 pub async fn control_plane(nodes: usize) -> (ControlPlane, PathBuf, Cleanup) {
     let cp = tokio::task::spawn_blocking(move || ControlPlane::start_for_nodes(nodes))
         .await
@@ -177,6 +193,7 @@ pub async fn control_plane(nodes: usize) -> (ControlPlane, PathBuf, Cleanup) {
         .unwrap();
     let images = cp.dir().join("images");
     std::fs::create_dir_all(&images).unwrap();
+    stowage_loopdriver::ImageStore::new(&images).init().unwrap();
     let cleanup = Cleanup {
         base: images.clone(),
         images: images.clone(),
