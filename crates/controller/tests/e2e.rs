@@ -116,6 +116,18 @@ async fn the_demo_scenario_through_kubectl_and_metrics() {
     let base = std::env::temp_dir().join(stowage_testkit::unique("stowage-e2e"));
     let images = base.join("images");
     std::fs::create_dir_all(&images).unwrap();
+    // The install step: nothing creates, deletes or attaches images without the store's marker.
+    let marked = std::process::Command::new(env!("CARGO_BIN_EXE_stowage-controller"))
+        .arg("init-image-store")
+        .arg(&images)
+        .output()
+        .unwrap();
+    assert!(
+        marked.status.success(),
+        "{}",
+        String::from_utf8_lossy(&marked.stderr)
+    );
+    assert!(String::from_utf8_lossy(&marked.stdout).contains("marked as the image store"));
     // Dropped last: after the processes below have stopped.
     let _cleanup = Cleanup {
         base: base.clone(),
