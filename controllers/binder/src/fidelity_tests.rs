@@ -420,6 +420,11 @@ mod sync {
             )),
             "{out:?}"
         );
+        // The scheduler is about to update the claim (PreBind): no condition write races it.
+        assert!(
+            !out.iter().any(|a| matches!(a, Action::ClaimCondition { .. })),
+            "{out:?}"
+        );
         let out = sync_claim(&c, &cache(&[], std::slice::from_ref(&c)), &with(&no_pods));
         assert!(
             events(&out).iter().any(|(_, r, _)| *r == "WaitForFirstConsumer"),

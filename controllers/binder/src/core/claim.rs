@@ -32,7 +32,12 @@ pub fn sync_claim(claim: &PersistentVolumeClaim, cache: &Cache, env: &Env) -> Ve
         )),
         _ => None,
     });
+    // A claim whose pod waits for the scheduler is about to be updated by it (VolumeBinding's
+    // PreBind sets selected-node): a condition write now would make that update conflict and
+    // the pod's scheduling fail once. The Event says what it waits for; the condition keeps the
+    // reason it had.
     if let Some((reason, message)) = why
+        && reason != "WaitForPodScheduled"
         && pending_condition(claim) != Some((reason, message.as_str()))
     {
         out.push(Action::ClaimCondition {
