@@ -30,6 +30,15 @@ pub(crate) fn binary(name: &str) -> anyhow::Result<PathBuf> {
     Ok(p)
 }
 
+/// The minor of a kube-apiserver binary (`--version` prints `Kubernetes v1.37.2`); 0 if unknown.
+fn apiserver_minor(bin: &Path) -> u32 {
+    let out = Command::new(bin).arg("--version").output();
+    let text = out.map(|o| String::from_utf8_lossy(&o.stdout).into_owned());
+    text.ok()
+        .and_then(|t| t.split('.').nth(1).and_then(|m| m.trim().parse().ok()))
+        .unwrap_or(0)
+}
+
 /// The admin bearer token of every test control plane (loopback only, thrown away with it).
 const ADMIN_TOKEN: &str = "stowage-admin-token";
 
@@ -114,7 +123,7 @@ impl ControlPlane {
         }
         std::fs::write(dir.join("tokens.csv"), tokens)?;
         let d = |f: &str| dir.join(f).display().to_string();
-        let apiserver_cmd = vec![
+        let mut apiserver_cmd = vec![
             apiserver_bin.display().to_string(),
             format!("--etcd-servers=http://127.0.0.1:{client_port}"),
             match node_host {
@@ -139,6 +148,12 @@ impl ControlPlane {
             "--profiling=false".into(),
             "--v=0".into(),
         ];
+        // From v1.37 the lease endpoint reconciler refuses a loopback advertise address. Only
+        // the version matrix runs v1.37, without real nodes: no pod reads the endpoints of the
+        // `kubernetes` Service it would keep.
+        if node_host == "127.0.0.1" && apiserver_minor(&apiserver_bin) >= 37 {
+            apiserver_cmd.push("--endpoint-reconciler-type=none".into());
+        }
         write_kubeconfig(&dir, port)?;
         let cp = Self {
             dir,
