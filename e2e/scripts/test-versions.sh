@@ -26,8 +26,18 @@ for m in "${minors[@]}"; do
   log="e2e/results/versions/$m.log"
   start=$(date +%s)
   echo "test-versions: $version ($log)"
+  # e2e/versions/<minor>/skip: tests whose oracle (that minor's kube-controller-manager) differs
+  # from v1.36 by an upstream change; each is printed with its reason.
+  skips=()
+  if [ -f "e2e/versions/$m/skip" ]; then
+    while read -r name reason; do
+      case "$name" in '' | '#'*) continue ;; esac
+      echo "test-versions: $version skips $name: $reason"
+      skips+=(--skip "$name")
+    done <"e2e/versions/$m/skip"
+  fi
   STOWAGE_CONTROLPLANE_BIN="$here/e2e/versions/$m/bin" \
-    "$cargo" test "${args[@]}" --no-fail-fast --test '*' >"$log" 2>&1
+    "$cargo" test "${args[@]}" --no-fail-fast --test '*' -- "${skips[@]}" >"$log" 2>&1
   rc=$?
   [ "$rc" = 0 ] || status=1
   passed=$(grep -oE '^test result: .*' "$log" | grep -oE '[0-9]+ passed' | awk '{s+=$1} END {print s+0}')
