@@ -105,6 +105,8 @@ fn generate(yaml: &str) -> String {
          helm install stowage charts/stowage --namespace stowage-system --create-namespace\n\
          helm test stowage --namespace stowage-system   # controller /readyz; a claim of the chart's class, if any, binds\n\
          ```\n\n\
+         Kubernetes v1.34 to v1.37 (`kubeVersion`); what is tested on each: [Supported Kubernetes\n\
+         versions](../../docs/operator-guide.md#supported-kubernetes-versions).\n\n\
          `values.schema.json` refuses unknown keys. The table below is generated from `values.yaml`\n\
          by `crates/chart-tests/tests/readme.rs` (`STOWAGE_BLESS=1` rewrites it).\n\n\
          ## Values\n\n\
