@@ -81,12 +81,20 @@ app.kubernetes.io/component: agent
 {{- end }}
 {{- end }}
 
+{{/* The controller's metrics port: the secure one when controller.securePort is set. */}}
+{{- define "stowage.controller.metricsPort" -}}
+{{- if gt (int .Values.controller.securePort) 0 }}{{ .Values.controller.securePort }}{{ else }}{{ .Values.controller.metricsPort }}{{ end }}
+{{- end }}
+
 {{/* prometheus.io/* pod annotations for annotation-based scrape discovery. */}}
 {{- define "stowage.scrapeAnnotations" -}}
 {{- if .root.Values.metrics.podAnnotations }}
 prometheus.io/scrape: "true"
 prometheus.io/port: {{ .port | quote }}
 prometheus.io/path: /metrics
+{{- if .secure }}
+prometheus.io/scheme: https
+{{- end }}
 {{- end }}
 {{- end }}
 

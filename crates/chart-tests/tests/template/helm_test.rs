@@ -136,7 +136,7 @@ async fn helm_test_checks_readyz_and_a_claim_of_the_class() {
             // The apiserver's certificate is checked against the cluster's CA.
             "name: kube-root-ca.crt",
             r#"curl -sS --fail-with-body --cacert "$secrets/ca.crt""#,
-            "services/$SERVICE:metrics/proxy/readyz",
+            "services/$PROXY/proxy/readyz",
         ],
     );
     assert!(!pod.contains("hostNetwork"), "{pod}");

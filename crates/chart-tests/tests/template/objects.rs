@@ -274,3 +274,92 @@ async fn host_network_and_apiserver_reach_both_pods() {
         assert_entry(pod, "env", "KUBERNETES_SERVICE_PORT", &[r#"value: "443""#]);
     }
 }
+
+#[tokio::test]
+async fn the_secure_port_replaces_plain_metrics_everywhere_it_is_read() {
+    let helm = Helm::new(None);
+    let values = helm.values(
+        "secure.yaml",
+        r#"
+controller:
+  securePort: 10257
+metrics:
+  podAnnotations: true
+  serviceMonitor:
+    enabled: true
+    jobLabel: app.kubernetes.io/component
+    relabelings:
+      - targetLabel: cluster
+        replacement: prod
+    metricRelabelings:
+      - sourceLabels: [__name__]
+        regex: go_.*
+        action: drop
+"#,
+    );
+    let m = render(&helm, &["-f", values.to_str().unwrap()]).await.unwrap();
+    let d = doc(&m, "Deployment", "st-stowage-controller");
+    assert_has(
+        d,
+        "controller Deployment",
+        &[
+            "- --secure-port=10257",
+            "- --metrics-bind-address=0",
+            "containerPort: 10257",
+            "scheme: HTTPS",
+            r#"prometheus.io/port: "10257""#,
+            "prometheus.io/scheme: https",
+        ],
+    );
+    assert!(!d.contains("0.0.0.0:8080"), "no plain metrics port: {d}");
+    assert_has(
+        doc(&m, "Service", "st-stowage-controller-metrics"),
+        "controller metrics Service",
+        &["port: 10257", "targetPort: metrics"],
+    );
+    let sm = doc(&m, "ServiceMonitor", "st-stowage-controller");
+    assert_has(
+        sm,
+        "controller ServiceMonitor",
+        &[
+            "jobLabel: app.kubernetes.io/component",
+            "scheme: https",
+            "bearerTokenFile: /var/run/secrets/kubernetes.io/serviceaccount/token",
+            "insecureSkipVerify: true",
+            "targetLabel: cluster",
+            "action: drop",
+        ],
+    );
+    // The agent keeps plain HTTP (it has no secure port) but takes the same relabelings.
+    let agent_sm = doc(&m, "ServiceMonitor", "st-stowage-agent");
+    assert!(!agent_sm.contains("scheme: https"), "{agent_sm}");
+    assert_has(agent_sm, "agent ServiceMonitor", &["targetLabel: cluster"]);
+    assert_has(
+        doc(&m, "ClusterRoleBinding", "st-stowage-controller-auth-delegator"),
+        "auth delegation",
+        &["name: system:auth-delegator", "name: st-stowage-controller"],
+    );
+    assert_has(
+        doc(&m, "ClusterRole", "st-stowage-metrics-reader"),
+        "metrics reader",
+        &[r#"nonResourceURLs: ["/metrics"]"#],
+    );
+    // helm test asks /readyz through the service proxy over TLS, and may only do that.
+    assert!(
+        m.contains(r#"resourceNames: ["https:st-stowage-controller-metrics:metrics"]"#),
+        "{m}"
+    );
+    assert!(
+        m.contains(r#"value: "https:st-stowage-controller-metrics:metrics""#),
+        "{m}"
+    );
+
+    // Off (the default): none of it.
+    let plain = render(&helm, &[]).await.unwrap();
+    assert!(!plain.contains("--secure-port"), "{plain}");
+    assert!(!plain.contains("auth-delegator"), "{plain}");
+    assert!(
+        plain.contains(r#"resourceNames: ["st-stowage-controller-metrics:metrics"]"#),
+        "{plain}"
+    );
+}
