@@ -66,6 +66,31 @@ fn claim_ref_managers(pv: &PersistentVolume) -> Vec<String> {
         .collect()
 }
 
+/// A PV and a claim of class `c` that match, as an admin makes them for static binding.
+async fn static_pair(client: &kube::Client, volume: &str, claim: &str) {
+    Api::<PersistentVolume>::all(client.clone())
+        .create(&PostParams::default(), &pv(volume).class("c").build())
+        .await
+        .unwrap();
+    Api::<PersistentVolumeClaim>::namespaced(client.clone(), "default")
+        .create(&PostParams::default(), &pvc("default", claim).class("c").build())
+        .await
+        .unwrap();
+}
+
+/// Waits until `volume` is bound, and by stowage: kube-controller-manager owns no claimRef.
+async fn bound_by_stowage(pvs: &Api<PersistentVolume>, volume: &str) {
+    eventually(LIMIT, || async {
+        let v = pvs.get(volume).await.map_err(|e| e.to_string())?;
+        match claim_ref_managers(&v).as_slice() {
+            [] => Err(format!("{volume} not bound yet")),
+            m if m.iter().any(|m| m == "kube-controller-manager") => Err(format!("bound by {m:?}")),
+            _ => Ok(()),
+        }
+    })
+    .await;
+}
+
 /// kubeadm's static kube-controller-manager pod as the apiserver shows it, with `controllers` as
 /// its `--controllers`. It never runs (no such node); what it says is the evidence.
 async fn kcm_pod(client: &kube::Client, controllers: &str) -> Api<Pod> {
@@ -168,17 +193,7 @@ async fn a_rival_binder_is_reported_and_pauses_stowage_until_it_is_gone() {
     // The real kube-controller-manager binds a pair while stowage's binder is paused.
     let mut kcm = real_kcm(&cp, "persistentvolume-binder-controller");
     let pvs: Api<PersistentVolume> = Api::all(client.clone());
-    let claims: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), "default");
-    pvs.create(&PostParams::default(), &pv("rival-1").class("c").build())
-        .await
-        .unwrap();
-    claims
-        .create(
-            &PostParams::default(),
-            &pvc("default", "claim-1").class("c").build(),
-        )
-        .await
-        .unwrap();
+    static_pair(&client, "rival-1", "claim-1").await;
     until_gauge(
         &stowage,
         "stowage_conflicting_writes_total",
@@ -226,26 +241,8 @@ async fn a_rival_binder_is_reported_and_pauses_stowage_until_it_is_gone() {
     .unwrap();
     until_gauge(&stowage, "stowage_controllers_paused", &[], |v| v == 0.0).await;
     until_gauge(&stowage, "stowage_conflict", &[], |v| v == 0.0).await;
-    pvs.create(&PostParams::default(), &pv("own-2").class("c").build())
-        .await
-        .unwrap();
-    claims
-        .create(
-            &PostParams::default(),
-            &pvc("default", "claim-2").class("c").build(),
-        )
-        .await
-        .unwrap();
-    eventually(LIMIT, || async {
-        let v = pvs.get("own-2").await.map_err(|e| e.to_string())?;
-        let managers = claim_ref_managers(&v);
-        match managers.as_slice() {
-            [] => Err("own-2 not bound yet".to_string()),
-            m if m.iter().any(|m| m == "kube-controller-manager") => Err(format!("bound by {m:?}")),
-            _ => Ok(()),
-        }
-    })
-    .await;
+    static_pair(&client, "own-2", "claim-2").await;
+    bound_by_stowage(&pvs, "own-2").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -481,26 +478,8 @@ async fn the_documented_kcm_flag_leaves_the_storage_controllers_to_stowage() {
     );
 
     let pvs: Api<PersistentVolume> = Api::all(client.clone());
-    let claims: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), "default");
-    pvs.create(&PostParams::default(), &pv("after-1").class("c").build())
-        .await
-        .unwrap();
-    claims
-        .create(
-            &PostParams::default(),
-            &pvc("default", "claim-after").class("c").build(),
-        )
-        .await
-        .unwrap();
-    eventually(LIMIT, || async {
-        let v = pvs.get("after-1").await.map_err(|e| e.to_string())?;
-        match claim_ref_managers(&v).as_slice() {
-            [] => Err("after-1 not bound yet".to_string()),
-            m if m.iter().any(|m| m == "kube-controller-manager") => Err(format!("bound by {m:?}")),
-            _ => Ok(()),
-        }
-    })
-    .await;
+    static_pair(&client, "after-1", "claim-after").await;
+    bound_by_stowage(&pvs, "after-1").await;
     // Past the pod poll: still no conflict from either source, nothing paused.
     tokio::time::sleep(Duration::from_secs(31)).await;
     assert_eq!(
