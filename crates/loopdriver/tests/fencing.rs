@@ -22,65 +22,8 @@ use stowage_loopdriver::csi::v1::*;
 use stowage_loopdriver::fence::{self, Seq};
 use tonic::{Code, Request};
 
-/// A scratch dir whose mounts and loop devices are released however the test ends.
-struct Scratch {
-    base: PathBuf,
-}
-
-impl Scratch {
-    fn new(name: &str) -> Self {
-        let base = std::env::temp_dir().join(format!("stowage-fence-{name}-{}", std::process::id()));
-        std::fs::create_dir_all(base.join("images")).unwrap();
-        ImageStore::new(base.join("images")).init().unwrap();
-        Self {
-            base: std::fs::canonicalize(&base).unwrap(),
-        }
-    }
-
-    fn mounts(&self) -> Vec<PathBuf> {
-        let table = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
-        let mut v: Vec<PathBuf> = table
-            .lines()
-            .filter_map(|l| l.split(' ').nth(4))
-            .map(PathBuf::from)
-            .filter(|p| p.starts_with(&self.base))
-            .collect();
-        v.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
-        v
-    }
-
-    fn loops(&self) -> Vec<String> {
-        let out = Command::new("losetup").arg("-a").output().unwrap();
-        String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .filter(|l| l.contains(self.base.to_str().unwrap()))
-            .filter_map(|l| l.split(':').next().map(String::from))
-            .collect()
-    }
-
-    /// Another loop device of the image, as a second node's attacher would make.
-    fn attach(&self, image: &Path) -> String {
-        let out = Command::new("losetup")
-            .args(["--find", "--show"])
-            .arg(image)
-            .output()
-            .unwrap();
-        assert!(out.status.success(), "{out:?}");
-        String::from_utf8_lossy(&out.stdout).trim().to_string()
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        for m in self.mounts() {
-            let _ = Command::new("umount").arg("-l").arg(&m).status();
-        }
-        for d in self.loops() {
-            let _ = Command::new("losetup").arg("-d").arg(&d).status();
-        }
-        let _ = std::fs::remove_dir_all(&self.base);
-    }
-}
+mod support;
+use support::Scratch;
 
 /// One node's driver over the scratch dir's shared image store.
 fn node(s: &Scratch, name: &str, repairs: OfflineRepairs) -> NodeService {
@@ -186,7 +129,7 @@ fn protection(image: &Path) -> fence::Protection {
 /// clean unmount), B's stage checks, grows and mounts it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_loop_device_cannot_mount_the_image_until_the_first_mount_is_gone() {
-    let s = Scratch::new("second");
+    let s = Scratch::new("fence", "second");
     let ctrl = controller(&s);
     let a = node(&s, "node-a", OfflineRepairs::default());
     let b = node(&s, "node-b", OfflineRepairs::default());
@@ -260,7 +203,7 @@ async fn a_second_loop_device_cannot_mount_the_image_until_the_first_mount_is_go
 /// read-only one (which does not write to the image at all).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_older_image_gets_mmp_at_its_next_read_write_stage_only() {
-    let s = Scratch::new("older");
+    let s = Scratch::new("fence", "older");
     let ctrl = controller(&s);
     let a = node(&s, "node-a", OfflineRepairs::default());
     create(&ctrl, "v", 64 << 20).await;
@@ -291,7 +234,7 @@ async fn an_older_image_gets_mmp_at_its_next_read_write_stage_only() {
 /// MMP, repairs again and mounts the grown file system.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_repair_stopped_halfway_is_reset_only_by_the_node_that_ran_it() {
-    let s = Scratch::new("stopped");
+    let s = Scratch::new("fence", "stopped");
     // e2fsck that, the first time, stands for one killed halfway: an e2fsprogs tool (debugfs,
     // which stays open until told to quit: no race with a fast check) opens the device
     // read-write, writes "fsck" to MMP as every such tool does, and is SIGKILLed.

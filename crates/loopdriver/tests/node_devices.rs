@@ -19,55 +19,8 @@ use stowage_loopdriver::csi::v1::volume_capability::{AccessMode, AccessType, Blo
 use stowage_loopdriver::csi::v1::*;
 use tonic::{Code, Request};
 
-/// A scratch dir whose mounts and loop devices are released however the test ends.
-struct Scratch {
-    base: PathBuf,
-}
-
-impl Scratch {
-    fn new(name: &str) -> Self {
-        let base = std::env::temp_dir().join(format!("stowage-node-{name}-{}", std::process::id()));
-        std::fs::create_dir_all(base.join("images")).unwrap();
-        // Marked as an installed store is, so the controller service creates and deletes.
-        ImageStore::new(base.join("images")).init().unwrap();
-        Self {
-            base: std::fs::canonicalize(&base).unwrap(),
-        }
-    }
-
-    fn mounts(&self) -> Vec<PathBuf> {
-        let table = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
-        let mut v: Vec<PathBuf> = table
-            .lines()
-            .filter_map(|l| l.split(' ').nth(4))
-            .map(PathBuf::from)
-            .filter(|p| p.starts_with(&self.base))
-            .collect();
-        v.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
-        v
-    }
-
-    fn loops(&self) -> Vec<String> {
-        let out = Command::new("losetup").arg("-a").output().unwrap();
-        String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .filter(|l| l.contains(self.base.to_str().unwrap()))
-            .filter_map(|l| l.split(':').next().map(String::from))
-            .collect()
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        for m in self.mounts() {
-            let _ = Command::new("umount").arg("-l").arg(&m).status();
-        }
-        for d in self.loops() {
-            let _ = Command::new("losetup").arg("-d").arg(&d).status();
-        }
-        let _ = std::fs::remove_dir_all(&self.base);
-    }
-}
+mod support;
+use support::Scratch;
 
 struct Driver {
     node: NodeService,
@@ -81,7 +34,7 @@ fn driver(name: &str) -> Driver {
 
 /// A driver whose offline repairs `repairs` makes (given the scratch dir).
 fn driver_with(name: &str, repairs: impl FnOnce(&Path) -> OfflineRepairs) -> Driver {
-    let s = Scratch::new(name);
+    let s = Scratch::new("node", name);
     let images = ImageStore::new(s.base.join("images"));
     let locks = VolumeLocks::default();
     Driver {
@@ -480,7 +433,7 @@ fn libc_erofs() -> i32 {
 
 #[tokio::test]
 async fn a_device_is_matched_to_its_image_by_inode_and_after_deletion_by_name() {
-    let s = Scratch::new("backs");
+    let s = Scratch::new("node", "backs");
     let img = s.base.join("images/v.img");
     let other = s.base.join("images/w.img");
     for p in [&img, &other] {
@@ -508,7 +461,7 @@ async fn a_device_is_matched_to_its_image_by_inode_and_after_deletion_by_name() 
 #[tokio::test]
 async fn a_detach_returns_only_once_the_kernel_has_freed_a_device_held_open() {
     use stowage_loopdriver::sys::{backing_file, loop_attach, loop_detach_within};
-    let s = Scratch::new("held");
+    let s = Scratch::new("node", "held");
     let img = s.base.join("images/v.img");
     std::fs::write(&img, vec![0u8; 1 << 20]).unwrap();
     let dev = loop_attach(&img, false).await.unwrap();
