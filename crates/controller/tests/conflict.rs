@@ -191,7 +191,7 @@ async fn a_rival_binder_is_reported_and_pauses_stowage_until_it_is_gone() {
     paused_by_flags(&client, &stowage, "persistentvolume-binder-controller").await;
 
     // The real kube-controller-manager binds a pair while stowage's binder is paused.
-    let mut kcm = real_kcm(&cp, "persistentvolume-binder-controller");
+    let kcm = real_kcm(&cp, "persistentvolume-binder-controller");
     let pvs: Api<PersistentVolume> = Api::all(client.clone());
     static_pair(&client, "rival-1", "claim-1").await;
     until_gauge(
@@ -231,15 +231,7 @@ async fn a_rival_binder_is_reported_and_pauses_stowage_until_it_is_gone() {
     .await;
 
     // Both gone: after the quiet period stowage's binder runs again and binds the next pair.
-    let _ = kcm.0.kill();
-    let _ = kcm.0.wait();
-    pods.delete(
-        "kube-controller-manager-cp0",
-        &DeleteParams::default().grace_period(0),
-    )
-    .await
-    .unwrap();
-    until_gauge(&stowage, "stowage_controllers_paused", &[], |v| v == 0.0).await;
+    rival_gone(kcm, &pods, &stowage).await;
     until_gauge(&stowage, "stowage_conflict", &[], |v| v == 0.0).await;
     static_pair(&client, "own-2", "claim-2").await;
     bound_by_stowage(&pvs, "own-2").await;
@@ -313,7 +305,7 @@ async fn a_rival_attach_detach_controller_is_reported_and_stowage_takes_over() {
         .unwrap();
 
     // kube-controller-manager creates the VolumeAttachment while stowage's attach/detach waits.
-    let mut kcm = real_kcm(&cp, "persistentvolume-attach-detach-controller");
+    let kcm = real_kcm(&cp, "persistentvolume-attach-detach-controller");
     let vas: Api<VolumeAttachment> = Api::all(client.clone());
     let va = eventually(LIMIT, || async {
         let list = vas
@@ -359,15 +351,7 @@ async fn a_rival_attach_detach_controller_is_reported_and_stowage_takes_over() {
 
     // kube-controller-manager goes; stowage resumes and takes over the attachment it left: once
     // the attacher reports it attached, stowage lists it in the Node's status.
-    let _ = kcm.0.kill();
-    let _ = kcm.0.wait();
-    pods.delete(
-        "kube-controller-manager-cp0",
-        &DeleteParams::default().grace_period(0),
-    )
-    .await
-    .unwrap();
-    until_gauge(&stowage, "stowage_controllers_paused", &[], |v| v == 0.0).await;
+    rival_gone(kcm, &pods, &stowage).await;
     let attached = json!({"status": {"attached": true}});
     vas.patch_status(&va.name_any(), &PatchParams::default(), &Patch::Merge(attached))
         .await
@@ -389,6 +373,19 @@ async fn a_rival_attach_detach_controller_is_reported_and_stowage_takes_over() {
         }
     })
     .await;
+}
+
+/// The rival goes: its process stops and its pod is deleted; stowage, paused until then, resumes
+/// once the quiet period has passed.
+async fn rival_gone(kcm: Guard, pods: &Api<Pod>, stowage: &Running) {
+    drop(kcm);
+    pods.delete(
+        "kube-controller-manager-cp0",
+        &DeleteParams::default().grace_period(0),
+    )
+    .await
+    .unwrap();
+    until_gauge(stowage, "stowage_controllers_paused", &[], |v| v == 0.0).await;
 }
 
 /// Kills kube-controller-manager when the test ends, also on failure.
