@@ -145,6 +145,9 @@ pub struct World {
     pub cordoned: BTreeSet<String>,
     /// Nodes whose agent is held down (out-of-service).
     pub down: BTreeSet<String>,
+    /// Claims whose new pod is watched for the fence of a partitioned node: the churn neither
+    /// deletes them nor their pod meanwhile, or the refusal it waits for could never come.
+    pub fence_watched: BTreeSet<String>,
     pub(super) next_id: u64,
     /// Classes still to be created once before the choice is random.
     pub(super) class_order: Vec<usize>,
@@ -293,13 +296,19 @@ fn growable(c: &ClaimState) -> bool {
 }
 
 /// The claims the churn may delete: all but the first grown loop claim, kept as the witness the
-/// end check of expansions (`expansion-reached-size`) needs whichever claims the dice pick.
-fn deletable(claims: &BTreeMap<String, ClaimState>) -> Vec<String> {
-    let witness = claims
+/// end check of expansions (`expansion-reached-size`) needs whichever claims the dice pick, and
+/// but those a partition's fence watch follows.
+fn deletable(w: &World) -> Vec<String> {
+    let witness = w
+        .claims
         .iter()
         .find(|(_, c)| CLASSES[c.class].looped && c.sizes_mi.len() > 1)
         .map(|(n, _)| n);
-    claims.keys().filter(|n| Some(*n) != witness).cloned().collect()
+    w.claims
+        .keys()
+        .filter(|n| Some(*n) != witness && !w.fence_watched.contains(*n))
+        .cloned()
+        .collect()
 }
 
 #[derive(Debug)]
@@ -356,14 +365,19 @@ fn choose(ctx: &Ctx, rng: &mut Rng, near_end: bool) -> Option<Op> {
     if let Some(c) = rng.pick(&with_pod) {
         menu.push((14, Op::MovePod(c.clone())));
     }
-    if let Some(c) = rng.pick(&with_pod) {
+    let pod_deletable: Vec<String> = with_pod
+        .iter()
+        .filter(|c| !w.fence_watched.contains(*c))
+        .cloned()
+        .collect();
+    if let Some(c) = rng.pick(&pod_deletable) {
         menu.push((5, Op::DeletePod(c.clone())));
     }
     if let Some(c) = rng.pick(&growable) {
         menu.push((8, Op::Expand(c.clone())));
     }
     if w.claims.len() > 3
-        && let Some(c) = rng.pick(&deletable(&w.claims))
+        && let Some(c) = rng.pick(&deletable(&w))
     {
         menu.push((9, Op::DeleteClaim(c.clone())));
     }
@@ -434,18 +448,22 @@ mod tests {
     #[test]
     fn the_first_grown_loop_claim_is_never_deleted_by_churn() {
         let ext = CLASSES.iter().position(|c| !c.looped).unwrap();
-        let mut claims = BTreeMap::new();
-        claims.insert("c0001".to_string(), claim(0, &[16]));
-        claims.insert("c0002".to_string(), claim(ext, &[64, 72]));
-        claims.insert("c0003".to_string(), claim(2, &[16, 24]));
-        claims.insert("c0004".to_string(), claim(1, &[32, 40]));
+        let mut w = World::default();
+        w.claims.insert("c0001".to_string(), claim(0, &[16]));
+        w.claims.insert("c0002".to_string(), claim(ext, &[64, 72]));
+        w.claims.insert("c0003".to_string(), claim(2, &[16, 24]));
+        w.claims.insert("c0004".to_string(), claim(1, &[32, 40]));
         // The grown external claim is no witness (the end check follows loop claims only); the
         // first grown loop claim is, and the second stays deletable.
-        assert_eq!(deletable(&claims), ["c0001", "c0002", "c0004"]);
-        claims.remove("c0003");
-        assert_eq!(deletable(&claims), ["c0001", "c0002"]);
+        assert_eq!(deletable(&w), ["c0001", "c0002", "c0004"]);
+        w.claims.remove("c0003");
+        assert_eq!(deletable(&w), ["c0001", "c0002"]);
+        // A claim a partition's fence watch follows stays too.
+        w.fence_watched.insert("c0002".to_string());
+        assert_eq!(deletable(&w), ["c0001"]);
         // Nothing grown yet: everything may go.
-        let fresh: BTreeMap<_, _> = [("c0001".to_string(), claim(0, &[16]))].into();
+        let mut fresh = World::default();
+        fresh.claims.insert("c0001".to_string(), claim(0, &[16]));
         assert_eq!(deletable(&fresh), ["c0001"]);
     }
 }

@@ -287,9 +287,11 @@ pub(super) async fn partition(ctx: &Arc<Ctx>, rng: &mut Rng, node: &str) {
     }
     let back = Duration::from_secs(rng.range(15, 30));
     let (ctx2, node2) = (ctx.clone(), node.to_string());
+    ctx.world().fence_watched.insert(claim.clone());
     let t = tokio::spawn(async move {
         let ctx = &ctx2;
         let fenced = watch_fence(ctx, &claim, &volume, &devices).await;
+        ctx.world().fence_watched.remove(&claim);
         // The partitioned node goes; only then may the other node mount.
         let root = root.clone();
         // Its devices are those its mounts are on (its attachments were released).
