@@ -1,6 +1,6 @@
 //! What the chart renders with its defaults and with every option on, and `helm lint` of both.
 
-use stowage_chart_tests::{Helm, chart_dir, kinds_and_names};
+use stowage_chart_tests::{Helm, chart_dir, document, kinds_and_names};
 
 use crate::{assert_entry, assert_has, assert_host_network_and_apiserver, doc, render};
 
@@ -362,4 +362,84 @@ metrics:
         plain.contains(r#"resourceNames: ["st-stowage-controller-metrics:metrics"]"#),
         "{plain}"
     );
+}
+
+#[tokio::test]
+async fn the_pod_monitor_scrapes_the_agents_with_their_node() {
+    let helm = Helm::new(None);
+    let values = helm.values(
+        "podmonitor.yaml",
+        r#"
+metrics:
+  serviceMonitor:
+    enabled: true
+  podMonitor:
+    enabled: true
+    interval: 15s
+    scrapeTimeout: 5s
+    labels: {release: prom}
+    jobLabel: app.kubernetes.io/component
+    relabelings:
+      - targetLabel: cluster
+        replacement: prod
+    metricRelabelings:
+      - sourceLabels: [__name__]
+        regex: go_.*
+        action: drop
+"#,
+    );
+    let m = render(&helm, &["-f", values.to_str().unwrap()]).await.unwrap();
+    let pm = doc(&m, "PodMonitor", "st-stowage-agent");
+    assert_has(
+        pm,
+        "agent PodMonitor",
+        &[
+            "apiVersion: monitoring.coreos.com/v1",
+            "release: prom",
+            "jobLabel: app.kubernetes.io/component",
+            "app.kubernetes.io/component: agent",
+            r#"matchNames: ["stowage-system"]"#,
+            "- port: metrics",
+            "interval: 15s",
+            "scrapeTimeout: 5s",
+            "targetLabel: cluster",
+            "action: drop",
+        ],
+    );
+    // The node relabeling comes first, so a user's relabelings can read or override `node`.
+    let node = pm
+        .find("sourceLabels: [__meta_kubernetes_pod_node_name]")
+        .expect(pm);
+    let user = pm.find("targetLabel: cluster").unwrap();
+    assert!(node < user, "{pm}");
+    assert!(
+        pm[node..].lines().nth(1).unwrap().contains("targetLabel: node"),
+        "{pm}"
+    );
+    // A series' own `node` (renamed exported_node by Prometheus) is mapped back and the copy dropped.
+    assert_has(
+        pm,
+        "agent PodMonitor",
+        &[
+            "sourceLabels: [exported_node]",
+            "regex: exported_node",
+            "action: labeldrop",
+        ],
+    );
+    // The agents are the PodMonitor's: the ServiceMonitor is the controller's only.
+    assert!(
+        document(&m, "ServiceMonitor", "st-stowage-agent").is_none(),
+        "{m}"
+    );
+    doc(&m, "ServiceMonitor", "st-stowage-controller");
+
+    // Off by default; on alone, it needs no ServiceMonitor and leaves the agent's Service alone.
+    let plain = render(&helm, &[]).await.unwrap();
+    assert!(!plain.contains("kind: PodMonitor"), "{plain}");
+    let alone = render(&helm, &["--set", "metrics.podMonitor.enabled=true"])
+        .await
+        .unwrap();
+    doc(&alone, "PodMonitor", "st-stowage-agent");
+    assert!(!alone.contains("kind: ServiceMonitor"), "{alone}");
+    doc(&alone, "Service", "st-stowage-agent-metrics");
 }
