@@ -260,6 +260,9 @@ pub(super) async fn partition(ctx: &Arc<Ctx>, rng: &mut Rng, node: &str) {
         }
         landed.then_some(next)
     };
+    // Its attached devices nothing mounts (other volumes attached there) go at power-off too:
+    // read now, while its attachments still name them (the taint releases them).
+    let (own, _) = node_devices(ctx, node).await;
     let devices: BTreeSet<String> = host::mounts_under(&root)
         .unwrap_or_default()
         .into_iter()
@@ -292,10 +295,13 @@ pub(super) async fn partition(ctx: &Arc<Ctx>, rng: &mut Rng, node: &str) {
         let ctx = &ctx2;
         let fenced = watch_fence(ctx, &claim, &volume, &devices).await;
         ctx.world().fence_watched.remove(&claim);
-        // The partitioned node goes; only then may the other node mount.
+        // The partitioned node goes; only then may the other node mount. Its devices are those
+        // its mounts are on and those its attachments named at the partition, but none another
+        // node's attachment names now (one kernel plays both nodes: the other may have taken
+        // over a device nothing mounted).
         let root = root.clone();
-        // Its devices are those its mounts are on (its attachments were released).
-        let powered_off = tokio::task::spawn_blocking(move || host::power_off(&root, &[], &BTreeSet::new()))
+        let (_, others) = node_devices(ctx, &node2).await;
+        let powered_off = tokio::task::spawn_blocking(move || host::power_off(&root, &own, &others))
             .await
             .unwrap_or_default();
         {
