@@ -33,6 +33,7 @@ use k8s_openapi::api::storage::v1::{CSINode, VolumeAttachment};
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client, ResourceExt};
 use serde_json::{Value, json};
+use stowage_testkit::controlplane::Kcm;
 use stowage_testkit::{ControlPlane, builders};
 use tokio::task::JoinSet;
 
@@ -62,16 +63,6 @@ enum Runner {
     Upstream,
 }
 
-/// kube-controller-manager, killed (by its own pid) when dropped.
-struct Kcm(std::process::Child);
-
-impl Drop for Kcm {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 enum Running {
     Stowage(#[allow(dead_code)] JoinSet<()>),
     Upstream(#[allow(dead_code)] Kcm),
@@ -98,22 +89,7 @@ async fn start(runner: &Runner, cp: &ControlPlane, client: &Client) -> Running {
             });
             Running::Stowage(tasks)
         }
-        Runner::Upstream => {
-            let bin = stowage_testkit::controlplane::bin_dir().join("kube-controller-manager");
-            let child = std::process::Command::new(bin)
-                .args([
-                    format!("--kubeconfig={}", cp.kubeconfig().display()),
-                    "--leader-elect=false".into(),
-                    "--use-service-account-credentials=false".into(),
-                    "--secure-port=0".into(),
-                    "--controllers=persistentvolume-attach-detach-controller".into(),
-                ])
-                .stdout(std::process::Stdio::null())
-                .stderr(std::process::Stdio::null())
-                .spawn()
-                .expect("kube-controller-manager starts");
-            Running::Upstream(Kcm(child))
-        }
+        Runner::Upstream => Running::Upstream(cp.start_kcm("persistentvolume-attach-detach-controller", &[])),
     }
 }
 

@@ -138,13 +138,13 @@ async fn events(client: &Client) -> Vec<String> {
 
 enum Runner {
     Stowage,
-    Upstream(std::path::PathBuf),
+    Upstream,
 }
 
 /// The controller under test for one scenario; stopped when dropped.
 enum Running {
     Stowage(JoinSet<()>, tokio::task::JoinHandle<anyhow::Result<()>>),
-    Upstream(std::process::Child),
+    Upstream(#[allow(dead_code)] stowage_testkit::controlplane::Kcm),
 }
 
 impl Drop for Running {
@@ -154,10 +154,7 @@ impl Drop for Running {
                 ctrl.abort();
                 informers.abort_all();
             }
-            Running::Upstream(child) => {
-                let _ = child.kill();
-                let _ = child.wait();
-            }
+            Running::Upstream(_) => {}
         }
     }
 }
@@ -182,22 +179,10 @@ async fn start(runner: &Runner, cp: &ControlPlane, client: &Client) -> Running {
             ));
             Running::Stowage(informers, ctrl)
         }
-        Runner::Upstream(kcm) => {
-            let child = std::process::Command::new(kcm)
-                .args([
-                    format!("--kubeconfig={}", cp.kubeconfig().display()),
-                    "--leader-elect=false".into(),
-                    "--use-service-account-credentials=false".into(),
-                    "--secure-port=0".into(),
-                    "--controllers=persistentvolume-binder-controller".into(),
-                    "--pvclaimbinder-sync-period=1s".into(),
-                ])
-                .stdout(std::process::Stdio::null())
-                .stderr(std::process::Stdio::null())
-                .spawn()
-                .expect("kube-controller-manager starts");
-            Running::Upstream(child)
-        }
+        Runner::Upstream => Running::Upstream(cp.start_kcm(
+            "persistentvolume-binder-controller",
+            &["--pvclaimbinder-sync-period=1s"],
+        )),
     }
 }
 
@@ -340,11 +325,7 @@ async fn upstream_scenarios_settle_where_kube_controller_manager_does() {
     }
     let golden_path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(GOLDEN);
     let bless = std::env::var_os("STOWAGE_BLESS_UPSTREAM").is_some();
-    let runner = if bless {
-        Runner::Upstream(stowage_testkit::controlplane::bin_dir().join("kube-controller-manager"))
-    } else {
-        Runner::Stowage
-    };
+    let runner = if bless { Runner::Upstream } else { Runner::Stowage };
     // STOWAGE_REPLAY_ONLY=<id prefix>,...: run (or re-record) only those scenarios; a partial
     // recording is merged into the file, so adding a scenario needs only its own oracle run.
     let only: Vec<String> = std::env::var("STOWAGE_REPLAY_ONLY")

@@ -12,6 +12,7 @@ use k8s_openapi::api::storage::v1::StorageClass;
 use kube::api::{ListParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client};
 use serde_json::json;
+use stowage_testkit::controlplane::Kcm;
 use stowage_testkit::{ControlPlane, builders};
 use tokio::task::JoinSet;
 
@@ -31,16 +32,6 @@ struct State {
     events: BTreeSet<(String, String)>,
 }
 
-/// kube-controller-manager, killed (by its own pid) when dropped.
-struct Kcm(std::process::Child);
-
-impl Drop for Kcm {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 #[allow(dead_code)]
 enum Running {
     Stowage(JoinSet<()>),
@@ -49,20 +40,7 @@ enum Running {
 
 async fn start(upstream: bool, cp: &ControlPlane, client: &Client) -> Running {
     if upstream {
-        let bin = stowage_testkit::controlplane::bin_dir().join("kube-controller-manager");
-        let child = std::process::Command::new(bin)
-            .args([
-                format!("--kubeconfig={}", cp.kubeconfig().display()),
-                "--leader-elect=false".into(),
-                "--use-service-account-credentials=false".into(),
-                "--secure-port=0".into(),
-                "--controllers=persistentvolume-expander-controller".into(),
-            ])
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .expect("kube-controller-manager starts");
-        return Running::Upstream(Kcm(child));
+        return Running::Upstream(cp.start_kcm("persistentvolume-expander-controller", &[]));
     }
     let mut tasks = JoinSet::new();
     let registry = stowage_common::metrics::Registry::new();

@@ -15,6 +15,7 @@ use kube::{Api, ResourceExt};
 use serde_json::json;
 use stowage_testkit::binary::Running;
 use stowage_testkit::builders::{node, pod, pv, pvc};
+use stowage_testkit::controlplane::Kcm;
 use stowage_testkit::{ControlPlane, eventually};
 
 const LIMIT: Duration = Duration::from_secs(90);
@@ -156,22 +157,8 @@ async fn paused_by_flags(client: &kube::Client, stowage: &Running, kcm_name: &st
 }
 
 /// The real kube-controller-manager with only `controller` on.
-fn real_kcm(cp: &ControlPlane, controller: &str) -> Guard {
-    let kcm =
-        std::process::Command::new(stowage_testkit::controlplane::bin_dir().join("kube-controller-manager"))
-            .args([
-                format!("--kubeconfig={}", cp.kubeconfig().display()),
-                "--leader-elect=false".into(),
-                "--use-service-account-credentials=false".into(),
-                "--secure-port=0".into(),
-                format!("--controllers={controller}"),
-                "--pvclaimbinder-sync-period=1s".into(),
-            ])
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .expect("kube-controller-manager starts");
-    Guard(kcm)
+fn real_kcm(cp: &ControlPlane, controller: &str) -> Kcm {
+    cp.start_kcm(controller, &["--pvclaimbinder-sync-period=1s"])
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -377,7 +364,7 @@ async fn a_rival_attach_detach_controller_is_reported_and_stowage_takes_over() {
 
 /// The rival goes: its process stops and its pod is deleted; stowage, paused until then, resumes
 /// once the quiet period has passed.
-async fn rival_gone(kcm: Guard, pods: &Api<Pod>, stowage: &Running) {
+async fn rival_gone(kcm: Kcm, pods: &Api<Pod>, stowage: &Running) {
     drop(kcm);
     pods.delete(
         "kube-controller-manager-cp0",
@@ -386,16 +373,6 @@ async fn rival_gone(kcm: Guard, pods: &Api<Pod>, stowage: &Running) {
     .await
     .unwrap();
     until_gauge(stowage, "stowage_controllers_paused", &[], |v| v == 0.0).await;
-}
-
-/// Kills kube-controller-manager when the test ends, also on failure.
-struct Guard(std::process::Child);
-
-impl Drop for Guard {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 /// The value docs/distributions.md gives kube-controller-manager, read from the guide itself.
@@ -470,7 +447,7 @@ async fn the_documented_kcm_flag_leaves_the_storage_controllers_to_stowage() {
     let mut kcm = real_kcm(&cp, &value);
     tokio::time::sleep(Duration::from_secs(3)).await;
     assert!(
-        kcm.0.try_wait().unwrap().is_none(),
+        kcm.running(),
         "kube-controller-manager refused --controllers={value}"
     );
 
@@ -487,8 +464,5 @@ async fn the_documented_kcm_flag_leaves_the_storage_controllers_to_stowage() {
     );
     assert_eq!(gauge(&stowage, "stowage_conflicting_writes_total", &[]), 0.0);
     assert_eq!(gauge(&stowage, "stowage_controllers_paused", &[]), 0.0);
-    assert!(
-        kcm.0.try_wait().unwrap().is_none(),
-        "kube-controller-manager stopped"
-    );
+    assert!(kcm.running(), "kube-controller-manager stopped");
 }

@@ -295,6 +295,27 @@ impl ControlPlane {
         lines[lines.len().saturating_sub(20)..].join("\n")
     }
 
+    /// The real kube-controller-manager (from `bin_dir()`) against this control plane, with only
+    /// `controllers` on (its `--controllers` value), no leader election and no serving port, as
+    /// the side-by-side tests run it as the oracle; `extra` flags follow. Killed when the guard
+    /// drops, so a failing test leaves no controller writing into the next one's objects.
+    pub fn start_kcm(&self, controllers: &str, extra: &[&str]) -> Kcm {
+        let child = std::process::Command::new(bin_dir().join("kube-controller-manager"))
+            .arg(format!("--kubeconfig={}", self.kubeconfig().display()))
+            .args([
+                "--leader-elect=false",
+                "--use-service-account-credentials=false",
+                "--secure-port=0",
+            ])
+            .arg(format!("--controllers={controllers}"))
+            .args(extra)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("kube-controller-manager does not start: {e}"));
+        Kcm(child)
+    }
+
     /// The admin kubeconfig (token auth, serving CA pinned).
     pub fn kubeconfig(&self) -> PathBuf {
         self.dir.join("kubeconfig")
@@ -377,6 +398,24 @@ impl ControlPlane {
         if self.node_host != "127.0.0.1" {
             let _ = self.firewall("-D");
         }
+    }
+}
+
+/// A kube-controller-manager process started by [`ControlPlane::start_kcm`]; killed (by its own
+/// pid) and reaped when dropped.
+pub struct Kcm(std::process::Child);
+
+impl Kcm {
+    /// Whether it still runs (it exits on a bad flag or a lost apiserver).
+    pub fn running(&mut self) -> bool {
+        self.0.try_wait().is_ok_and(|status| status.is_none())
+    }
+}
+
+impl Drop for Kcm {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
     }
 }
 
