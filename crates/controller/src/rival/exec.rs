@@ -26,6 +26,8 @@ const POD_PERIOD: Duration = Duration::from_secs(30);
 /// At most one Event per kind this often: a rival binding thousands of claims must not become
 /// thousands of Events; the counter counts every write.
 const EVENT_PERIOD: Duration = Duration::from_secs(60);
+/// How often a clash of flags that has not changed is reported again.
+const REPEAT_PERIOD: Duration = Duration::from_secs(600);
 /// Objects whose last reported rival write a watcher remembers (so a later event of the same
 /// object, carrying the same entry, is not counted again); beyond it the memory starts over.
 const REMEMBERED: usize = 10_000;
@@ -343,6 +345,7 @@ async fn report(
     let started = Instant::now();
     let mut seen = Seen::default();
     let mut last_event: HashMap<Kind, Instant> = HashMap::new();
+    let mut last_flags_report: Option<Instant> = None;
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -377,7 +380,19 @@ async fn report(
                     }
                 }
                 Some(Finding::Pods(pods)) => {
-                    for (name, uid, clash) in &pods {
+                    // A clash is reported when it appears or changes, then again only every
+                    // REPEAT_PERIOD (the Event stays fresh), not on every 30 s poll.
+                    let changed = pods
+                        .iter()
+                        .any(|(name, _, clash)| !seen.flagged.iter().any(|(n, c)| n == name && c == clash));
+                    let due = changed || last_flags_report.is_some_and(|t: Instant| t.elapsed() >= REPEAT_PERIOD);
+                    if due {
+                        last_flags_report = Some(Instant::now());
+                    }
+                    if pods.is_empty() {
+                        last_flags_report = None;
+                    }
+                    for (name, uid, clash) in pods.iter().filter(|_| due) {
                         tracing::warn!(
                             pod = %format!("{KCM_NAMESPACE}/{name}"), controllers = ?clash,
                             "a kube-controller-manager pod's flags turn on controllers stowage runs"
