@@ -99,7 +99,11 @@ pub async fn run(cluster: Arc<Informers>, metrics: Metrics, config: Config) -> a
     let mut ctl = Controller {
         window: Window::new(config.max_in_flight),
         cache: Cache::default(),
-        queue: WorkQueue::default().named("binder"),
+        // One queue, reported as kube-controller-manager's two (its claim and volume queues).
+        queue: WorkQueue::default().named_by(&["claims", "volumes"], |k| match k {
+            Key::Claim(_) => 0,
+            Key::Volume(_) => 1,
+        }),
         unbound: HashMap::new(),
         unbound_by_class: HashMap::new(),
         woken: HashSet::new(),

@@ -24,7 +24,7 @@ struct Families {
     longest: GaugeVec,
 }
 
-/// client-go's buckets: 1 µs to 10 s, ten per decade apart.
+/// client-go's buckets: 10 ns to 10 s, each ten times the last.
 fn buckets() -> Vec<f64> {
     prometheus::exponential_buckets(1e-8, 10.0, 10).expect("static buckets")
 }
@@ -138,9 +138,12 @@ pub struct WorkQueue<K: Clone + Eq + Hash + Ord> {
     failures: HashMap<K, u32>,
     base: Duration,
     cap: Duration,
-    /// Metrics, when the queue has a name: when each ready key became ready, and when each key
-    /// being worked on was handed out.
-    series: Option<Series>,
+    /// Metrics, when the queue has names: one series per name, `class` picks a key's; when each
+    /// ready key became ready, and when each key being worked on was handed out.
+    series: Vec<Series>,
+    class: fn(&K) -> usize,
+    /// Queued keys per series (the depth of each name).
+    lens: Vec<usize>,
     ready_since: HashMap<K, Instant>,
     processing: HashMap<K, Instant>,
 }
@@ -155,7 +158,9 @@ impl<K: Clone + Eq + Hash + Ord> Default for WorkQueue<K> {
             failures: HashMap::new(),
             base: BASE,
             cap: CAP,
-            series: None,
+            series: Vec::new(),
+            class: |_| 0,
+            lens: Vec::new(),
             ready_since: HashMap::new(),
             processing: HashMap::new(),
         }
@@ -173,25 +178,56 @@ impl<K: Clone + Eq + Hash + Ord> WorkQueue<K> {
     }
 
     /// The same queue, exporting the work-queue metrics under `name`.
-    pub fn named(mut self, name: &str) -> Self {
-        self.series = Some(Series::new(name));
+    pub fn named(self, name: &str) -> Self {
+        self.named_by(&[name], |_| 0)
+    }
+
+    /// The same queue, exporting each key's work-queue metrics under `names[class(key)]`: one
+    /// queue whose keys are reported as several named queues (kube-controller-manager runs a
+    /// queue per kind where stowage runs one). Each key counts under exactly one name, so the
+    /// series of all names add up to the queue.
+    pub fn named_by(mut self, names: &[&str], class: fn(&K) -> usize) -> Self {
+        self.series = names.iter().map(|n| Series::new(n)).collect();
+        self.lens = vec![0; names.len()];
+        self.class = class;
         self
+    }
+
+    /// The series `key` is counted in.
+    fn series_of(&self, key: &K) -> Option<&Series> {
+        self.series.get((self.class)(key))
+    }
+
+    fn mark_queued(&mut self, key: &K) -> bool {
+        let new = self.queued.insert(key.clone());
+        if new && let Some(n) = self.lens.get_mut((self.class)(key)) {
+            *n += 1;
+        }
+        new
+    }
+
+    fn unmark_queued(&mut self, key: &K) {
+        if self.queued.remove(key)
+            && let Some(n) = self.lens.get_mut((self.class)(key))
+        {
+            *n = n.saturating_sub(1);
+        }
     }
 
     /// Queues `key` now (a delayed key is brought forward).
     pub fn add(&mut self, key: K) {
         if let Some(at) = self.due.remove(&key) {
             self.delayed.remove(&(at, key.clone()));
-            self.queued.remove(&key);
+            self.unmark_queued(&key);
         }
-        if self.queued.insert(key.clone()) {
+        if self.mark_queued(&key) {
             self.became_ready(&key, Instant::now());
             self.ready.push_back(key);
         }
     }
 
     fn became_ready(&mut self, key: &K, now: Instant) {
-        if let Some(s) = &self.series {
+        if let Some(s) = self.series_of(key) {
             s.adds.inc();
             self.ready_since.insert(key.clone(), now);
         }
@@ -199,7 +235,8 @@ impl<K: Clone + Eq + Hash + Ord> WorkQueue<K> {
 
     /// Work on `key` ended (it succeeded or is being retried).
     fn finished(&mut self, key: &K, now: Instant) {
-        if let (Some(s), Some(start)) = (&self.series, self.processing.remove(key)) {
+        let start = self.processing.remove(key);
+        if let (Some(s), Some(start)) = (self.series_of(key), start) {
             s.work_duration
                 .observe(now.saturating_duration_since(start).as_secs_f64());
         }
@@ -215,7 +252,7 @@ impl<K: Clone + Eq + Hash + Ord> WorkQueue<K> {
                 _ => return,
             }
         }
-        self.queued.insert(key.clone());
+        self.mark_queued(&key);
         self.due.insert(key.clone(), at);
         self.delayed.insert((at, key));
     }
@@ -232,7 +269,7 @@ impl<K: Clone + Eq + Hash + Ord> WorkQueue<K> {
     /// Queues `key` again at `at` after a failed sync (a caller with its own backoff).
     pub fn retry_at(&mut self, key: K, now: Instant, at: Instant) {
         self.finished(&key, now);
-        if let Some(s) = &self.series {
+        if let Some(s) = self.series_of(&key) {
             s.retries.inc();
         }
         self.add_at(key, at);
@@ -248,15 +285,17 @@ impl<K: Clone + Eq + Hash + Ord> WorkQueue<K> {
     /// Sets the gauges that change with time alone (depth, work in progress); call it from the
     /// controller's loop.
     pub fn report(&self, now: Instant) {
-        let Some(s) = &self.series else { return };
-        s.depth.set(self.len() as i64);
-        let ages = self
-            .processing
-            .values()
-            .map(|t| now.saturating_duration_since(*t).as_secs_f64());
-        let (total, longest) = ages.fold((0.0, 0.0f64), |(sum, max), a| (sum + a, max.max(a)));
-        s.unfinished.set(total);
-        s.longest.set(longest);
+        for (i, (s, len)) in self.series.iter().zip(&self.lens).enumerate() {
+            s.depth.set(*len as i64);
+            let ages = self
+                .processing
+                .iter()
+                .filter(|(key, _)| (self.class)(key) == i)
+                .map(|(_, t)| now.saturating_duration_since(*t).as_secs_f64());
+            let (total, longest) = ages.fold((0.0, 0.0f64), |(sum, max), a| (sum + a, max.max(a)));
+            s.unfinished.set(total);
+            s.longest.set(longest);
+        }
     }
 
     /// Moves due keys to ready and pops the first ready key.
@@ -271,14 +310,15 @@ impl<K: Clone + Eq + Hash + Ord> WorkQueue<K> {
             self.ready.push_back(key);
         }
         let key = self.ready.pop_front()?;
-        self.queued.remove(&key);
-        if let Some(s) = &self.series {
+        self.unmark_queued(&key);
+        let class = (self.class)(&key);
+        if let Some(s) = self.series.get(class) {
             if let Some(since) = self.ready_since.remove(&key) {
                 s.queue_duration
                     .observe(now.saturating_duration_since(since).as_secs_f64());
             }
+            s.depth.set(self.lens[class] as i64);
             self.processing.insert(key.clone(), now);
-            s.depth.set(self.len() as i64);
         }
         Some(key)
     }
@@ -367,13 +407,44 @@ mod tests {
         assert_eq!(f.depth.with_label_values(&["test-queue-metrics"]).get(), 0);
     }
 
+    #[test]
+    fn one_queue_reports_its_keys_under_two_names() {
+        let t0 = Instant::now();
+        let mut q = WorkQueue::default().named_by(&["test-split-even", "test-split-odd"], |k: &u32| {
+            (*k % 2) as usize
+        });
+        let f = &*FAMILIES;
+        let depth = |n: &str| f.depth.with_label_values(&[n]).get();
+        let adds = |n: &str| f.adds.with_label_values(&[n]).get();
+        q.add(2);
+        q.add(4);
+        q.add(3);
+        q.report(t0);
+        assert_eq!((depth("test-split-even"), depth("test-split-odd")), (2, 1));
+        assert_eq!((adds("test-split-even"), adds("test-split-odd")), (2, 1));
+        assert_eq!(q.pop(t0), Some(2));
+        assert_eq!(
+            depth("test-split-even"),
+            1,
+            "a pop lowers only its own name's depth"
+        );
+        q.retry(2, t0);
+        assert_eq!(f.retries.with_label_values(&["test-split-even"]).get(), 1);
+        assert_eq!(f.retries.with_label_values(&["test-split-odd"]).get(), 0);
+        assert_eq!(q.pop(t0), Some(4));
+        q.report(t0 + Duration::from_secs(2));
+        assert_eq!(f.longest.with_label_values(&["test-split-even"]).get(), 2.0);
+        assert_eq!(f.longest.with_label_values(&["test-split-odd"]).get(), 0.0);
+        assert_eq!((depth("test-split-even"), depth("test-split-odd")), (1, 1));
+    }
+
     proptest::proptest! {
         /// Whatever the operations, a key is popped at most once per time it was queued and
         /// `len` always equals the number of distinct queued keys.
         #[test]
         fn never_duplicates(ops in proptest::collection::vec((0u8..4, 0u8..5, 0u64..50), 0..200)) {
             let t0 = Instant::now();
-            let mut q = WorkQueue::default();
+            let mut q = WorkQueue::default().named_by(&["test-prop-a", "test-prop-b"], |k: &u8| usize::from(*k % 2));
             let mut now = t0;
             for (op, key, ms) in ops {
                 now += Duration::from_millis(ms);
@@ -387,6 +458,9 @@ mod tests {
                 for k in q.ready.iter() { proptest::prop_assert!(seen.insert(*k)); }
                 for (_, k) in q.delayed.iter() { proptest::prop_assert!(seen.insert(*k)); }
                 proptest::prop_assert_eq!(seen.len(), q.len());
+                proptest::prop_assert_eq!(q.lens.iter().sum::<usize>(), q.len());
+                let odd = seen.iter().filter(|k| **k % 2 == 1).count();
+                proptest::prop_assert_eq!(q.lens[1], odd);
             }
         }
     }
