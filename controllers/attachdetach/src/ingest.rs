@@ -14,11 +14,13 @@ use stowage_common::informer::is_newer;
 use stowage_common::informers::Informers;
 use stowage_common::packed::Packed;
 use stowage_common::slim::Pod;
+use stowage_common::storageops::{VOLUME_ATTACH, VOLUME_DETACH};
 
 use crate::actual::Actual;
 use crate::controller::Controller;
 use crate::core::pass_unaffected;
 use crate::desired::{Kind, Lookup, PodRef, driver_attachable, kept_note, resolve_pod};
+use crate::metrics::observe_attempt;
 use crate::objects::{
     NodeInfo, PvSpecView, VaState, pod_claims, pod_is_active, pod_node, pv_finalizer_change,
     split_unique_volume_name, unique_volume_name,
@@ -437,6 +439,9 @@ impl Controller {
         } else {
             None
         };
+        // KCM's attach attempt ends failed when the attachment reports an error (the attach
+        // itself goes on: the attacher keeps trying).
+        let failed_attempt = e.attach_started.filter(|_| new_error.is_some());
         e.va = Some(state);
         // The attachment object is the truth from now on.
         e.reported = None;
@@ -446,6 +451,10 @@ impl Controller {
                 .metrics
                 .attach_seconds
                 .observe(t.elapsed().as_secs_f64());
+            observe_attempt(&driver, VOLUME_ATTACH, true, t);
+        }
+        if let Some(t) = failed_attempt {
+            observe_attempt(&driver, VOLUME_ATTACH, false, t);
         }
         if !self.quiet {
             if newly_attached {
@@ -538,6 +547,7 @@ impl Controller {
                 .metrics
                 .detach_seconds
                 .observe(t.elapsed().as_secs_f64());
+            observe_attempt(&e.driver, VOLUME_DETACH, true, t);
         }
         self.actual.tidy(&volume, &node, Instant::now());
         self.touch();

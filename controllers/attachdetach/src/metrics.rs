@@ -52,10 +52,7 @@ impl Collector for Inventory {
         self.kcm_volumes.reset();
         for ((state, driver), n) in &snap.volumes {
             self.volumes.with_label_values(&[state, driver.as_str()]).set(*n);
-            let plugin = match driver.as_str() {
-                crate::translate::ISCSI_PLUGIN | crate::translate::FC_PLUGIN => driver.clone(),
-                _ => format!("kubernetes.io/csi:{driver}"),
-            };
+            let plugin = kcm_plugin(driver);
             self.kcm_volumes
                 .with_label_values(&[plugin.as_str(), state])
                 .set(*n);
@@ -74,6 +71,26 @@ impl Collector for Inventory {
         out.extend(self.longest_wait.collect());
         out
     }
+}
+
+/// The plugin name kube-controller-manager labels a volume of `driver` with
+/// (`plugin_name`, `volume_plugin`): `kubernetes.io/csi:<driver>` for a CSI driver, the plugin
+/// itself for the in-tree iSCSI and FC plugins.
+pub fn kcm_plugin(driver: &str) -> String {
+    match driver {
+        crate::translate::ISCSI_PLUGIN | crate::translate::FC_PLUGIN => driver.to_string(),
+        _ => stowage_common::storageops::csi_plugin(driver),
+    }
+}
+
+/// One attach or detach attempt under KCM's `storage_operation_duration_seconds`.
+pub(crate) fn observe_attempt(driver: &str, operation: &str, ok: bool, started: Instant) {
+    stowage_common::storageops::observe(
+        &kcm_plugin(driver),
+        operation,
+        ok,
+        started.elapsed().as_secs_f64(),
+    );
 }
 
 #[derive(Clone)]

@@ -11,8 +11,10 @@ use stowage_common::attachment::VolumeAttachment;
 use crate::controller::{Controller, STATUS_RETRY};
 use crate::core::{ForceReason, pass_unaffected};
 use crate::error::Error;
+use crate::metrics::observe_attempt;
 use crate::objects::VaState;
 use stowage_common::errors::MetricLabel;
+use stowage_common::storageops::{VOLUME_ATTACH, VOLUME_DETACH};
 
 /// Results of the write tasks.
 pub(crate) enum Outcome {
@@ -151,7 +153,9 @@ impl Controller {
                         tracing::warn!(%volume, %node, error = %err, "attach failed");
                         if let Some(e) = self.actual.get_mut(&volume, &node) {
                             e.failed(now);
-                            e.attach_started = None;
+                            if let Some(t) = e.attach_started.take() {
+                                observe_attempt(&e.driver, VOLUME_ATTACH, false, t);
+                            }
                         }
                         let msg = err.to_string();
                         self.pod_events(&volume, &node, true, "FailedAttachVolume", |pv| {
@@ -190,6 +194,7 @@ impl Controller {
                                     e.detach_requested = None;
                                     if let Some(t) = e.detach_started.take() {
                                         m.detach_seconds.observe(t.elapsed().as_secs_f64());
+                                        observe_attempt(&e.driver, VOLUME_DETACH, true, t);
                                     }
                                 }
                             }
@@ -203,7 +208,9 @@ impl Controller {
                         tracing::warn!(%volume, %node, error = %err, "detach failed");
                         if let Some(e) = self.actual.get_mut(&volume, &node) {
                             e.failed(now);
-                            e.detach_started = None;
+                            if let Some(t) = e.detach_started.take() {
+                                observe_attempt(&e.driver, VOLUME_DETACH, false, t);
+                            }
                         }
                     }
                 }

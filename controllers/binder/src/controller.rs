@@ -118,6 +118,7 @@ pub async fn run(cluster: Arc<Informers>, metrics: Metrics, config: Config) -> a
             images: crate::loopdev::ImageStore::new(config.image_dir.clone()),
             live: Default::default(),
             store_check: Default::default(),
+            timestamps: Default::default(),
         }),
         cluster,
     };

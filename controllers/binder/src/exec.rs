@@ -34,6 +34,9 @@ pub(crate) struct Executor {
     pub(crate) live: tokio::sync::Mutex<Option<LiveHandles>>,
     /// A periodic marker check is running (a hung store must not pile them up).
     pub(crate) store_check: Arc<std::sync::atomic::AtomicBool>,
+    /// When each claim's provisioning and each volume's deletion began, for KCM's end-to-end
+    /// `volume_operation_total_seconds` (kept for the leadership term, as KCM keeps its own).
+    pub(crate) timestamps: stowage_common::storageops::Timestamps,
 }
 
 /// Built-in handle → PV names, and PV name → nodes of the VolumeAttachments naming it, from live
@@ -265,12 +268,46 @@ impl Executor {
         }
     }
 
+    /// Carries out one action, timing the end-to-end operations KCM's PV controller times:
+    /// a claim's provisioning from the first step to Bound, a volume's deletion from its start
+    /// to the object's removal (`Controller::pv_gone`); each failed step on the way is counted.
     pub(crate) async fn apply(
         &self,
         action: &Action,
         snap: &Snapshot,
         done: &mut Outcome,
     ) -> Result<(), Error> {
+        use stowage_common::storageops::{DELETE, PROVISION};
+        let timed = match action {
+            Action::SetProvisioner { claim, provisioner } => {
+                self.timestamps.start(claim, provisioner, PROVISION);
+                Some(claim.clone())
+            }
+            Action::ProvisionLoop { claim, .. } => {
+                self.timestamps.start(claim, LOOP_DRIVER, PROVISION);
+                Some(claim.clone())
+            }
+            // Built-in volumes only: other drivers' volumes are deleted by their provisioner.
+            Action::DeleteLoopVolume { pv } => {
+                self.timestamps.start(pv, LOOP_DRIVER, DELETE);
+                Some(pv.clone())
+            }
+            Action::CreateLoopImage { pv } => Self::pv(snap, done, pv)
+                .and_then(|v| claim_of(&v))
+                .map(|r| ref_key(&r)),
+            Action::Bind { claim, .. } => Some(claim.clone()),
+            _ => None,
+        };
+        let result = self.apply_action(action, snap, done).await;
+        match (&timed, &result) {
+            (Some(key), Err(_)) => self.timestamps.failed(key),
+            (Some(key), Ok(())) if matches!(action, Action::Bind { .. }) => self.timestamps.finished(key),
+            _ => {}
+        }
+        result
+    }
+
+    async fn apply_action(&self, action: &Action, snap: &Snapshot, done: &mut Outcome) -> Result<(), Error> {
         match action {
             Action::Bind { pv, claim } => {
                 let (Some(mut v), Some(mut c)) = (Self::pv(snap, done, pv), Self::claim(snap, done, claim))

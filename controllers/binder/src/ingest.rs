@@ -85,6 +85,8 @@ impl Controller {
             self.queue.add(Key::Volume(other));
         }
         self.cache.remove_pv(&name);
+        // The end of a deletion this process started (a no-op for any other volume).
+        self.executor.timestamps.finished(&name);
         self.failing.remove(&Key::Volume(name.clone()));
         self.last_event.remove(&Target::Volume(name));
         if let Some((ns, n, _)) = claim_ref(pv) {
@@ -103,6 +105,7 @@ impl Controller {
     pub(crate) fn claim_gone(&mut self, c: &PersistentVolumeClaim) {
         let key = claim_key(c);
         self.cache.remove_claim(&key);
+        self.executor.timestamps.forget(&key);
         self.track_claim(&key, None);
         self.failing.remove(&Key::Claim(key.clone()));
         self.last_event.remove(&Target::Claim(key.clone()));

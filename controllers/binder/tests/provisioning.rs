@@ -464,3 +464,103 @@ async fn a_read_only_many_filesystem_claim_gets_its_file_system_at_creation() {
     mounted.expect("mounts read-only");
     assert!(listing > 0, "the mounted file system shows (lost+found)");
 }
+
+/// What a kube-controller-manager dashboard reads, after a built-in provisioning and deletion:
+/// the end-to-end `volume_operation_total_seconds` under the provisioner's name, the attempts in
+/// `storage_operation_duration_seconds` under the CSI plugin's (KCM's buckets), and the one
+/// queue's keys under KCM's queue names `claims` and `volumes`.
+#[tokio::test]
+async fn provisioning_and_deletion_show_in_kube_controller_managers_metrics() {
+    let h = Harness::start().await;
+    stowage_common::storageops::register_metrics(&h.registry);
+    stowage_common::queue::register_metrics(&h.registry);
+    h.namespace("app").await;
+    h.create::<StorageClass>(storage_class("loop", "loop.stowage.dev").build())
+        .await;
+    let c = h
+        .create_pvc(pvc("app", "kcm").request("16Mi").class("loop").build())
+        .await;
+    h.claim_phase("app", "kcm", "Bound").await;
+    let name = format!("pvc-{}", c.metadata.uid.clone().unwrap());
+    h.delete_claim("app", "kcm").await;
+    // Once the binder has deleted it, what pv-protection would do: let the object go.
+    eventually(WAIT, || async {
+        match h.pvs().get_opt(&name).await.map_err(|e| e.to_string())? {
+            None => Ok(()),
+            Some(v) if v.metadata.deletion_timestamp.is_some() => {
+                h.delete_volume(&name).await;
+                Err("volume being deleted".to_string())
+            }
+            Some(_) => Err("volume still there".to_string()),
+        }
+    })
+    .await;
+
+    let csi = "kubernetes.io/csi:loop.stowage.dev";
+    let m = eventually(WAIT, || async {
+        let m = stowage_testkit::scrape::parse(&h.metrics_text()).map_err(|e| e.to_string())?;
+        let count = |name: &str, labels: &[(&str, &str)]| m.sum_where(name, labels);
+        let missing: Vec<String> = [
+            (
+                "volume_operation_total_seconds_count",
+                vec![
+                    ("plugin_name", "loop.stowage.dev"),
+                    ("operation_name", "provision"),
+                ],
+            ),
+            (
+                "volume_operation_total_seconds_count",
+                vec![("plugin_name", "loop.stowage.dev"), ("operation_name", "delete")],
+            ),
+            (
+                "storage_operation_duration_seconds_count",
+                vec![
+                    ("volume_plugin", csi),
+                    ("operation_name", "volume_provision"),
+                    ("status", "success"),
+                    ("migrated", "false"),
+                ],
+            ),
+            (
+                "storage_operation_duration_seconds_count",
+                vec![
+                    ("volume_plugin", csi),
+                    ("operation_name", "volume_delete"),
+                    ("status", "success"),
+                    ("migrated", "false"),
+                ],
+            ),
+            ("workqueue_adds_total", vec![("name", "claims")]),
+            ("workqueue_adds_total", vec![("name", "volumes")]),
+        ]
+        .into_iter()
+        .filter(|(n, l)| count(n, l) < 1.0)
+        .map(|(n, l)| format!("{n}{l:?}"))
+        .collect();
+        if missing.is_empty() {
+            Ok(m)
+        } else {
+            Err(format!("no series yet: {missing:?}"))
+        }
+    })
+    .await;
+    assert!(
+        m.samples["workqueue_adds_total"]
+            .iter()
+            .all(|(l, _)| l["name"] != "binder"),
+        "the binder's queue reports only under KCM's names"
+    );
+    let mut bounds: Vec<String> = m.samples["storage_operation_duration_seconds_bucket"]
+        .iter()
+        .filter(|(l, _)| l["operation_name"] == "volume_provision" && l["status"] == "success")
+        .map(|(l, _)| l["le"].clone())
+        .collect();
+    bounds.dedup();
+    assert_eq!(
+        bounds,
+        [
+            "0.1", "0.25", "0.5", "1", "2.5", "5", "10", "15", "25", "50", "120", "300", "600", "+Inf"
+        ],
+        "KCM's buckets"
+    );
+}

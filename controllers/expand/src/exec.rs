@@ -20,6 +20,7 @@ use crate::error::{Error, NOT_ALLOWED, infeasible};
 use crate::metrics::Metrics;
 use crate::results::Outcome;
 use stowage_common::errors::MetricLabel;
+use stowage_common::storageops::{Attempt, EXPAND_VOLUME, csi_plugin};
 
 /// The last event published per claim, so a state that persists is reported once.
 pub(crate) type LastEvents = Mutex<HashMap<String, (String, String)>>;
@@ -166,6 +167,9 @@ impl Executor {
         done: &mut Outcome,
     ) -> Result<(), Error> {
         let started = Instant::now();
+        // KCM's `expand_volume`: this whole call is one attempt (KCM's in-tree expansion grows
+        // the volume and marks the claim in one operation); any early return is a failure.
+        let attempt = Attempt::start(csi_plugin(stowage_loopdriver::DRIVER), EXPAND_VOLUME);
         let mut c = claim.clone();
         let human = size.quantity.0.clone();
         if mark {
@@ -251,6 +255,7 @@ impl Executor {
             .expansion_seconds
             .with_label_values(&["controller"])
             .observe(started.elapsed().as_secs_f64());
+        attempt.succeeded();
         Ok(())
     }
 }

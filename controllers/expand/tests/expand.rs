@@ -37,6 +37,8 @@ fn node_pending(c: &k8s_openapi::api::core::v1::PersistentVolumeClaim) -> bool {
 #[tokio::test]
 async fn a_bound_loop_volume_grows_and_is_then_left_alone() {
     let h = Harness::start().await;
+    stowage_common::storageops::register_metrics(&h.registry);
+    stowage_common::queue::register_metrics(&h.registry);
     h.namespace("app").await;
     let sc = class(&h, LOOP, true).await;
     let pv = h.bound("app", "data", &sc, "64Mi", LOOP, false).await;
@@ -112,6 +114,16 @@ async fn a_bound_loop_volume_grows_and_is_then_left_alone() {
         m.contains("stowage_expand_expansion_duration_seconds_count{stage=\"total\"} 1"),
         "{m}"
     );
+    // kube-controller-manager's names: the expansion and the queue.
+    let m = stowage_testkit::scrape::parse(&m).unwrap();
+    let labels = [
+        ("volume_plugin", "kubernetes.io/csi:loop.stowage.dev"),
+        ("operation_name", "expand_volume"),
+        ("status", "success"),
+        ("migrated", "false"),
+    ];
+    assert!(m.sum_where("storage_operation_duration_seconds_count", &labels) >= 1.0);
+    assert!(m.sum_where("workqueue_adds_total", &[("name", "volume_expand")]) >= 1.0);
 }
 
 #[tokio::test]
@@ -153,6 +165,7 @@ async fn a_class_without_allow_volume_expansion_gets_a_warning_and_nothing_chang
 #[tokio::test]
 async fn a_failure_mid_way_is_reported_and_the_retry_completes_after_the_fix() {
     let h = Harness::start().await;
+    stowage_common::storageops::register_metrics(&h.registry);
     h.namespace("app").await;
     let sc = class(&h, LOOP, true).await;
     let pv = h.bound("app", "data", &sc, "64Mi", LOOP, false).await;
@@ -191,6 +204,20 @@ async fn a_failure_mid_way_is_reported_and_the_retry_completes_after_the_fix() {
         m.contains("stowage_expand_failures_total{error=\"image\"}"),
         "{m}"
     );
+    // kube-controller-manager's view: the failed attempt and the one that worked.
+    let m = stowage_testkit::scrape::parse(&m).unwrap();
+    for status in ["fail-unknown", "success"] {
+        let labels = [
+            ("volume_plugin", "kubernetes.io/csi:loop.stowage.dev"),
+            ("operation_name", "expand_volume"),
+            ("status", status),
+            ("migrated", "false"),
+        ];
+        assert!(
+            m.sum_where("storage_operation_duration_seconds_count", &labels) >= 1.0,
+            "no expand_volume {status}"
+        );
+    }
 }
 
 #[tokio::test]

@@ -23,5 +23,6 @@ pub mod secure;
 pub mod serve;
 pub mod shutdown;
 pub mod slim;
+pub mod storageops;
 pub mod transport;
 pub mod writes;

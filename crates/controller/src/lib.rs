@@ -317,6 +317,7 @@ fn default_identity() -> String {
 fn metrics(args: &Args) -> (Registry, stowage_common::metrics::Leader, Wiring) {
     let registry = stowage_common::metrics::registry("stowage-controller");
     stowage_common::queue::register_metrics(&registry);
+    stowage_common::storageops::register_metrics(&registry);
     let leader = stowage_common::metrics::leader_metrics(&registry, &args.leader_elect_resource_name);
     let wiring = Wiring::new(args, &registry);
     (registry, leader, wiring)

@@ -388,7 +388,13 @@ async fn the_demo_scenario_through_kubectl_and_metrics() {
             .map(|(_, v)| *v)
             .sum()
     };
-    for queue in ["binder", "volume_expand", "pvcprotection", "pvprotection"] {
+    for queue in [
+        "claims",
+        "volumes",
+        "volume_expand",
+        "pvcprotection",
+        "pvprotection",
+    ] {
         let q = format!("name=\"{queue}\"");
         assert!(
             series("workqueue_adds_total", &q) > 0.0,
@@ -397,6 +403,32 @@ async fn the_demo_scenario_through_kubectl_and_metrics() {
         assert!(
             series("workqueue_work_duration_seconds_count", &q) > 0.0,
             "no finished work on queue {queue}"
+        );
+    }
+    // KCM's volume operation families: the demo provisioned, attached, detached and deleted
+    // built-in volumes.
+    for op in [
+        "volume_provision",
+        "volume_attach",
+        "volume_detach",
+        "volume_delete",
+    ] {
+        let labels = [
+            ("volume_plugin", "kubernetes.io/csi:loop.stowage.dev"),
+            ("operation_name", op),
+            ("status", "success"),
+            ("migrated", "false"),
+        ];
+        assert!(
+            cm.sum_where("storage_operation_duration_seconds_count", &labels) > 0.0,
+            "no successful {op} in storage_operation_duration_seconds"
+        );
+    }
+    for op in ["provision", "delete"] {
+        let labels = [("plugin_name", "loop.stowage.dev"), ("operation_name", op)];
+        assert!(
+            cm.sum_where("volume_operation_total_seconds_count", &labels) > 0.0,
+            "no end-to-end {op} in volume_operation_total_seconds"
         );
     }
     assert!(

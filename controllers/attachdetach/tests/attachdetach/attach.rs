@@ -259,3 +259,53 @@ async fn an_attached_loop_volume_is_protected_by_the_attacher_finalizer() {
     w.wait_no_va("vol-1", "node-a").await;
     has_finalizer(false).await;
 }
+
+/// What a kube-controller-manager dashboard reads: `storage_operation_duration_seconds` for an
+/// attach whose attacher fails once (`fail-unknown`) and then succeeds, and for the detach, under
+/// KCM's plugin name for a CSI volume.
+#[tokio::test]
+async fn attach_and_detach_show_in_kube_controller_managers_operation_metric() {
+    let w = World::with_one_volume().await;
+    let c = Controller::start(&w.client, Config::default());
+    stowage_common::storageops::register_metrics(&c.registry);
+    let plugin = "kubernetes.io/csi:loop.stowage.dev";
+    let until = |op: &'static str, status: &'static str| {
+        let c = &c;
+        async move {
+            eventually(LIMIT, || async move {
+                let labels = [
+                    ("volume_plugin", plugin),
+                    ("operation_name", op),
+                    ("status", status),
+                    ("migrated", "false"),
+                ];
+                let n = c.metric_with("storage_operation_duration_seconds_count", &labels);
+                if n >= 1.0 {
+                    Ok(())
+                } else {
+                    Err(format!("no {op} {status} observed"))
+                }
+            })
+            .await
+        }
+    };
+    w.pod("app", "vol-1", "node-a").await;
+    w.wait_va("vol-1", "node-a").await;
+    let name = attachment_name("vol-1", DRIVER, "node-a");
+    let failed = json!({ "status": { "attached": false, "attachError": { "message": "test: not yet" } } });
+    w.vas()
+        .patch_status(&name, &PatchParams::default(), &Patch::Merge(failed))
+        .await
+        .unwrap();
+    until("volume_attach", "fail-unknown").await;
+    let ok = json!({ "status": { "attached": true, "attachError": null, "attachmentMetadata": { "devicePath": "/dev/loop3" } } });
+    w.vas()
+        .patch_status(&name, &PatchParams::default(), &Patch::Merge(ok))
+        .await
+        .unwrap();
+    until("volume_attach", "success").await;
+
+    w.delete_pod("app").await;
+    w.wait_no_va("vol-1", "node-a").await;
+    until("volume_detach", "success").await;
+}

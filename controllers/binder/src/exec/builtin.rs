@@ -14,6 +14,7 @@ use crate::core::{self};
 use crate::loopdev;
 use stowage_common::attachment::VolumeAttachment;
 use stowage_common::errors::{ERROR, SUCCESS};
+use stowage_common::storageops::{Attempt, VOLUME_DELETE, VOLUME_PROVISION, csi_plugin};
 use stowage_common::writes::is_not_found;
 
 impl Executor {
@@ -74,6 +75,9 @@ impl Executor {
         let claim = claim_of(&v);
         let handle = volume_handle(&v).unwrap_or_default().to_string();
         let capacity = pv_capacity(&v).unwrap_or(0);
+        // KCM's `volume_provision`: one attempt at the storage itself (an in-tree plugin's
+        // Provision); any return before the success below is a failed attempt.
+        let attempt = Attempt::start(csi_plugin(LOOP_DRIVER), VOLUME_PROVISION);
         let store = self.images.clone();
         let h = handle.clone();
         let made = tokio::task::spawn_blocking(move || {
@@ -147,6 +151,7 @@ impl Executor {
         v.annotations_mut().remove(ANN_IMAGE_PENDING);
         done.pvs
             .push(self.writes().replace_pv(&v, "provision_image").await?);
+        attempt.succeeded();
         self.metrics.provisioning.with_label_values(&[SUCCESS]).inc();
         if let Some(t) = claim {
             let note = format!(
@@ -250,6 +255,8 @@ impl Executor {
                 .push(volume_event(&v, true, core::DELETE_REFUSED, note));
             return Ok(());
         }
+        // KCM's `volume_delete`: one attempt from the image's removal to the object's.
+        let attempt = Attempt::start(csi_plugin(LOOP_DRIVER), VOLUME_DELETE);
         let store = self.images.clone();
         let removed = tokio::task::spawn_blocking(move || {
             store.ready()?;
@@ -320,6 +327,7 @@ impl Executor {
             Err(e) if is_not_found(&e) => {}
             Err(e) => return Err(e.into()),
         }
+        attempt.succeeded();
         self.metrics.deletions.with_label_values(&[SUCCESS]).inc();
         // The object may linger behind other finalizers (pv-protection); the watch reports it.
         Ok(())

@@ -28,6 +28,7 @@ async fn a_sharer_the_cache_has_not_seen_yet_keeps_the_image() {
         images: loopdev::ImageStore::new(h.images.path()),
         live: Default::default(),
         store_check: Default::default(),
+        timestamps: Default::default(),
     };
     // The cache knows only the volume being deleted.
     let mut cache = Cache::default();
@@ -72,6 +73,7 @@ fn executor(h: &InProcess) -> Executor {
         images: loopdev::ImageStore::new(h.images.path()),
         live: Default::default(),
         store_check: Default::default(),
+        timestamps: Default::default(),
     }
 }
 
