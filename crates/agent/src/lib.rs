@@ -70,6 +70,10 @@ pub struct Args {
     /// The mount table the volume manager reads (tests point it at a source that fails).
     #[arg(long, default_value = mountinfo::PROC_MOUNTINFO, hide = true)]
     pub mount_table: PathBuf,
+    /// How long a loop device of the store must stay unused and unnamed by any attachment before
+    /// the attacher releases it (tests shorten it).
+    #[arg(long, default_value_t = 120, hide = true)]
+    pub stale_device_grace_seconds: u64,
     /// Run beside the kubelet whose root dir this is, as the driver's CSI node plugin: serve CSI
     /// on `<dir>/plugins/loop.stowage.dev/csi.sock`, register it through
     /// `<dir>/plugins_registry/`, and keep only the attacher; the kubelet stages and publishes.
@@ -238,7 +242,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let (reported_tx, reported_rx) = watch::channel(BTreeSet::new());
     // Supervision, not write concurrency: one task per long-lived loop; one ending is fatal.
     let mut loops = JoinSet::new();
-    loops.spawn(attacher::run(ctx.clone(), stop_rx.clone()));
+    let grace = std::time::Duration::from_secs(args.stale_device_grace_seconds);
+    loops.spawn(attacher::run(ctx.clone(), stop_rx.clone(), grace));
     loops.spawn(store::run(ctx.clone(), stop_rx.clone()));
     if args.kubelet_dir.is_none() {
         // Without a kubelet the agent is the node's volume manager and reports volumesInUse.

@@ -15,6 +15,7 @@ use crate::mountinfo;
 use crate::paths::{DRIVER, VA_FINALIZER};
 use crate::sys;
 use stowage_common::objects::is_loop_attacher_finalizer;
+use stowage_loopdriver::fence;
 
 /// For an attached VA: does the device in its status still back its image?
 pub(super) async fn device_ok(ctx: &Ctx, va: &VolumeAttachment) -> Option<bool> {
@@ -254,9 +255,17 @@ async fn attach(ctx: &Ctx, va: &VolumeAttachment) -> Result<(String, String), St
             let Some(devno) = sys::rdev(Path::new(&dev)).await else {
                 continue;
             };
-            let foreign = table
+            let mounts: Vec<bool> = table
                 .iter()
-                .any(|m| m.devno == devno && !m.mount_point.starts_with(&ctx.layout.root));
+                .filter(|m| m.devno == devno)
+                .map(|m| m.mount_point.starts_with(&ctx.layout.root))
+                .collect();
+            // Held (mounted, or open exclusively) yet mounted nowhere in this node's table: held
+            // in another mount namespace, such as another node's where each node has its own
+            // (the real-node test found node 2 adopting node 1's mounted device, whose file
+            // system the kernel then shared without any MMP check).
+            let foreign =
+                mounts.iter().any(|ours| !ours) || (mounts.is_empty() && fence::held_here(&dev).await);
             if !foreign {
                 return Ok((dev, handle));
             }
@@ -300,23 +309,9 @@ async fn detach(ctx: &Ctx, va: &VolumeAttachment) -> Result<(), String> {
         .map_err(|e| format!("cannot read the mount table: {e}"))?;
     let block_files = block_files(&ctx.layout.pods_dir()).await;
     for dev in &devices {
-        let Some(devno) = sys::rdev(Path::new(dev)).await else {
+        let Some(users) = users(dev, &table, &block_files).await else {
             continue;
         };
-        let users: Vec<String> = table
-            .iter()
-            .filter(|m| {
-                m.devno == devno
-                    || (m.fstype == "devtmpfs" && m.root == format!("/{}", dev.trim_start_matches("/dev/")))
-            })
-            .map(|m| m.mount_point.display().to_string())
-            .chain(
-                block_files
-                    .iter()
-                    .filter(|(_, d)| *d == devno)
-                    .map(|(p, _)| p.clone()),
-            )
-            .collect();
         if !users.is_empty() {
             return Err(format!(
                 "device {dev} is still in use on this node: {}",
@@ -330,8 +325,32 @@ async fn detach(ctx: &Ctx, va: &VolumeAttachment) -> Result<(), String> {
     Ok(())
 }
 
+/// What uses loop device `dev` on this host: mounts of it (a file system, or a devtmpfs bind of
+/// its node) and block files published into this node's pods. `None` when `dev` is no device.
+pub(super) async fn users(
+    dev: &str,
+    table: &[mountinfo::MountEntry],
+    block_files: &[(String, mountinfo::DevNo)],
+) -> Option<Vec<String>> {
+    let devno = sys::rdev(Path::new(dev)).await?;
+    let node = format!("/{}", dev.trim_start_matches("/dev/"));
+    Some(
+        table
+            .iter()
+            .filter(|m| m.devno == devno || (m.fstype == "devtmpfs" && m.root == node))
+            .map(|m| m.mount_point.display().to_string())
+            .chain(
+                block_files
+                    .iter()
+                    .filter(|(_, d)| *d == devno)
+                    .map(|(p, _)| p.clone()),
+            )
+            .collect(),
+    )
+}
+
 /// Block device files published into pods: path → device numbers.
-async fn block_files(pods: &Path) -> Vec<(String, mountinfo::DevNo)> {
+pub(super) async fn block_files(pods: &Path) -> Vec<(String, mountinfo::DevNo)> {
     use std::os::unix::fs::{FileTypeExt, MetadataExt};
     let mut out = vec![];
     let Ok(mut rd) = tokio::fs::read_dir(pods).await else {

@@ -9,7 +9,8 @@
 //! `Tracker` rather than the shared queue and window: every wake re-decides all of this node's
 //! attachments in one pass (with a device check every `VERIFY_PERIOD` that no watch event
 //! triggers), and a failure backs off only the same kind of operation (a failed attach does not
-//! delay the detach of a deleted attachment).
+//! delay the detach of a deleted attachment). Every `sweep::PERIOD` a look at the store's loop
+//! devices releases those no attachment has accounted for since the look before (`sweep.rs`).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -28,6 +29,7 @@ use exec::{device_ok, execute};
 use stowage_common::objects::is_loop_attacher_finalizer;
 
 mod exec;
+mod sweep;
 
 /// Re-check of attached devices (a node reboot or a manual `losetup -d` frees them).
 const VERIFY_PERIOD: Duration = Duration::from_secs(5);
@@ -92,7 +94,8 @@ pub fn cache_behind(cached: Option<&str>, written: &str) -> bool {
     stowage_common::informer::is_newer(Some(written), cached)
 }
 
-pub async fn run(ctx: Arc<Ctx>, mut stop: watch::Receiver<bool>) {
+/// `stale_grace`: how long the sweep waits before releasing an unaccounted device (`sweep.rs`).
+pub async fn run(ctx: Arc<Ctx>, mut stop: watch::Receiver<bool>, stale_grace: Duration) {
     tokio::join!(ctx.vas.ready(), ctx.pvs.ready());
     let mut vas_rx = ctx.vas.subscribe();
     let mut pvs_rx = ctx.pvs.subscribe();
@@ -102,6 +105,8 @@ pub async fn run(ctx: Arc<Ctx>, mut stop: watch::Receiver<bool>) {
     // VA name → resourceVersion our last op on it wrote, until the cache has caught up.
     let mut written: std::collections::HashMap<String, String> = std::collections::HashMap::new();
     let mut last_verify = Instant::now() - VERIFY_PERIOD;
+    let mut sweep = sweep::Sweep::new(stale_grace);
+    let mut last_sweep = Instant::now();
     tracing::info!("attacher started");
     loop {
         let now = Instant::now();
@@ -158,6 +163,10 @@ pub async fn run(ctx: Arc<Ctx>, mut stop: watch::Receiver<bool>) {
             ctx.vas.store().state().iter().map(|v| v.name_any()).collect();
         written.retain(|n, _| names.contains(n));
         ctx.metrics.passes.with_label_values(&["attacher"]).inc();
+        if now.duration_since(last_sweep) >= sweep.period() {
+            last_sweep = now;
+            sweep.look(&ctx, tracker.running() > 0).await;
+        }
         let wake = tracker
             .next_expiry(now)
             .map_or(now + VERIFY_PERIOD, |t| t.min(now + VERIFY_PERIOD));

@@ -7,3 +7,4 @@ mod faults;
 mod lifecycle;
 mod observe;
 mod store;
+mod sweep;
