@@ -29,6 +29,23 @@ fn main() {
             registration.display()
         )
     });
+    // `csi_methods.rs`: the full gRPC path of every method of every CSI v1 service, so the RPC
+    // metrics label only methods the spec defines (a client's made-up path adds no series).
+    let mut methods = Vec::new();
+    for file in fds.file.iter().filter(|f| f.package() == "csi.v1") {
+        for service in &file.service {
+            for method in &service.method {
+                methods.push(format!("/csi.v1.{}/{}", service.name(), method.name()));
+            }
+        }
+    }
+    assert!(!methods.is_empty(), "csi.proto defines no csi.v1 service");
+    let out = PathBuf::from(std::env::var_os("OUT_DIR").expect("cargo sets OUT_DIR"));
+    std::fs::write(
+        out.join("csi_methods.rs"),
+        format!("pub const METHODS: &[&str] = &{methods:?};\n"),
+    )
+    .expect("write csi_methods.rs");
     tonic_prost_build::configure()
         .build_client(true)
         .build_server(true)

@@ -142,7 +142,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         (None, Some(k)) => Some(registration::csi_socket(k, &args.csi_driver_name)),
         (None, None) => None,
     };
-    let csi = endpoint.clone().map(|socket| Endpoint {
+    let mut csi = endpoint.clone().map(|socket| Endpoint {
         driver: args.csi_driver_name.clone(),
         socket,
         images: stowage_loopdriver::ImageStore::new(image_dir.clone()),
@@ -152,6 +152,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             max_volumes: args.max_volumes,
         }),
         controller: args.csi_controller,
+        // Set below: only the full agent serves a metrics endpoint.
+        metrics: None,
     });
     if args.csi_only {
         let endpoint = csi.expect("clap requires --csi-endpoint with --csi-only");
@@ -179,6 +181,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         return Ok(());
     }
     let (registry, metrics) = registry();
+    if let Some(e) = &mut csi {
+        e.metrics = Some(metrics.csi.clone());
+    }
     let health = Health::new(registry.clone());
     serve::spawn(args.metrics_bind_address, health.clone()).await?;
     let client = args

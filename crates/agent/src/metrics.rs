@@ -5,6 +5,7 @@ use std::time::Instant;
 use prometheus::{Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts};
 use stowage_common::errors::{ERROR, SUCCESS};
 use stowage_common::metrics::{Registry, register};
+use stowage_loopdriver::csi::metrics::RpcMetrics;
 
 /// Operation names used as the `operation` label.
 pub const OPERATIONS: [&str; 7] = [
@@ -42,6 +43,9 @@ pub struct Metrics {
     pub probes_in_flight: IntGauge,
     /// 1 while the image store's marker was found at the last check, else 0.
     pub image_store_ready: IntGauge,
+    /// Every call the CSI server answers (`csi_sidecar_operations_seconds`), filled by the
+    /// server's layer.
+    pub csi: RpcMetrics,
 }
 
 /// Label values of `observe_errors`.
@@ -159,7 +163,9 @@ impl Metrics {
                 )
                 .expect("static metric definition"),
             ),
+            csi: RpcMetrics::new(),
         };
+        register(registry, m.csi.histogram().clone());
         for s in OBSERVE_SOURCES {
             m.observe_errors.with_label_values(&[s]);
         }

@@ -9,6 +9,7 @@ pub mod authority;
 pub mod caps;
 pub mod controller;
 pub mod identity;
+pub mod metrics;
 pub mod node;
 pub mod registration;
 pub mod server;

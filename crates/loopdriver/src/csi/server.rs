@@ -6,10 +6,12 @@ use std::path::{Path, PathBuf};
 
 use tokio::net::UnixListener;
 use tokio_stream::wrappers::UnixListenerStream;
+use tonic::server::NamedService;
 
 use super::VolumeLocks;
 use super::controller::ControllerService;
 use super::identity::IdentityService;
+use super::metrics::{RpcLayer, RpcMetrics};
 use super::node::{NodeService, OfflineRepairs};
 use super::v1::controller_server::ControllerServer;
 use super::v1::identity_server::IdentityServer;
@@ -28,6 +30,8 @@ pub struct Endpoint {
     pub node: Option<NodeSettings>,
     /// Serve the Controller service (create/delete/expand over the image store).
     pub controller: bool,
+    /// Where every call served is recorded; `None` records nothing (no metrics endpoint).
+    pub metrics: Option<RpcMetrics>,
 }
 
 #[derive(Debug, Clone)]
@@ -68,7 +72,21 @@ pub async fn serve(endpoint: Endpoint, shutdown: impl Future<Output = ()> + Send
         images: endpoint.images.clone(),
         controller: endpoint.controller,
     };
-    let mut router = tonic::transport::Server::builder().add_service(IdentityServer::new(identity));
+    let mut services = vec![IdentityServer::<IdentityService>::NAME];
+    if endpoint.node.is_some() {
+        services.push(NodeServer::<NodeService>::NAME);
+    }
+    if endpoint.controller {
+        services.push(ControllerServer::<ControllerService>::NAME);
+    }
+    // One layer for every service, so no handler has metrics code of its own.
+    let layer = endpoint
+        .metrics
+        .as_ref()
+        .map_or_else(RpcLayer::default, |m| m.layer(&endpoint.driver, &services));
+    let mut router = tonic::transport::Server::builder()
+        .layer(layer)
+        .add_service(IdentityServer::new(identity));
     if let Some(n) = &endpoint.node {
         router = router.add_service(NodeServer::new(NodeService {
             node_id: n.node_id.clone(),
