@@ -358,6 +358,38 @@ state = "{state}"
     }
 
     fn start_kcm_and_scheduler(&self, cp: &ControlPlane, controllers: &str) -> anyhow::Result<()> {
+        self.start_kcm(cp, controllers)?;
+        let kc = cp.kubeconfig().display().to_string();
+        let mut sched = Command::new(binary("kube-scheduler")?);
+        sched
+            .arg(format!("--kubeconfig={kc}"))
+            .args(["--leader-elect=false", "--bind-address=127.0.0.1"])
+            .arg(format!("--secure-port={}", free_port()))
+            .arg(format!(
+                "--cert-dir={}",
+                self.dir.join("scheduler-certs").display()
+            ));
+        self.spawn("kube-scheduler", sched)
+    }
+
+    /// Stops kube-controller-manager (node 1 runs it) and starts it again with `controllers` as
+    /// its `--controllers`, as an edit of its flags restarts it: `"*"` gives it back the storage
+    /// controllers stowage ran.
+    pub fn restart_kcm(&self, cp: &ControlPlane, controllers: &str) -> anyhow::Result<()> {
+        let old = {
+            let mut children = self.children.lock().unwrap_or_else(|p| p.into_inner());
+            let i = children
+                .iter()
+                .position(|(n, _)| n == "kube-controller-manager")
+                .context("this node runs no kube-controller-manager")?;
+            children.remove(i)
+        };
+        let (_, mut c) = old;
+        self.stop_child(&mut c, Duration::from_secs(20));
+        self.start_kcm(cp, controllers)
+    }
+
+    fn start_kcm(&self, cp: &ControlPlane, controllers: &str) -> anyhow::Result<()> {
         let kc = cp.kubeconfig().display().to_string();
         let mut kcm = Command::new(binary("kube-controller-manager")?);
         kcm.arg(format!("--kubeconfig={kc}"))
@@ -370,17 +402,7 @@ state = "{state}"
             .args(["--leader-elect=false", "--bind-address=127.0.0.1"])
             .arg(format!("--secure-port={}", free_port()))
             .arg(format!("--cert-dir={}", self.dir.join("kcm-certs").display()));
-        self.spawn("kube-controller-manager", kcm)?;
-        let mut sched = Command::new(binary("kube-scheduler")?);
-        sched
-            .arg(format!("--kubeconfig={kc}"))
-            .args(["--leader-elect=false", "--bind-address=127.0.0.1"])
-            .arg(format!("--secure-port={}", free_port()))
-            .arg(format!(
-                "--cert-dir={}",
-                self.dir.join("scheduler-certs").display()
-            ));
-        self.spawn("kube-scheduler", sched)
+        self.spawn("kube-controller-manager", kcm)
     }
 
     fn start_kubelet(&mut self, cp: &ControlPlane) -> anyhow::Result<()> {
