@@ -3,7 +3,8 @@
 # mkfs.ext4/resize2fs (e2fsprogs), blkid; for `make image` (e2e/scripts/image.sh): mmdebstrap (the
 # Debian base layer), skopeo (checks the OCI archive), jq (writes its JSON); for the real-node
 # cluster: containerd + runc (ctr), the CNI plugins, tini (node 2's PID 1), and a static busybox for the pod and sandbox
-# images. Go and Rust come with the machine image.
+# images; prometheus (Debian's package: the real-node Prometheus test runs its binary, never its
+# service). Go and Rust come with the machine image.
 set -euo pipefail
 missing=()
 for tool in losetup:util-linux mount:mount mkfs.ext4:e2fsprogs resize2fs:e2fsprogs blkid:util-linux findmnt:util-linux curl:curl \
@@ -21,4 +22,19 @@ if [ ${#missing[@]} -gt 0 ]; then
   apt-get update -qq
   # No recommends: skopeo's would add container networking plugins the build does not use.
   apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+if ! command -v prometheus >/dev/null 2>&1; then
+  echo "deps: installing prometheus (its service neither started nor enabled)"
+  export DEBIAN_FRONTEND=noninteractive
+  # policy-rc.d answering 101 is Debian's way to keep a package's postinst from starting its
+  # service; a machine that already has one (container images do) keeps its own.
+  policy=/usr/sbin/policy-rc.d
+  if [ ! -e "$policy" ]; then
+    printf '#!/bin/sh\nexit 101\n' >"$policy" && chmod 755 "$policy"
+    trap 'rm -f "$policy"' EXIT
+  fi
+  [ ${#missing[@]} -gt 0 ] || apt-get update -qq
+  apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+  # Nor started at the next boot: the tests start their own with a throw-away config.
+  if command -v systemctl >/dev/null; then systemctl disable prometheus.service >/dev/null 2>&1 || true; fi
 fi
