@@ -291,3 +291,68 @@ async fn a_panicked_attach_and_a_panicked_mount_are_retried() {
     e.release(&["app"], &[&m.target], &m.va, &node, &pv).await;
     assert_eq!(loops_of(&image), "", "the device was released");
 }
+
+/// A process holding a mount in a mount namespace of its own; killed (its namespace and mount go
+/// with it) on drop.
+struct OtherNamespace(std::process::Child);
+
+impl Drop for OtherNamespace {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[tokio::test]
+async fn a_device_mounted_in_another_mount_namespace_is_not_adopted() {
+    let (e, _guard) = env("otherns").await;
+    let node = unique("node-o");
+    let _agent = e.agent(&node, "otherns");
+    let pv = unique("pv-otherns");
+    let image = e.image(&pv);
+    e.volume(&pv, "data").await;
+    sh(&format!("mkfs.ext4 -q -F {}", image.display()));
+    // Another node's mount where one kernel plays several nodes, each in its own mount namespace:
+    // the device is the image's, held, and in no mount table the agent can read.
+    let out = std::process::Command::new("losetup")
+        .args(["--find", "--show"])
+        .arg(&image)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let theirs = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    let dir = e.base.join("other-node");
+    std::fs::create_dir_all(&dir).unwrap();
+    let holder = OtherNamespace(
+        std::process::Command::new("unshare")
+            .args(["-m", "--propagation", "private", "sh", "-c"])
+            .arg(format!("mount {theirs} {} && exec sleep 100000", dir.display()))
+            .spawn()
+            .unwrap(),
+    );
+    let pid = holder.0.id();
+    eventually(LIMIT, || async {
+        let table = std::fs::read_to_string(format!("/proc/{pid}/mountinfo")).map_err(|e| e.to_string())?;
+        match table.contains(dir.to_str().unwrap()) {
+            true => Ok(()),
+            false => Err(format!("{theirs} not mounted in the other namespace yet")),
+        }
+    })
+    .await;
+    assert!(
+        mounts_at(&dir).is_empty(),
+        "the other namespace's mount is visible here"
+    );
+
+    let va = e.attach(&pv, &node).await;
+    let dev = e.wait_attached(&va).await;
+    assert_ne!(
+        dev, theirs,
+        "the agent adopted a device mounted in another namespace"
+    );
+    let devices = loops_of(&image);
+    assert!(devices.contains(&dev) && devices.contains(&theirs), "{devices}");
+
+    drop(holder);
+    e.detach(&va, &node, &pv).await;
+}
