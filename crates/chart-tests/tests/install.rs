@@ -535,7 +535,8 @@ async fn helm_install_upgrade_uninstall_on_a_real_apiserver() {
             .as_ref()
             .and_then(|a| a.get("prometheus.io/port"))
             .map(String::as_str),
-        Some("8080")
+        // The secure port, the chart's default.
+        Some("10257")
     );
     assert_host_network_and_apiserver("controller", spec.template.spec.as_ref());
     let ds = Api::<DaemonSet>::namespaced(client.clone(), &ns)

@@ -128,7 +128,9 @@ impl Kubectl {
 
 /// `helm install` of the chart as a user installs it on the real-node cluster: the local image,
 /// controller and agents on the host network reaching the apiserver at an address every node
-/// reaches (`cp.node_host()`), one `agent.kubeletDir` for all nodes, a WaitForFirstConsumer class;
+/// reaches (`cp.node_host()`), one `agent.kubeletDir` for all nodes, a WaitForFirstConsumer class,
+/// the controller's metrics on plain HTTP (the scenarios read them through the apiserver's pod
+/// proxy, which passes no credentials on; realnode_prometheus covers the secure default);
 /// then the test namespace, and both workloads rolled out (`logs` is printed if one is not).
 pub async fn install(
     helm: &Helm,
@@ -144,7 +146,7 @@ pub async fn install(
             r#"image: {{repository: localhost/stowage, tag: "{version}", pullPolicy: Never}}
 apiServer: {{host: {host}, port: "{port}"}}
 imageStore: {{path: {images}}}
-controller: {{replicas: 1, hostNetwork: true}}
+controller: {{replicas: 1, hostNetwork: true, securePort: 0}}
 agent: {{mode: csi, kubeletDir: {kubelet}, hostNetwork: true}}
 storageClass: {{create: true, name: loop, volumeBindingMode: WaitForFirstConsumer, reclaimPolicy: Delete}}
 tests: {{image: {{repository: localhost/curl, tag: stowage, pullPolicy: Never}}, hostNetwork: true}}

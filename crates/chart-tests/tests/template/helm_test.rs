@@ -97,7 +97,8 @@ async fn helm_test_checks_readyz_and_a_claim_of_the_class() {
         role,
         "test Role",
         &[
-            r#"resourceNames: ["st-stowage-controller-metrics:metrics"]"#,
+            // The secure port (the default): the https scheme's proxy name.
+            r#"resourceNames: ["https:st-stowage-controller-metrics:metrics"]"#,
             r#"resourceNames: ["data-st-stowage-test-0"]"#,
             r#"resourceNames: ["st-stowage-test-0"]"#,
             r#"resourceNames: ["st-stowage-test"]"#,

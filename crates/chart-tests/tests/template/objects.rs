@@ -9,7 +9,7 @@ use crate::{assert_entry, assert_has, assert_host_network_and_apiserver, doc, re
 /// agent is checked with the same host network and apiserver values in its own test.
 const ALL_ON: &str = r#"
 storageClass: {create: true, default: true, reclaimPolicy: Retain, volumeBindingMode: Immediate, parameters: {extra: "1"}}
-metrics: {podAnnotations: true, serviceMonitor: {enabled: true, scrapeTimeout: 10s, labels: {release: prom}}}
+metrics: {podAnnotations: true, serviceMonitor: {enabled: true, scrapeTimeout: 10s, labels: {release: prom}}, readers: [{kind: ServiceAccount, name: prometheus, namespace: monitoring}]}
 agent: {mode: standalone, registerNode: true, hostNetwork: true, extraArgs: ["--metrics-bind-address=0.0.0.0:9091"], podAnnotations: {team: storage}}
 controller: {hostNetwork: true, extraArgs: ["--binder-max-in-flight=32"], controllers: ["*", "-expand"], nodeSelector: {role: infra}, tolerations: [{operator: Exists}]}
 apiServer: {host: 192.0.2.10, port: 6443}
@@ -44,6 +44,10 @@ async fn defaults_render_the_core_objects_only() {
         "ClusterRole/st-stowage-agent",
         "ClusterRoleBinding/st-stowage-controller",
         "ClusterRoleBinding/st-stowage-agent",
+        // The secure metrics port (the default): token and permission checks, and the role a
+        // scraper is bound to.
+        "ClusterRoleBinding/st-stowage-controller-auth-delegator",
+        "ClusterRole/st-stowage-metrics-reader",
         "Role/st-stowage-controller-leader-election",
         "RoleBinding/st-stowage-controller-leader-election",
         "Service/st-stowage-controller-metrics",
@@ -191,13 +195,24 @@ async fn every_option_on_renders() {
     );
     doc(&m, "Role", "st-stowage-agent-node-lease");
     doc(&m, "RoleBinding", "st-stowage-agent-node-lease");
+    assert_has(
+        doc(&m, "ClusterRoleBinding", "st-stowage-metrics-reader"),
+        "metrics readers",
+        &[
+            "name: st-stowage-metrics-reader",
+            "kind: ServiceAccount",
+            "name: prometheus",
+            "namespace: monitoring",
+        ],
+    );
 
     let d = doc(&m, "Deployment", "st-stowage-controller");
     assert_has(
         d,
         "controller Deployment",
         &[
-            r#"prometheus.io/port: "8080""#,
+            r#"prometheus.io/port: "10257""#,
+            "prometheus.io/scheme: https",
             "- --controllers=*,-expand",
             r#"- "--binder-max-in-flight=32""#,
             "- --kube-api-qps=20",
@@ -354,8 +369,29 @@ metrics:
         "{m}"
     );
 
-    // Off (the default): none of it.
-    let plain = render(&helm, &[]).await.unwrap();
+    // The default is that port; 0 turns all of it off, for plain HTTP on metricsPort.
+    let default = render(&helm, &[]).await.unwrap();
+    assert_has(
+        doc(&default, "Deployment", "st-stowage-controller"),
+        "controller Deployment",
+        &[
+            "- --secure-port=10257",
+            "- --metrics-bind-address=0",
+            "scheme: HTTPS",
+        ],
+    );
+    // No readers named: the role is there to bind, no binding is made.
+    assert!(document(&default, "ClusterRoleBinding", "st-stowage-metrics-reader").is_none());
+    let plain = render(&helm, &["--set", "controller.securePort=0"])
+        .await
+        .unwrap();
+    assert_has(
+        doc(&plain, "Deployment", "st-stowage-controller"),
+        "controller Deployment",
+        &["- --metrics-bind-address=0.0.0.0:8080", "containerPort: 8080"],
+    );
+    assert!(!plain.contains("scheme: HTTPS"), "{plain}");
+    assert!(!plain.contains("metrics-reader"), "{plain}");
     assert!(!plain.contains("--secure-port"), "{plain}");
     assert!(!plain.contains("auth-delegator"), "{plain}");
     assert!(
