@@ -2,7 +2,9 @@
 
 use std::time::Instant;
 
-use prometheus::{Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts};
+use prometheus::{
+    Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+};
 use stowage_common::errors::{ERROR, SUCCESS};
 use stowage_common::metrics::{Registry, register};
 use stowage_loopdriver::csi::metrics::RpcMetrics;
@@ -43,6 +45,8 @@ pub struct Metrics {
     pub probes_in_flight: IntGauge,
     /// 1 while the image store's marker was found at the last check, else 0.
     pub image_store_ready: IntGauge,
+    /// Loop devices of the store released because nothing accounted for them (`attacher/sweep.rs`).
+    pub stale_devices_released: IntCounter,
     /// Every call the CSI server answers (`csi_sidecar_operations_seconds`), filled by the
     /// server's layer.
     pub csi: RpcMetrics,
@@ -160,6 +164,14 @@ impl Metrics {
                 IntGauge::new(
                     "stowage_agent_image_store_ready",
                     "1 while the image store's marker was found at the last check (every 10 s), else 0.",
+                )
+                .expect("static metric definition"),
+            ),
+            stale_devices_released: register(
+                registry,
+                IntCounter::new(
+                    "stowage_agent_stale_devices_released_total",
+                    "Loop devices of the image store released because no attachment, mount or pod used them.",
                 )
                 .expect("static metric definition"),
             ),

@@ -121,6 +121,7 @@ impl Sweep {
 async fn release(ctx: &Ctx, dev: &str, backing: &str, grace: Duration) {
     match sys::loop_detach(dev).await {
         Ok(()) => {
+            ctx.metrics.stale_devices_released.inc();
             tracing::warn!(device = dev, backing, grace = ?grace, "released a loop device of the image store that no attachment, mount or pod used");
             let node = ObjectReference {
                 api_version: Some("v1".into()),

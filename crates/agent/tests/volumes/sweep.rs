@@ -51,7 +51,7 @@ async fn a_stale_loop_device_of_the_store_is_released_and_nothing_in_use() {
     sh(&format!("truncate -s 16M {}", outside_image.display()));
     let outside = losetup(&outside_image);
 
-    let _agent = e.agent_with(&node, "sweep", &["--stale-device-grace-seconds=4".into()]);
+    let agent = e.agent_with(&node, "sweep", &["--stale-device-grace-seconds=4".into()]);
     let note = e.wait_event("default", &node, "StaleLoopDeviceReleased").await;
     assert!(note.contains(&stale), "{note}");
     eventually(LIMIT, || async {
@@ -74,6 +74,10 @@ async fn a_stale_loop_device_of_the_store_is_released_and_nothing_in_use() {
             image.display()
         );
     }
+    assert_eq!(
+        gauge(&agent, "stowage_agent_stale_devices_released_total", &[]),
+        1.0
+    );
     let events = e.events("default", &node).await;
     assert_eq!(
         events
