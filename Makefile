@@ -45,7 +45,7 @@ test: deps controlplane csi-sanity promtool storage-e2e-suite sidecars ## Run un
 	./e2e/scripts/pod-images.sh
 	@# csi-sanity and the real-node scenarios run on their own, their output shown: CI logs keep
 	@# the csi-sanity counts and each real-node step's state.
-	$(CARGO) test --workspace --no-fail-fast -- --skip a_kubelet_runs_pods_on_loop_volumes --skip csi_sanity_passes --skip a_third_party_csi_driver --skip moving_back_to_kcm
+	$(CARGO) test --workspace --no-fail-fast -- --skip a_kubelet_runs_pods_on_loop_volumes --skip csi_sanity_passes --skip a_third_party_csi_driver --skip a_real_prometheus_scrapes --skip moving_back_to_kcm
 	$(CARGO) test -p stowage-agent --test csi_sanity -- --nocapture
 	@start=$$(date +%s); $(CARGO) test -p stowage-chart-tests --test realnode -- --nocapture && \
 	  echo "real-node scenarios: $$(( $$(date +%s) - start ))s"
@@ -53,6 +53,8 @@ test: deps controlplane csi-sanity promtool storage-e2e-suite sidecars ## Run un
 	  echo "two-node scenarios: $$(( $$(date +%s) - start ))s"
 	@start=$$(date +%s); $(CARGO) test -p stowage-chart-tests --test realnode_external -- --nocapture && \
 	  echo "third-party driver, KCM and stowage side by side: $$(( $$(date +%s) - start ))s"
+	@start=$$(date +%s); $(CARGO) test -p stowage-chart-tests --test realnode_prometheus -- --nocapture && \
+	  echo "Prometheus on the chart's monitoring: $$(( $$(date +%s) - start ))s"
 	@start=$$(date +%s); $(CARGO) test -p stowage-chart-tests --test realnode_uninstall -- --nocapture && \
 	  echo "moving back to KCM and uninstalling: $$(( $$(date +%s) - start ))s"
 	@# Kubernetes' own storage e2e suite: the tests of e2e/storage/subset.txt on two real nodes
