@@ -84,7 +84,11 @@ lint: ## cargo fmt --check, clippy -D warnings, helm lint
 	@if [ -d charts/stowage ]; then ./e2e/scripts/helm.sh lint --strict charts/stowage; fi
 
 .PHONY: demo
-demo: deps controlplane ## Start a control plane, the controller and two agents; walk sample claims to Bound
+demo: deps controlplane node-images ## The product as a user meets it: a real kubelet node, stowage installed by helm, a claim and a pod writing data, an online grow, Delete vs Retain, the Prometheus view
+	./e2e/scripts/realnode.sh demo
+
+.PHONY: demo-lite
+demo-lite: deps controlplane ## The demo without a kubelet or containerd (stowage's agents play the nodes): sample claims to Bound, volumes mounted, a grow, Delete vs Retain
 	$(CARGO) build --workspace --bins
 	./e2e/scripts/demo.sh
 
@@ -106,10 +110,6 @@ realnode-down: ## Stop the real node and remove what it left behind
 .PHONY: side-by-side
 side-by-side: deps controlplane sidecars node-images ## A third-party CSI driver (the upstream sidecars) on a real node under KCM's storage controllers, then stowage's; end states compared
 	$(CARGO) test -p stowage-chart-tests --test realnode_external -- --nocapture
-
-.PHONY: demo-node
-demo-node: deps controlplane node-images ## The demo on a real kubelet: a claim and a pod with a mounted volume
-	./e2e/scripts/realnode.sh demo
 
 .PHONY: soak
 soak: deps controlplane ## Chaos soak: HA controller, agents, churn and faults; DURATION (default 30m) and SEED (default random); prints the summary
