@@ -151,15 +151,7 @@ async fn a_kubelet_runs_pods_on_loop_volumes_installed_by_helm() {
     std::fs::write(&marker, saved).unwrap();
     k.wait(&["pod", "-n", NS, "writer"], "{.status.phase}", "Running");
     k.wait(&["pvc", "-n", NS, "data"], "{.status.phase}", "Bound");
-    let pv = k.must(&[
-        "get",
-        "pvc",
-        "-n",
-        NS,
-        "data",
-        "-o",
-        "jsonpath={.spec.volumeName}",
-    ]);
+    let pv = k.volume_of("data");
     k.wait(&["volumeattachment"], "{.items[0].status.attached}", "true");
     k.wait_logs("writer", "wrote");
     k.show("1: pod Running on a provisioned, attached, staged and published volume");
@@ -252,15 +244,7 @@ async fn a_kubelet_runs_pods_on_loop_volumes_installed_by_helm() {
     k.apply(&claim("held", "loop", "ReadWriteOnce"));
     k.apply(&pod("holder", "held"));
     k.wait(&["pod", "-n", NS, "holder"], "{.status.phase}", "Running");
-    let held = k.must(&[
-        "get",
-        "pvc",
-        "-n",
-        NS,
-        "held",
-        "-o",
-        "jsonpath={.spec.volumeName}",
-    ]);
+    let held = k.volume_of("held");
     let held_va = format!("{{.items[?(@.spec.source.persistentVolumeName==\"{held}\")].status.attached}}");
     k.wait(&["volumeattachment"], &held_va, "true");
     node.stop_kubelet();
@@ -450,15 +434,7 @@ volumeBindingMode: WaitForFirstConsumer
     k.apply(&pod("keeper", "kept"));
     k.wait(&["pod", "-n", NS, "keeper"], "{.status.phase}", "Running");
     k.wait_logs("keeper", "wrote");
-    let kept = k.must(&[
-        "get",
-        "pvc",
-        "-n",
-        NS,
-        "kept",
-        "-o",
-        "jsonpath={.spec.volumeName}",
-    ]);
+    let kept = k.volume_of("kept");
     k.must(&["delete", "pod", "-n", NS, "keeper", "--wait=true"]);
     k.must(&["delete", "pvc", "-n", NS, "kept", "--wait=true"]);
     k.wait(&["pv", &kept], "{.status.phase}", "Released");

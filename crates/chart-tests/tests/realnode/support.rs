@@ -41,6 +41,11 @@ impl Kubectl {
         self.run(args).unwrap_or_else(|e| panic!("{e}"))
     }
 
+    /// The volume a claim of the test namespace is bound to.
+    pub fn volume_of(&self, claim: &str) -> String {
+        self.must(&["get", "pvc", "-n", NS, claim, "-o", "jsonpath={.spec.volumeName}"])
+    }
+
     pub fn apply(&self, yaml: &str) {
         let f = tempfile::NamedTempFile::new().unwrap();
         std::fs::write(f.path(), yaml).unwrap();

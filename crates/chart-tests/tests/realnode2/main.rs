@@ -214,15 +214,7 @@ async fn a_kubelet_runs_pods_on_loop_volumes_across_two_nodes() {
     k.apply(&pod_on("one", NODE_NAME, "moving"));
     k.wait(&["pod", "-n", NS, "one"], "{.status.phase}", "Running");
     k.wait_logs("one", "wrote one");
-    let pv = k.must(&[
-        "get",
-        "pvc",
-        "-n",
-        NS,
-        "moving",
-        "-o",
-        "jsonpath={.spec.volumeName}",
-    ]);
+    let pv = k.volume_of("moving");
     k.wait(&["volumeattachment"], attached_to, NODE_NAME);
     assert!(
         node1.mount_table().contains(&pv),
@@ -268,15 +260,7 @@ async fn a_kubelet_runs_pods_on_loop_volumes_across_two_nodes() {
     k.apply(&claim("single", "loop", "ReadWriteOnce"));
     k.apply(&pod_on("holder", NODE_NAME, "single"));
     k.wait(&["pod", "-n", NS, "holder"], "{.status.phase}", "Running");
-    let single = k.must(&[
-        "get",
-        "pvc",
-        "-n",
-        NS,
-        "single",
-        "-o",
-        "jsonpath={.spec.volumeName}",
-    ]);
+    let single = k.volume_of("single");
     k.apply(&pod_on("blocked", NODE2_NAME, "single"));
     let want = format!("Multi-Attach error for volume \"{single}\" Volume is already used by pod(s) holder");
     poll(|| {
@@ -339,15 +323,7 @@ async fn a_kubelet_runs_pods_on_loop_volumes_across_two_nodes() {
     k.apply(&pod_on("before", NODE_NAME, "fenced"));
     k.wait(&["pod", "-n", NS, "before"], "{.status.phase}", "Running");
     k.wait_logs("before", "wrote before");
-    let fenced = k.must(&[
-        "get",
-        "pvc",
-        "-n",
-        NS,
-        "fenced",
-        "-o",
-        "jsonpath={.spec.volumeName}",
-    ]);
+    let fenced = k.volume_of("fenced");
     let uid = k.must(&["get", "pod", "-n", NS, "before", "-o", "jsonpath={.metadata.uid}"]);
     k.wait(&["volumeattachment"], attached_to, NODE_NAME);
     // Node 1 is in the host's namespaces: its pod's volume is this path here.

@@ -110,15 +110,7 @@ async fn moving_back_to_kcm_and_uninstalling_leaves_pods_their_volumes_and_nothi
         k.wait(&["pod", "-n", NS, p], "{.status.phase}", "Running");
         k.wait_logs(p, "wrote");
     }
-    let pv = k.must(&[
-        "get",
-        "pvc",
-        "-n",
-        NS,
-        "data",
-        "-o",
-        "jsonpath={.spec.volumeName}",
-    ]);
+    let pv = k.volume_of("data");
     k.wait(&["volumeattachment"], "{.items[0].status.attached}", "true");
     k.show("0: stowage installed, KCM's storage controllers off; both pods wrote their file");
     println!(
