@@ -2,13 +2,15 @@
 //! feature on, plus the values the chart must refuse. No cluster needed. The rendering helpers are
 //! here; the cases by subject: `objects.rs` (what the defaults and every option render),
 //! `agent.rs` (the agent's two modes and the CSIDriver), `refused.rs` (values the chart refuses),
-//! `helm_test.rs` (the `helm test` hooks).
+//! `helm_test.rs` (the `helm test` hooks), `rbac.rs` (the guide's RBAC tables against the rendered
+//! Roles and bindings).
 
 use stowage_chart_tests::{Helm, chart_dir, document, kinds_and_names};
 
 mod agent;
 mod helm_test;
 mod objects;
+mod rbac;
 mod refused;
 
 /// The entry named `name` of the first list `section` (e.g. `volumeMounts`, `volumes`) of a
