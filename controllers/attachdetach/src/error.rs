@@ -2,7 +2,7 @@
 //! `stowage_attachdetach_reconcile_errors_total`, in the vocabulary every controller shares
 //! (`stowage_common::errors`).
 
-use stowage_common::errors::{MetricLabel, api_label, is_conflict, is_not_found};
+use stowage_common::errors::{MetricLabel, PANIC, api_label, is_conflict, is_not_found};
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -25,7 +25,7 @@ pub enum Error {
     NodeBack(String),
     /// The write task panicked (a bug); its work is retried with backoff like any failure.
     #[error("the write task panicked")]
-    Panicked,
+    Panic,
 }
 
 impl Error {
@@ -46,7 +46,7 @@ impl MetricLabel for Error {
             Error::StillInUse(_) => "volume_in_use",
             Error::NodeUnreadable { .. } => "node_unreadable",
             Error::NodeBack(_) => "node_back",
-            Error::Panicked => "panic",
+            Error::Panic => PANIC,
         }
     }
 }
@@ -66,6 +66,6 @@ mod tests {
             "node_status_not_updated"
         );
         assert_eq!(Error::StillInUse("n".into()).metric_label(), "volume_in_use");
-        assert_eq!(Error::Panicked.metric_label(), "panic");
+        assert_eq!(Error::Panic.metric_label(), "panic");
     }
 }

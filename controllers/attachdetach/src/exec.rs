@@ -270,7 +270,7 @@ impl Controller {
                 volume: volume.clone(),
                 node: node.clone(),
                 va_name: va_name.clone(),
-                result: Err(Error::Panicked),
+                result: Err(Error::Panic),
             }],
         );
         self.tasks.spawn(async move {
@@ -358,7 +358,7 @@ impl Controller {
                 &w.done,
                 vec![Outcome::PvFinalizer {
                     pv: name.clone(),
-                    result: Err(Error::Panicked),
+                    result: Err(Error::Panic),
                 }],
             );
             self.tasks.spawn(async move {
@@ -406,7 +406,7 @@ impl Controller {
             vec![Outcome::Release {
                 volume: volume.clone(),
                 node: node.clone(),
-                result: Err(Error::Panicked),
+                result: Err(Error::Panic),
             }],
         );
         self.tasks.spawn(async move {
@@ -465,13 +465,13 @@ impl Controller {
                 volume: j.volume.clone(),
                 node: node.clone(),
                 forced: j.forced,
-                result: Err(Error::Panicked),
+                result: Err(Error::Panic),
             })
             .collect();
         if patch.is_some() {
             failures.push(Outcome::Status {
                 node: node.clone(),
-                result: Err(Error::Panicked),
+                result: Err(Error::Panic),
             });
         }
         let owed = Owed::new(&w.done, failures);

@@ -1,7 +1,7 @@
 //! The binder's one error type: what a sync or its write task fails with. Its `metric_label` is
 //! the `error` label of `stowage_binder_reconcile_errors_total`.
 
-use stowage_common::errors::{MetricLabel, api_label, is_conflict};
+use stowage_common::errors::{MetricLabel, PANIC, api_label, is_conflict};
 
 use crate::loopdev::ImageError;
 
@@ -44,7 +44,7 @@ impl MetricLabel for Error {
             Error::StoreNotReady(_) => "image_store_not_ready",
             Error::StaleCache(_) => "stale_cache",
             Error::InvalidState(_) => "invalid_state",
-            Error::Panic => "panic",
+            Error::Panic => PANIC,
         }
     }
 }

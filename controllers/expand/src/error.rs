@@ -37,8 +37,6 @@ impl MetricLabel for Error {
 /// The `error` label of an expansion the class does not allow (no `Error`: nothing failed, the
 /// core refused it).
 pub const NOT_ALLOWED: &str = "not_allowed";
-/// The `error` label of a work task that died without reporting.
-pub const PANIC: &str = "panic";
 
 /// Errors that no retry at the same size can fix.
 pub(crate) fn infeasible(e: &ImageError) -> bool {

@@ -11,9 +11,10 @@ use stowage_common::informer::is_newer;
 use tokio::time::Instant;
 
 use crate::controller::Controller;
-use crate::error::{Error, PANIC};
+use crate::error::Error;
 use crate::ingest::split;
 use stowage_common::errors::MetricLabel;
+use stowage_common::errors::PANIC;
 
 /// What one claim's work reports back.
 pub(crate) struct Outcome {

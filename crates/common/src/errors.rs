@@ -15,6 +15,9 @@ pub trait MetricLabel {
 pub const SUCCESS: &str = "success";
 /// The `result` label of an operation counter.
 pub const ERROR: &str = "error";
+/// The `error` label of a work task that died (a panic) without reporting its outcome; every
+/// controller retries its work with backoff.
+pub const PANIC: &str = "panic";
 
 /// The label of an API error: the status class the apiserver answered, or `transport` when no
 /// answer came (connection refused, timeout, TLS, a body that did not decode).
