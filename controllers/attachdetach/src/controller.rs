@@ -118,6 +118,7 @@ pub async fn run(cluster: Arc<Informers>, metrics: Metrics, config: Config) -> a
             done: done_tx,
             attach_slots: Arc::new(Semaphore::new(config.max_attaches_in_flight.max(1))),
             detach_slots: Arc::new(Semaphore::new(config.max_detaches_in_flight.max(1))),
+            hooks: config.hooks.clone(),
         }),
         cluster,
         config: config.clone(),
@@ -324,7 +325,7 @@ impl Controller {
 #[cfg(test)]
 mod live_tests {
     use super::*;
-    use crate::exec::{HOLD_ATTACH_RESULT, PANIC_ON_ATTACH};
+    use crate::exec::{HookPoints, Hooks};
     use k8s_openapi::api::core::v1::{Node, Pod};
     use k8s_openapi::api::storage::v1::VolumeAttachment;
     use kube::api::Patch;
@@ -399,11 +400,13 @@ mod live_tests {
     async fn an_attach_result_after_the_pod_went_is_followed_by_the_detach() {
         let mut h = one_bound_claim("held").await;
         let go = Arc::new(tokio::sync::Notify::new());
-        *HOLD_ATTACH_RESULT.lock().unwrap() = Some(("held".into(), go.clone()));
+        let points = Arc::new(HookPoints::default());
+        *points.hold_attach_result.lock().unwrap() = Some(("held".into(), go.clone()));
         let cluster = h.cluster().await;
         let metrics = Metrics::new(&h.registry);
         let config = Config {
             resync: Duration::from_secs(3600),
+            hooks: Hooks::new(points),
             ..Config::default()
         };
         h.run(run(cluster, metrics.clone(), config));
@@ -439,14 +442,19 @@ mod live_tests {
     #[tokio::test]
     async fn a_panicked_attach_task_is_retried_and_the_volume_attached() {
         let mut h = one_bound_claim("boom").await;
-        *PANIC_ON_ATTACH.lock().unwrap() = Some("boom".into());
+        let points = Arc::new(HookPoints::default());
+        *points.panic_on_attach.lock().unwrap() = Some("boom".into());
 
         let cluster = h.cluster().await;
         let metrics = Metrics::new(&h.registry);
-        h.run(run(cluster, metrics, Config::default()));
+        let config = Config {
+            hooks: Hooks::new(points.clone()),
+            ..Config::default()
+        };
+        h.run(run(cluster, metrics, config));
         schedule_pod_and_await_attachment(&h, "boom").await;
         assert!(
-            PANIC_ON_ATTACH.lock().unwrap().is_none(),
+            points.panic_on_attach.lock().unwrap().is_none(),
             "the hook fired: the first attach task did panic"
         );
         let text = h.metrics_text();

@@ -84,14 +84,59 @@ impl Drop for OwedGuard {
     }
 }
 
-/// A test hook: the attach task of this PV panics once.
-#[cfg(test)]
-pub(crate) static PANIC_ON_ATTACH: std::sync::Mutex<Option<String>> = std::sync::Mutex::new(None);
+/// A test seam of the attach task (`controller.rs` live tests): empty in production, where each
+/// point costs one `Option` check. Only this crate can fill it.
+#[derive(Clone, Default)]
+pub struct Hooks(Option<Arc<HookPoints>>);
 
-/// A test hook: the attach task of this PV holds its result back until notified.
-#[cfg(test)]
-pub(crate) static HOLD_ATTACH_RESULT: std::sync::Mutex<Option<(String, Arc<tokio::sync::Notify>)>> =
-    std::sync::Mutex::new(None);
+impl std::fmt::Debug for Hooks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() {
+            "Hooks(set)"
+        } else {
+            "Hooks(none)"
+        })
+    }
+}
+
+#[derive(Default)]
+pub(crate) struct HookPoints {
+    /// The attach task of this PV panics once.
+    pub(crate) panic_on_attach: std::sync::Mutex<Option<String>>,
+    /// The attach task of this PV holds its result back until notified.
+    pub(crate) hold_attach_result: std::sync::Mutex<Option<(String, Arc<tokio::sync::Notify>)>>,
+}
+
+impl Hooks {
+    #[cfg(test)]
+    pub(crate) fn new(points: Arc<HookPoints>) -> Self {
+        Self(Some(points))
+    }
+
+    /// Panics if asked to for this attachment's PV (once).
+    fn before_attach(&self, pv: Option<&str>) {
+        let Some(h) = &self.0 else { return };
+        let mut hook = h.panic_on_attach.lock().unwrap_or_else(|p| p.into_inner());
+        if hook.is_some() && hook.as_deref() == pv {
+            *hook = None;
+            drop(hook);
+            panic!("test hook: attach task panics");
+        }
+    }
+
+    /// Waits, if asked to for this attachment's PV, before the result is reported.
+    async fn before_attach_result(&self, pv: Option<&str>) {
+        let Some(h) = &self.0 else { return };
+        let held = h
+            .hold_attach_result
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take_if(|(name, _)| Some(name.as_str()) == pv);
+        if let Some((_, go)) = held {
+            go.notified().await;
+        }
+    }
+}
 
 /// Everything a write task needs. Shared behind one `Arc` (`Controller::executor`): kube's `Api`
 /// carries its resource's names and path as owned strings, so a copy per task allocated a dozen
@@ -106,6 +151,7 @@ pub(crate) struct Executor {
     pub(crate) done: mpsc::UnboundedSender<Outcome>,
     pub(crate) attach_slots: Arc<Semaphore>,
     pub(crate) detach_slots: Arc<Semaphore>,
+    pub(crate) hooks: Hooks,
 }
 
 impl Controller {
@@ -276,15 +322,8 @@ impl Controller {
         self.tasks.spawn(async move {
             let _guard = owed.guard();
             let _slot = w.attach_slots.clone().acquire_owned().await;
-            #[cfg(test)]
-            {
-                let mut hook = PANIC_ON_ATTACH.lock().unwrap_or_else(|p| p.into_inner());
-                if hook.as_deref() == va.0.spec.source.persistent_volume_name.as_deref() {
-                    *hook = None;
-                    drop(hook);
-                    panic!("test hook: attach task panics");
-                }
-            }
+            let pv = va.0.spec.source.persistent_volume_name.as_deref();
+            w.hooks.before_attach(pv);
             let timer = w
                 .metrics
                 .operation_seconds
@@ -297,18 +336,9 @@ impl Controller {
                 .map(Lean::into_inner)
                 .map_err(Error::Api);
             timer.observe_duration();
-            #[cfg(test)]
-            {
-                let held = HOLD_ATTACH_RESULT
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .take_if(|(pv, _)| {
-                        Some(pv.as_str()) == va.0.spec.source.persistent_volume_name.as_deref()
-                    });
-                if let Some((_, go)) = held {
-                    go.notified().await;
-                }
-            }
+            w.hooks
+                .before_attach_result(va.0.spec.source.persistent_volume_name.as_deref())
+                .await;
             owed.send(Outcome::Attach {
                 volume,
                 node,

@@ -42,6 +42,9 @@ pub struct Config {
     /// Detaches (node status patch + VolumeAttachment delete) in flight at once; a separate
     /// budget, so attaches never queue behind a burst of detaches.
     pub max_detaches_in_flight: usize,
+    /// Where a test steps into the write tasks; none outside this crate's tests.
+    #[doc(hidden)]
+    pub hooks: exec::Hooks,
 }
 
 impl Default for Config {
@@ -52,6 +55,7 @@ impl Default for Config {
             resync: Duration::from_secs(60),
             max_attaches_in_flight: 32,
             max_detaches_in_flight: 32,
+            hooks: exec::Hooks::default(),
         }
     }
 }
