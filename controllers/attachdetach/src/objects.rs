@@ -74,7 +74,7 @@ pub fn pod_claims(pod: &Pod) -> Vec<String> {
 }
 
 /// The built-in driver: an ext4 file system on a loop image.
-pub use stowage_common::pv::LOOP_DRIVER;
+pub use stowage_loopdriver::DRIVER as LOOP_DRIVER;
 
 /// Why a `loop.stowage.dev` volume goes to one node at a time, for the multi-attach event.
 pub const LOOP_SINGLE_NODE_RULE: &str = "loop.stowage.dev volumes that are not ReadOnlyMany are attached to one node at a time: ext4 on a loop image is corrupted when two kernels mount it read-write";

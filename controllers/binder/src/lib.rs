@@ -14,8 +14,9 @@ pub mod ingest;
 pub mod loopdev;
 pub mod results;
 // The PV/PVC readers and quantities are shared with the other controllers.
-pub use stowage_common::{pv as objects, quantity};
+pub use stowage_common::quantity;
 pub mod metrics;
+pub mod objects;
 
 pub mod selector;
 

@@ -14,10 +14,11 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
 use stowage_common::pv::{
-    ANN_PRE_RESIZE_CAPACITY, LOOP_DRIVER, ann, claim_block, claim_class, claim_phase, claim_volume_name,
-    csi_driver, pv_block, volume_handle,
+    ANN_PRE_RESIZE_CAPACITY, ann, claim_block, claim_class, claim_phase, claim_volume_name, csi_driver,
+    pv_block, volume_handle,
 };
 use stowage_common::quantity;
+use stowage_loopdriver::DRIVER as LOOP_DRIVER;
 
 pub const COND_RESIZING: &str = "Resizing";
 pub const COND_FS_RESIZE_PENDING: &str = "FileSystemResizePending";

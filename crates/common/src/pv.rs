@@ -46,11 +46,6 @@ pub fn migrated_driver(in_tree: &str) -> Option<&'static str> {
     })
 }
 
-/// The built-in driver.
-pub use stowage_loopdriver::DRIVER as LOOP_DRIVER;
-/// A handle that names a file directly inside the image dir (the driver's one rule).
-pub use stowage_loopdriver::valid_handle as plain_handle;
-
 /// `namespace/name` of a claim (API type or packed: only the metadata is read).
 pub fn claim_key<K: ResourceExt>(c: &K) -> String {
     format!("{}/{}", c.namespace().unwrap_or_default(), c.name_any())
@@ -194,20 +189,6 @@ pub fn refers_to(pv: &PersistentVolume, claim: &PersistentVolumeClaim) -> bool {
         }
         None => false,
     }
-}
-
-/// Whether this provisioner made the volume (external-provisioner's `shouldDelete`: the
-/// provisioned-by annotation names the driver). Only such volumes are ever deleted by it;
-/// a hand-made volume's image belongs to whoever made it.
-pub fn provisioned_here(pv: &PersistentVolume) -> bool {
-    ann(pv, ANN_PROVISIONED_BY) == Some(LOOP_DRIVER)
-}
-
-/// The built-in driver's volume handle, when the volume is one of its volumes.
-pub fn loop_handle(pv: &PersistentVolume) -> Option<&str> {
-    (csi_driver(pv) == Some(LOOP_DRIVER))
-        .then(|| volume_handle(pv))
-        .flatten()
 }
 
 /// Access modes that let several nodes write one volume: refused for the built-in driver, whose

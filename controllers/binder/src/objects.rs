@@ -1,0 +1,23 @@
+//! What the binder reads of PVs and claims: the shared readers of `stowage_common::pv`, and the
+//! built-in driver's name and handle rule, from the driver's crate (common knows no driver).
+
+use k8s_openapi::api::core::v1::PersistentVolume;
+pub use stowage_common::pv::*;
+/// The built-in driver.
+pub use stowage_loopdriver::DRIVER as LOOP_DRIVER;
+/// A handle that names a file directly inside the image dir (the driver's one rule).
+pub use stowage_loopdriver::valid_handle as plain_handle;
+
+/// Whether this provisioner made the volume (external-provisioner's `shouldDelete`: the
+/// provisioned-by annotation names the driver). Only such volumes are ever deleted by it;
+/// a hand-made volume's image belongs to whoever made it.
+pub fn provisioned_here(pv: &PersistentVolume) -> bool {
+    ann(pv, ANN_PROVISIONED_BY) == Some(LOOP_DRIVER)
+}
+
+/// The built-in driver's volume handle, when the volume is one of its volumes.
+pub fn loop_handle(pv: &PersistentVolume) -> Option<&str> {
+    (csi_driver(pv) == Some(LOOP_DRIVER))
+        .then(|| volume_handle(pv))
+        .flatten()
+}
