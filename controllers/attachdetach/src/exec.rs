@@ -36,53 +36,8 @@ use crate::metrics::{Metrics, Snapshot};
 use crate::objects::{PvSpecView, pv_finalizer_change};
 use crate::results::Outcome;
 
-/// What a write task still owes the decision loop: a failure report for each piece of work it
-/// has not reported yet. Reports go through `send`, which settles the debt; if the task panics,
-/// its guard (dropped during the unwind) sends the failures still owed, so those entries leave
-/// their in-flight state and are retried with backoff. Without it a panicked task left its
-/// entries' `op` set for good and those volumes were never reconciled again. An abort
-/// (leadership lost) is not a panic and reports nothing: the loop is gone too.
-#[derive(Clone)]
-pub(crate) struct Owed {
-    done: mpsc::UnboundedSender<Outcome>,
-    left: Arc<std::sync::Mutex<Vec<Outcome>>>,
-}
-
-impl Owed {
-    fn new(done: &mpsc::UnboundedSender<Outcome>, failures: Vec<Outcome>) -> Self {
-        Self {
-            done: done.clone(),
-            left: Arc::new(std::sync::Mutex::new(failures)),
-        }
-    }
-
-    fn send(&self, d: Outcome) {
-        self.left
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .retain(|x| !x.same_work(&d));
-        let _ = self.done.send(d);
-    }
-
-    /// Held by the task for its whole life.
-    fn guard(&self) -> OwedGuard {
-        OwedGuard(self.clone())
-    }
-}
-
-pub(crate) struct OwedGuard(Owed);
-
-impl Drop for OwedGuard {
-    fn drop(&mut self) {
-        if !std::thread::panicking() {
-            return;
-        }
-        let left = std::mem::take(&mut *self.0.left.lock().unwrap_or_else(|p| p.into_inner()));
-        for d in left {
-            let _ = self.0.done.send(d);
-        }
-    }
-}
+/// A write task's debt: the `Outcome`s it owes its loop (`stowage_common::owed`).
+type Owed = stowage_common::owed::Owed<Outcome>;
 
 /// A test seam of the attach task (`controller.rs` live tests): empty in production, where each
 /// point costs one `Option` check. Only this crate can fill it.

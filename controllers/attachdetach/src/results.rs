@@ -47,9 +47,9 @@ pub(crate) enum Outcome {
     },
 }
 
-impl Outcome {
+impl stowage_common::owed::Work for Outcome {
     /// Whether `self` and `other` report the same piece of work.
-    pub(crate) fn same_work(&self, other: &Outcome) -> bool {
+    fn same_work(&self, other: &Outcome) -> bool {
         match (self, other) {
             (
                 Outcome::Attach {

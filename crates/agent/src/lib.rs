@@ -9,7 +9,7 @@ pub mod error;
 pub mod fsgroup;
 pub mod metrics;
 pub mod node;
-mod owed;
+mod panic_hook;
 pub mod paths;
 pub mod probe;
 pub mod state;
@@ -134,7 +134,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         bail!("--node-name must not be empty");
     }
     #[cfg(debug_assertions)]
-    owed::arm(&args.debug_panic_once);
+    panic_hook::arm(&args.debug_panic_once);
     let root = canonical_dir(&args.root_dir, "--root-dir")?;
     let image_dir = canonical_dir(&args.image_dir, "--image-dir")?;
     let endpoint = match (&args.csi_endpoint, &args.kubelet_dir) {

@@ -14,6 +14,7 @@ pub mod lean;
 pub mod logging;
 pub mod metrics;
 pub mod objects;
+pub mod owed;
 pub mod packed;
 pub mod pv;
 pub mod quantity;

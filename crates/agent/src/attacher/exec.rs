@@ -85,7 +85,7 @@ pub(super) async fn execute(ctx: &Ctx, va: &VolumeAttachment, action: VaAction) 
             }
         }
         VaAction::Attach => {
-            crate::owed::test_hook(
+            crate::panic_hook::test_hook(
                 "attach",
                 va.spec
                     .source

@@ -4,7 +4,7 @@
 //! mounts it) and the finalizer dropped. The loop and its pure `decide` are here; the device steps
 //! and API writes of one operation in `exec.rs`.
 //!
-//! Each operation runs as a task of its own and reports an `Outcome`, through `owed::Owed`, so a
+//! Each operation runs as a task of its own and reports an `Outcome`, through `stowage_common::owed::Owed`, so a
 //! task that panics still reports a failure and its attachment is retried. Its own task set and
 //! `Tracker` rather than the shared queue and window: every wake re-decides all of this node's
 //! attachments in one pass (with a device check every `VERIFY_PERIOD` that no watch event
@@ -22,11 +22,11 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 
 use crate::ctx::{Ctx, is_ours};
-use crate::owed::Owed;
 use crate::paths::VA_FINALIZER;
 use crate::tracker::{OpKey, Tracker};
 use exec::{device_ok, execute};
 use stowage_common::objects::is_loop_attacher_finalizer;
+use stowage_common::owed::{Owed, Work};
 
 mod exec;
 mod sweep;
@@ -88,6 +88,13 @@ struct Outcome {
     wrote: Option<String>,
 }
 
+/// One operation per task: its report settles its one debt.
+impl Work for Outcome {
+    fn same_work(&self, _: &Self) -> bool {
+        true
+    }
+}
+
 /// Is the cached VA older than what our last op wrote? Deciding on it would repeat that op with
 /// a stale resourceVersion (a 409) or attach and write the status twice.
 pub fn cache_behind(cached: Option<&str>, written: &str) -> bool {
@@ -142,16 +149,17 @@ pub async fn run(ctx: Arc<Ctx>, mut stop: watch::Receiver<bool>, stale_grace: Du
             tracker.start(key.clone());
             let owed = Owed::new(
                 &tx,
-                Outcome {
+                vec![Outcome {
                     key: key.clone(),
                     kind: action.kind(),
                     wrote: None,
-                },
+                }],
             );
             let ctx = ctx.clone();
             tasks.spawn(async move {
+                let _guard = owed.guard();
                 let wrote = execute(&ctx, &va, action).await;
-                owed.pay(Outcome {
+                owed.send(Outcome {
                     key,
                     kind: action.kind(),
                     wrote,

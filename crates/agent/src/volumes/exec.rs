@@ -112,7 +112,7 @@ impl Executor {
         let Some(usage) = dv.pods.get(uid) else {
             return Ok(None);
         };
-        crate::owed::test_hook("mount", &dv.pv);
+        crate::panic_hook::test_hook("mount", &dv.pv);
         let result = self.mount_inner(dv, uid, mount_device).await;
         match &result {
             Ok(_) => {

@@ -3,9 +3,15 @@
 //! an `Outcome` (`results`). The mount table is read on every pass, so the actual state is
 //! reconstructed at start and can never drift from the node's truth.
 //!
-//! A task reports through `owed::Owed`, so one that panics still reports a failed `Outcome` and
-//! its volume is retried with backoff; `owed.rs` says why this loop keeps its own task set and
-//! `Tracker` rather than the shared queue and window.
+//! A task reports through `stowage_common::owed::Owed`, so one that panics still reports a
+//! failed `Outcome` and its volume is retried with backoff.
+//!
+//! Why its own task set and `Tracker` rather than `stowage_common::inflight::Window` (decided in
+//! issue 17; the attacher's own reason is at the top of `attacher/mod.rs`): the window runs one
+//! task per key with keys compared for equality, while these keys nest (a key without a pod
+//! stands for the whole volume and excludes every pod's operation on it,
+//! `tracker::OpKey::conflicts`), backoff is per key *and* kind of operation, and every volume is
+//! decided in one pass over the mount table rather than per queued key.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
@@ -21,11 +27,11 @@ use crate::core::{Op, reconcile, schedule};
 use stowage_common::errors::MetricLabel;
 
 use crate::ctx::Ctx;
-use crate::owed::Owed;
 use crate::paths::unique_name;
 use crate::probe::{Health, Prober};
 use crate::state::{Actual, Desired, DesiredVolume, PodInfo};
 use crate::tracker::Tracker;
+use stowage_common::owed::Owed;
 
 mod claim;
 mod exec;
@@ -270,14 +276,15 @@ async fn pass(ctx: &Arc<Ctx>, link: &NodeLink, p: Pass<'_>) {
         };
         let owed = Owed::new(
             done_tx,
-            Outcome {
+            vec![Outcome {
                 op: op.clone(),
                 ok: false,
                 expanded: None,
-            },
+            }],
         );
         tasks.spawn(async move {
-            owed.pay(job.run(op).await);
+            let _guard = owed.guard();
+            owed.send(job.run(op).await);
         });
     }
     known_pods

@@ -20,6 +20,13 @@ pub(crate) struct Outcome {
     pub(crate) expanded: Option<(String, String)>,
 }
 
+/// One operation per task: its report settles its one debt.
+impl stowage_common::owed::Work for Outcome {
+    fn same_work(&self, _: &Self) -> bool {
+        true
+    }
+}
+
 /// Rate limit for repeated "cannot mount yet" events of one (pod, volume, reason).
 pub(crate) struct Noted {
     pub(crate) message: String,
