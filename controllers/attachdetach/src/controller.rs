@@ -15,7 +15,7 @@ use kube::{Api, ResourceExt};
 use stowage_common::events::Events;
 use stowage_common::informer::Change;
 use stowage_common::informers::Informers;
-use tokio::sync::{Semaphore, broadcast, mpsc};
+use tokio::sync::{Semaphore, mpsc};
 use tokio::task::JoinSet;
 
 use crate::Config;
@@ -97,12 +97,12 @@ pub(crate) struct Controller {
 /// Runs the controller until a watch ends or the future is dropped.
 pub async fn run(cluster: Arc<Informers>, metrics: Metrics, config: Config) -> anyhow::Result<()> {
     // Subscribe before reading the stores so nothing falls between the two.
-    let mut pod_feed = cluster.pods.subscribe();
-    let mut node_feed = cluster.nodes.subscribe();
-    let mut pvc_feed = cluster.pvcs.subscribe();
-    let mut pv_feed = cluster.pvs.subscribe();
-    let mut va_feed = cluster.attachments.subscribe();
-    let mut driver_feed = cluster.csi_drivers.subscribe();
+    let mut pod_feed = cluster.pods.feed();
+    let mut node_feed = cluster.nodes.feed();
+    let mut pvc_feed = cluster.pvcs.feed();
+    let mut pv_feed = cluster.pvs.feed();
+    let mut va_feed = cluster.attachments.feed();
+    let mut driver_feed = cluster.csi_drivers.feed();
     cluster.ready().await;
 
     let (done_tx, mut done_rx) = mpsc::unbounded_channel();
@@ -154,7 +154,6 @@ pub async fn run(cluster: Arc<Informers>, metrics: Metrics, config: Config) -> a
         "attach/detach state loaded"
     );
 
-    use broadcast::error::RecvError;
     let start = tokio::time::Instant::now() + config.resync;
     let mut resync = tokio::time::interval_at(start, config.resync.max(Duration::from_millis(100)));
     // A late resync is not made up for by a burst of them.
@@ -172,42 +171,37 @@ pub async fn run(cluster: Arc<Informers>, metrics: Metrics, config: Config) -> a
             _ = std::future::ready(()), if c.backlog >= MAX_BACKLOG => c.catch_up(),
             Some(done) = done_rx.recv() => c.finish(done),
             Some(_) = c.tasks.join_next(), if !c.tasks.is_empty() => {}
-            r = pod_feed.recv() => match r {
-                Ok(Change::Applied(p) | Change::Deleted(p)) => c.pod_changed(&p),
-                Ok(Change::Resynced) | Err(RecvError::Lagged(_)) => c.resync(false),
-                Err(RecvError::Closed) => anyhow::bail!("pod watch ended"),
+            r = pod_feed.next() => match r? {
+                Change::Applied(p) | Change::Deleted(p) => c.pod_changed(&p),
+                Change::Resynced => c.resync(false),
             },
-            r = node_feed.recv() => match r {
-                Ok(Change::Applied(n)) => c.node_applied(&n),
-                Ok(Change::Deleted(n)) => c.node_deleted(&n.name_any()),
-                Ok(Change::Resynced) | Err(RecvError::Lagged(_)) => c.resync(false),
-                Err(RecvError::Closed) => anyhow::bail!("node watch ended"),
+            r = node_feed.next() => match r? {
+                Change::Applied(n) => c.node_applied(&n),
+                Change::Deleted(n) => c.node_deleted(&n.name_any()),
+                Change::Resynced => c.resync(false),
             },
-            r = pvc_feed.recv() => match r {
-                Ok(Change::Applied(pvc) | Change::Deleted(pvc)) => {
+            r = pvc_feed.next() => match r? {
+                Change::Applied(pvc) | Change::Deleted(pvc) => {
                     c.claim_changed(&pvc.namespace().unwrap_or_default(), &pvc.name_any())
                 }
-                Ok(Change::Resynced) | Err(RecvError::Lagged(_)) => c.resync(false),
-                Err(RecvError::Closed) => anyhow::bail!("claim watch ended"),
+                Change::Resynced => c.resync(false),
             },
-            r = pv_feed.recv() => match r {
-                Ok(Change::Applied(pv) | Change::Deleted(pv)) => c.volume_changed(&pv),
-                Ok(Change::Resynced) | Err(RecvError::Lagged(_)) => c.resync(false),
-                Err(RecvError::Closed) => anyhow::bail!("volume watch ended"),
+            r = pv_feed.next() => match r? {
+                Change::Applied(pv) | Change::Deleted(pv) => c.volume_changed(&pv),
+                Change::Resynced => c.resync(false),
             },
-            r = va_feed.recv() => match r {
-                Ok(Change::Applied(va)) => {
+            r = va_feed.next() => match r? {
+                Change::Applied(va) => {
                     c.va_applied(&va);
                 }
-                Ok(Change::Deleted(va)) => c.va_deleted(&va),
-                Ok(Change::Resynced) | Err(RecvError::Lagged(_)) => c.resync(false),
-                Err(RecvError::Closed) => anyhow::bail!("volume attachment watch ended"),
+                Change::Deleted(va) => c.va_deleted(&va),
+                Change::Resynced => c.resync(false),
             },
-            r = driver_feed.recv() => match r {
-                // attachRequired may have changed: every pod's volumes are re-resolved.
-                Ok(_) | Err(RecvError::Lagged(_)) => c.all_pods_dirty(),
-                Err(RecvError::Closed) => anyhow::bail!("CSI driver watch ended"),
-            },
+            // attachRequired may have changed: every pod's volumes are re-resolved.
+            r = driver_feed.next() => {
+                r?;
+                c.all_pods_dirty();
+            }
             _ = resync.tick() => c.resync(true),
             _ = tokio::time::sleep_until(wake.unwrap_or_else(tokio::time::Instant::now)), if wake.is_some() => {
                 c.wake_at = None;

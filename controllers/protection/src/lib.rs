@@ -3,7 +3,7 @@
 //! uses the object any more, and put them back on objects that lack them. See docs/protection.md.
 //!
 //! The one controller shape (docs/architecture.md), with two controllers: `core` decides (pure),
-//! `ingest` reads the shared change feeds, `index` finds a claim's pods, `stowage_common::queue`
+//! the shared informers' `Feed`s bring the changes, `index` finds a claim's pods, `stowage_common::queue`
 //! orders the work, `exec` makes guarded patches, and `pvc::Controller` / `pv::Controller` own
 //! the two decision loops.
 
@@ -11,7 +11,6 @@ pub mod core;
 pub mod error;
 pub mod exec;
 pub mod index;
-mod ingest;
 pub mod metrics;
 mod pv;
 mod pvc;

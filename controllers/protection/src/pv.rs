@@ -16,7 +16,6 @@ use tokio::time::Instant;
 use crate::core::{Action, PV_FINALIZER, decide_pv};
 use crate::error::Error;
 use crate::exec as write;
-use crate::ingest::{Feed, feed, try_feed};
 use crate::metrics::{self, Metrics};
 use stowage_common::errors::MetricLabel;
 use stowage_common::queue::WorkQueue;
@@ -35,7 +34,7 @@ fn needs_sync(pv: &PersistentVolume) -> bool {
 
 /// Runs pv-protection until the feed closes or the future is dropped.
 pub async fn run_pv_protection(cluster: Arc<Informers>, metrics: Metrics) -> anyhow::Result<()> {
-    let mut volumes = cluster.pvs.subscribe();
+    let mut volumes = cluster.pvs.feed();
     cluster.pvs.ready().await;
     let mut c = Controller {
         cluster,
@@ -51,7 +50,7 @@ pub async fn run_pv_protection(cluster: Arc<Informers>, metrics: Metrics) -> any
     c.resync();
     tracing::info!("pv-protection started");
     loop {
-        while let Some(f) = try_feed(volumes.try_recv())? {
+        while let Some(f) = volumes.try_next()? {
             c.on_volume(f);
         }
         c.metrics
@@ -65,16 +64,16 @@ pub async fn run_pv_protection(cluster: Arc<Informers>, metrics: Metrics) -> any
         }
         let due = c.queue.next_due();
         tokio::select! {
-            r = volumes.recv() => c.on_volume(feed(r)?),
+            r = volumes.next() => c.on_volume(r?),
             _ = tokio::time::sleep_until(due.unwrap_or_else(Instant::now)), if due.is_some() => {}
         }
     }
 }
 
 impl Controller {
-    fn on_volume(&mut self, f: Feed<Packed<PersistentVolume>>) {
+    fn on_volume(&mut self, f: Change<Packed<PersistentVolume>>) {
         match f {
-            Feed::Change(Change::Applied(pv)) => {
+            Change::Applied(pv) => {
                 let name = pv.metadata.name.clone().unwrap_or_default();
                 if needs_sync(&pv.unpack()) {
                     self.queue.add(name);
@@ -82,12 +81,12 @@ impl Controller {
                     self.set_waiting(&name, false);
                 }
             }
-            Feed::Change(Change::Deleted(pv)) => {
+            Change::Deleted(pv) => {
                 let name = pv.metadata.name.clone().unwrap_or_default();
                 self.queue.succeeded(&name);
                 self.set_waiting(&name, false);
             }
-            Feed::Change(Change::Resynced) | Feed::Lagged => self.resync(),
+            Change::Resynced => self.resync(),
         }
     }
 

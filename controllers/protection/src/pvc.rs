@@ -20,7 +20,6 @@ use crate::core::{Action, PVC_FINALIZER, PodRef, decide_pvc, pvc_needs_sync, use
 use crate::error::Error;
 use crate::exec as write;
 use crate::index::{Key, PodsByClaim, key_of};
-use crate::ingest::{Feed, feed, try_feed};
 use crate::metrics::{self, Metrics};
 use stowage_common::errors::{ERROR, MetricLabel, SUCCESS};
 use stowage_common::queue::WorkQueue;
@@ -43,8 +42,8 @@ struct Controller {
 /// Runs pvc-protection until the feeds close (the informers stopped) or the future is dropped.
 pub async fn run_pvc_protection(cluster: Arc<Informers>, metrics: Metrics) -> anyhow::Result<()> {
     // Subscribe before the first scan, so nothing that changes during it is missed.
-    let mut claims = cluster.pvcs.subscribe();
-    let mut pods = cluster.pods.subscribe();
+    let mut claims = cluster.pvcs.feed();
+    let mut pods = cluster.pods.feed();
     cluster.pvcs.ready().await;
     cluster.pods.ready().await;
     let mut c = Controller {
@@ -66,10 +65,10 @@ pub async fn run_pvc_protection(cluster: Arc<Informers>, metrics: Metrics) -> an
     loop {
         // Take in everything already announced before the next sync, so it decides on the
         // newest view and a burst of changes to one claim becomes one sync.
-        while let Some(f) = try_feed(claims.try_recv())? {
+        while let Some(f) = claims.try_next()? {
             c.on_claim(f);
         }
-        while let Some(f) = try_feed(pods.try_recv())? {
+        while let Some(f) = pods.try_next()? {
             c.on_pod(f);
         }
         c.metrics
@@ -83,8 +82,8 @@ pub async fn run_pvc_protection(cluster: Arc<Informers>, metrics: Metrics) -> an
         }
         let due = c.queue.next_due();
         tokio::select! {
-            r = claims.recv() => c.on_claim(feed(r)?),
-            r = pods.recv() => c.on_pod(feed(r)?),
+            r = claims.next() => c.on_claim(r?),
+            r = pods.next() => c.on_pod(r?),
             _ = tokio::time::sleep_until(due.unwrap_or_else(Instant::now)), if due.is_some() => {}
         }
     }
@@ -103,9 +102,9 @@ impl Controller {
         self.stored_claim(key).map(|c| Arc::new(c.unpack()))
     }
 
-    fn on_claim(&mut self, f: Feed<Packed<PersistentVolumeClaim>>) {
+    fn on_claim(&mut self, f: Change<Packed<PersistentVolumeClaim>>) {
         match f {
-            Feed::Change(Change::Applied(pvc)) => {
+            Change::Applied(pvc) => {
                 let key = key_of(&pvc.metadata);
                 if pvc_needs_sync(&pvc.metadata) {
                     self.queue.add(key);
@@ -114,22 +113,22 @@ impl Controller {
                     self.update_waiting_gauge();
                 }
             }
-            Feed::Change(Change::Deleted(pvc)) => {
+            Change::Deleted(pvc) => {
                 let key = key_of(&pvc.metadata);
                 self.queue.succeeded(&key);
                 if self.waiting.remove(&key).is_some() {
                     self.update_waiting_gauge();
                 }
             }
-            Feed::Change(Change::Resynced) | Feed::Lagged => self.resync_claims(),
+            Change::Resynced => self.resync_claims(),
         }
     }
 
-    fn on_pod(&mut self, f: Feed<Pod>) {
+    fn on_pod(&mut self, f: Change<Pod>) {
         let touched = match f {
-            Feed::Change(Change::Applied(pod)) => self.index.apply(&pod),
-            Feed::Change(Change::Deleted(pod)) => self.index.delete(&pod),
-            Feed::Change(Change::Resynced) | Feed::Lagged => {
+            Change::Applied(pod) => self.index.apply(&pod),
+            Change::Deleted(pod) => self.index.delete(&pod),
+            Change::Resynced => {
                 self.resync_pods();
                 // Pods deleted while the watch was down left no `Deleted`: look at every claim.
                 self.resync_claims();

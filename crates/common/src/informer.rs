@@ -179,4 +179,21 @@ impl<K: Clone> Feed<K> {
             Err(broadcast::error::RecvError::Closed) => Err(anyhow::anyhow!("the {} watch ended", self.kind)),
         }
     }
+
+    /// The next change if one is waiting (`None` when none is), with lag folded in the same way.
+    pub fn try_next(&mut self) -> anyhow::Result<Option<Change<K>>> {
+        use broadcast::error::TryRecvError;
+        match self.rx.try_recv() {
+            Ok(c) => Ok(Some(c)),
+            Err(TryRecvError::Empty) => Ok(None),
+            Err(TryRecvError::Lagged(_)) => Ok(Some(Change::Resynced)),
+            Err(TryRecvError::Closed) => Err(anyhow::anyhow!("the {} watch ended", self.kind)),
+        }
+    }
+
+    /// Empties the feed: for a loop whose next pass reads the stores whatever changed.
+    pub fn drain(&mut self) -> anyhow::Result<()> {
+        while self.try_next()?.is_some() {}
+        Ok(())
+    }
 }

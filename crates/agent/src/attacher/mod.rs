@@ -104,8 +104,8 @@ pub fn cache_behind(cached: Option<&str>, written: &str) -> bool {
 /// `stale_grace`: how long the sweep waits before releasing an unaccounted device (`sweep.rs`).
 pub async fn run(ctx: Arc<Ctx>, mut stop: watch::Receiver<bool>, stale_grace: Duration) {
     tokio::join!(ctx.vas.ready(), ctx.pvs.ready());
-    let mut vas_rx = ctx.vas.subscribe();
-    let mut pvs_rx = ctx.pvs.subscribe();
+    let mut vas_rx = ctx.vas.feed();
+    let mut pvs_rx = ctx.pvs.feed();
     let (tx, mut rx) = mpsc::unbounded_channel::<Outcome>();
     let mut tracker = Tracker::default();
     let mut tasks = JoinSet::new();
@@ -178,18 +178,24 @@ pub async fn run(ctx: Arc<Ctx>, mut stop: watch::Receiver<bool>, stale_grace: Du
         let wake = tracker
             .next_expiry(now)
             .map_or(now + VERIFY_PERIOD, |t| t.min(now + VERIFY_PERIOD));
-        tokio::select! {
-            _ = vas_rx.recv() => {}
-            _ = pvs_rx.recv() => {}
-            Some(d) = rx.recv() => finish(&mut tracker, &mut written, d),
-            _ = tokio::time::sleep_until(wake) => {}
+        // The next pass reads the stores whatever changed; a feed that ended stops the loop.
+        let fed = tokio::select! {
+            r = vas_rx.next() => r.map(drop),
+            r = pvs_rx.next() => r.map(drop),
+            Some(d) = rx.recv() => {
+                finish(&mut tracker, &mut written, d);
+                Ok(())
+            }
+            _ = tokio::time::sleep_until(wake) => Ok(()),
             _ = stop.changed() => break,
-        }
+        };
         while let Ok(d) = rx.try_recv() {
             finish(&mut tracker, &mut written, d);
         }
-        crate::volumes::drain(&mut vas_rx);
-        crate::volumes::drain(&mut pvs_rx);
+        if let Err(e) = fed.and_then(|()| vas_rx.drain()).and_then(|()| pvs_rx.drain()) {
+            tracing::error!(error = %e, "attacher stops");
+            break;
+        }
     }
     let _ = tokio::time::timeout(Duration::from_secs(30), async {
         while tasks.join_next().await.is_some() {}

@@ -65,11 +65,11 @@ pub async fn run(ctx: Arc<Ctx>, mut link: NodeLink, mut stop: watch::Receiver<bo
         ctx.vas.ready(),
         link.node.ready()
     );
-    let mut node_rx = link.node.subscribe();
-    let mut pods_rx = ctx.pods.subscribe();
-    let mut pvcs_rx = ctx.pvcs.subscribe();
-    let mut pvs_rx = ctx.pvs.subscribe();
-    let mut vas_rx = ctx.vas.subscribe();
+    let mut node_rx = link.node.feed();
+    let mut pods_rx = ctx.pods.feed();
+    let mut pvcs_rx = ctx.pvcs.feed();
+    let mut pvs_rx = ctx.pvs.feed();
+    let mut vas_rx = ctx.vas.feed();
     let (done_tx, mut done_rx) = mpsc::unbounded_channel::<Outcome>();
     let mut tasks = JoinSet::new();
     let mut tracker = Tracker::default();
@@ -131,26 +131,36 @@ pub async fn run(ctx: Arc<Ctx>, mut link: NodeLink, mut stop: watch::Receiver<bo
         let wake = tracker
             .next_expiry(now)
             .map_or(now + PERIOD, |t| t.min(now + PERIOD));
-        tokio::select! {
-            _ = pods_rx.recv() => {}
-            _ = pvcs_rx.recv() => {}
-            _ = pvs_rx.recv() => {}
-            _ = vas_rx.recv() => {}
-            _ = node_rx.recv() => {}
-            _ = link.reported.changed() => {}
-            Some(done) = done_rx.recv() => finish(&mut tracker, &mut expanded, done),
-            _ = tokio::time::sleep_until(wake) => {}
+        // What changed does not matter (the next pass reads the stores); a feed that ended does:
+        // its informer stopped, and the agent must exit rather than decide on a frozen store.
+        let fed = tokio::select! {
+            r = pods_rx.next() => r.map(drop),
+            r = pvcs_rx.next() => r.map(drop),
+            r = pvs_rx.next() => r.map(drop),
+            r = vas_rx.next() => r.map(drop),
+            r = node_rx.next() => r.map(drop),
+            _ = link.reported.changed() => Ok(()),
+            Some(done) = done_rx.recv() => {
+                finish(&mut tracker, &mut expanded, done);
+                Ok(())
+            }
+            _ = tokio::time::sleep_until(wake) => Ok(()),
             _ = stop.changed() => break,
-        }
+        };
         // Fold everything else that queued up into this one wake-up.
         while let Ok(done) = done_rx.try_recv() {
             finish(&mut tracker, &mut expanded, done);
         }
-        drain(&mut pods_rx);
-        drain(&mut pvcs_rx);
-        drain(&mut pvs_rx);
-        drain(&mut vas_rx);
-        drain(&mut node_rx);
+        let drained = fed
+            .and_then(|()| pods_rx.drain())
+            .and_then(|()| pvcs_rx.drain())
+            .and_then(|()| pvs_rx.drain())
+            .and_then(|()| vas_rx.drain())
+            .and_then(|()| node_rx.drain());
+        if let Err(e) = drained {
+            tracing::error!(error = %e, "volume manager stops");
+            break;
+        }
         // Let a burst of changes settle before the next full pass.
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
@@ -289,15 +299,4 @@ async fn pass(ctx: &Arc<Ctx>, link: &NodeLink, p: Pass<'_>) {
     }
     known_pods
         .retain(|uid, _| d.live_pods.contains(uid) || a.volumes.values().any(|v| v.pods.contains_key(uid)));
-}
-
-/// Empties a change feed: the next pass reads the stores, not the changes.
-pub fn drain<T: Clone>(rx: &mut tokio::sync::broadcast::Receiver<T>) {
-    use tokio::sync::broadcast::error::TryRecvError;
-    loop {
-        match rx.try_recv() {
-            Ok(_) | Err(TryRecvError::Lagged(_)) => {}
-            Err(_) => return,
-        }
-    }
 }
