@@ -5,8 +5,8 @@
 //! a reboot, or when an agent was stopped between attaching a device and recording it. Nothing
 //! else would ever free such a device: it holds its image open (a deleted image keeps its space)
 //! and takes a loop slot. The sweep frees a device of this store only when, at two looks at least
-//! the grace period apart, nothing mounts it, no pod of this node has it as a block file, and no
-//! VolumeAttachment of any node names it, so an attach that has not yet recorded its device (its
+//! the grace period apart, nothing mounts it, no pod of this node has it as a block file, nothing
+//! holds it open exclusively, and no VolumeAttachment of any node names it, so an attach that has not yet recorded its device (its
 //! status write held up by a slow API) is left alone.
 
 use std::collections::{HashMap, HashSet};
@@ -19,6 +19,7 @@ use tokio::time::Instant;
 use super::exec::{block_files, users};
 use crate::ctx::Ctx;
 use crate::{mountinfo, sys};
+use stowage_loopdriver::fence;
 
 /// How often the sweep looks at most.
 const PERIOD: Duration = Duration::from_secs(30);
@@ -96,8 +97,12 @@ impl Sweep {
         let now = Instant::now();
         let mut still = HashMap::new();
         for (dev, backing) in devices {
-            let used =
-                named.contains(&dev) || users(&dev, &table, &blocks).await.is_none_or(|u| !u.is_empty());
+            // Last, held at all (an exclusive open fails): mounted in a mount namespace this
+            // table does not show (another node's where one kernel plays several), or open by a
+            // repair tool. The same test keeps the attacher from adopting such a device.
+            let used = named.contains(&dev)
+                || users(&dev, &table, &blocks).await.is_none_or(|u| !u.is_empty())
+                || fence::held_here(&dev).await;
             let earlier = self.suspects.get(&dev);
             match judge(used, &backing, earlier, now, self.grace) {
                 Verdict::Accounted => {}

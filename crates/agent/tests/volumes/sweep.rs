@@ -1,7 +1,8 @@
 //! Stale loop devices: a device of the store that nothing mounts and no VolumeAttachment names
 //! (an attachment the controller released while the node was out of service, an attach never
 //! recorded) is released after the grace period, with a Node Event; a mounted device, one an
-//! attachment of another node names, and one over a file outside the store stay.
+//! attachment of another node names, one held open exclusively (as a mount in a mount namespace
+//! the agent cannot see holds it) and one over a file outside the store stay.
 
 use k8s_openapi::api::storage::v1::VolumeAttachment;
 use kube::Api;
@@ -51,6 +52,21 @@ async fn a_stale_loop_device_of_the_store_is_released_and_nothing_in_use() {
     sh(&format!("truncate -s 16M {}", outside_image.display()));
     let outside = losetup(&outside_image);
 
+    // Held open exclusively, as a mount in a mount namespace the agent cannot see holds it (or
+    // an offline repair does): in use, though no table shows it.
+    let held_image = e.image(&unique("held"));
+    let held = losetup(&held_image);
+    let holder = {
+        use std::os::unix::fs::OpenOptionsExt;
+        // O_EXCL on a block device: an exclusive claim, as a mount makes.
+        const O_EXCL: i32 = 0o200;
+        std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(O_EXCL)
+            .open(&held)
+            .unwrap()
+    };
+
     let agent = e.agent_with(&node, "sweep", &["--stale-device-grace-seconds=4".into()]);
     let note = e.wait_event("default", &node, "StaleLoopDeviceReleased").await;
     assert!(note.contains(&stale), "{note}");
@@ -67,6 +83,7 @@ async fn a_stale_loop_device_of_the_store_is_released_and_nothing_in_use() {
         (&mounted, &mounted_image),
         (&named, &named_image),
         (&outside, &outside_image),
+        (&held, &held_image),
     ] {
         assert!(
             loops_of(image).starts_with(&format!("{dev}:")),
@@ -89,7 +106,8 @@ async fn a_stale_loop_device_of_the_store_is_released_and_nothing_in_use() {
     );
 
     sh(&format!("umount {}", at.display()));
-    for dev in [&mounted, &named, &outside] {
+    drop(holder);
+    for dev in [&mounted, &named, &outside, &held] {
         sh(&format!("losetup -d {dev}"));
     }
     let _ = Api::<VolumeAttachment>::all(e.client.clone())
