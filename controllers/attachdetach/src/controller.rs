@@ -158,6 +158,11 @@ pub async fn run(cluster: Arc<Informers>, metrics: Metrics, config: Config) -> a
     let mut resync = tokio::time::interval_at(start, config.resync.max(Duration::from_millis(100)));
     // A late resync is not made up for by a burst of them.
     resync.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // Not the keyed driver (stowage_common::driver) the other controllers run on: as upstream's
+    // reconciler, a pass compares the whole desired state with the whole actual state (a detach
+    // is decided from every pod of every node, a node's status write carries its whole list),
+    // so the unit of work is a pass over dirty state, not a key; passes are spaced and throttled
+    // as a whole, and write tasks draw from two budgets instead of one window.
     loop {
         let wake = c.wake_at.map(tokio::time::Instant::from_std);
         // A due pass that came too soon after the last one waits for the interval.

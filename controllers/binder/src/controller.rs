@@ -9,14 +9,18 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::ObjectReference;
+use k8s_openapi::api::core::v1::{ObjectReference, PersistentVolume, PersistentVolumeClaim};
 use k8s_openapi::api::storage::v1::StorageClass;
 use kube::runtime::reflector::ObjectRef;
 use kube::{Api, Resource, ResourceExt};
+use stowage_common::driver::{self, Inputs, Next, Pace, Reconciler};
+use stowage_common::errors::PANIC;
 use stowage_common::events::Events;
-use stowage_common::inflight::Window;
+use stowage_common::inflight::{Landed, Window};
 use stowage_common::informer::Change;
 use stowage_common::informers::Informers;
+use stowage_common::packed::Packed;
+use stowage_common::slim::Pod;
 use tokio::time::Instant;
 
 use crate::core::{self, Action, Cache, Env, Event, Target};
@@ -91,10 +95,10 @@ pub(crate) struct Controller {
 pub async fn run(cluster: Arc<Informers>, metrics: Metrics, config: Config) -> anyhow::Result<()> {
     metrics.attach(cluster.pvs.store().clone(), cluster.pvcs.store().clone());
     // Subscribe before reading the stores so nothing falls between the two.
-    let mut pv_feed = cluster.pvs.feed();
-    let mut pvc_feed = cluster.pvcs.feed();
-    let mut class_feed = cluster.classes.feed();
-    let mut pod_feed = cluster.pods.feed();
+    let pv_feed = cluster.pvs.feed();
+    let pvc_feed = cluster.pvcs.feed();
+    let class_feed = cluster.classes.feed();
+    let pod_feed = cluster.pods.feed();
     let client = cluster.client.clone();
     let mut ctl = Controller {
         window: Window::new(config.max_in_flight),
@@ -124,43 +128,86 @@ pub async fn run(cluster: Arc<Informers>, metrics: Metrics, config: Config) -> a
     };
     ctl.pods_resync();
     ctl.resync();
-    let mut resync = tokio::time::interval_at(Instant::now() + config.resync, config.resync);
-    // First tick at once: the gauge is right from the start of the term.
-    let mut store_tick = tokio::time::interval(stowage_loopdriver::image::RECHECK);
-    loop {
-        ctl.executor.metrics.queue_depth.set(ctl.queue.len() as i64);
-        ctl.queue.report(Instant::now());
-        let next_due = ctl.queue.next_due();
-        tokio::select! {
-            biased;
-            landed = ctl.window.next() => ctl.finish(landed),
-            r = pv_feed.next() => match r? {
-                Change::Applied(pv) => ctl.pv_seen(pv),
-                Change::Deleted(pv) => ctl.pv_gone(&pv.unpack()),
-                Change::Resynced => ctl.resync(),
-            },
-            r = pvc_feed.next() => match r? {
-                Change::Applied(c) => ctl.claim_seen(c),
-                Change::Deleted(c) => ctl.claim_gone(&c.unpack()),
-                Change::Resynced => ctl.resync(),
-            },
-            r = pod_feed.next() => match r? {
-                Change::Applied(p) => ctl.pod_seen(&p, false),
-                Change::Deleted(p) => ctl.pod_seen(&p, true),
-                Change::Resynced => ctl.pods_resync(),
-            },
-            // A new or changed class can unblock claims waiting for it.
-            r = class_feed.next() => { r?; ctl.wake_pending_claims() }
-            _ = resync.tick() => ctl.resync(),
-            _ = store_tick.tick() => ctl.executor.check_store(),
-            _ = std::future::ready(()), if ctl.window.has_room() && (ctl.queue.has_ready() || !ctl.woken.is_empty()) => {
-                ctl.work(Instant::now())
-            }
-            // A landing batch wakes the loop, so a full window needs no timer.
-            _ = tokio::time::sleep_until(next_due.unwrap_or_else(Instant::now)), if next_due.is_some() && ctl.window.has_room() => {
-                ctl.work(Instant::now())
-            }
+    let inputs = Inputs::new()
+        .feed(pv_feed, Input::Volume)
+        .feed(pvc_feed, Input::Claim)
+        .feed(pod_feed, Input::Pod)
+        .feed(class_feed, |_| Input::Class)
+        .every(Instant::now() + config.resync, config.resync, || Input::Resync)
+        // First check at once: the gauge is right from the start of the term.
+        .every(Instant::now(), stowage_loopdriver::image::RECHECK, || {
+            Input::StoreCheck
+        });
+    driver::run(ctl, inputs, Pace::default()).await
+}
+
+pub(crate) enum Input {
+    Volume(Change<Packed<PersistentVolume>>),
+    Claim(Change<Packed<PersistentVolumeClaim>>),
+    Pod(Change<Pod>),
+    /// A new or changed class can unblock claims waiting for it.
+    Class,
+    Resync,
+    StoreCheck,
+}
+
+impl Reconciler for Controller {
+    type Key = Key;
+    type Input = Input;
+    type Done = Outcome;
+    type Error = std::convert::Infallible;
+
+    fn queue(&mut self) -> &mut WorkQueue<Key> {
+        &mut self.queue
+    }
+
+    fn window(&mut self) -> Option<&mut Window<Key, Outcome>> {
+        Some(&mut self.window)
+    }
+
+    fn input(&mut self, input: Input) {
+        match input {
+            Input::Volume(Change::Applied(pv)) => self.pv_seen(pv),
+            Input::Volume(Change::Deleted(pv)) => self.pv_gone(&pv.unpack()),
+            Input::Claim(Change::Applied(c)) => self.claim_seen(c),
+            Input::Claim(Change::Deleted(c)) => self.claim_gone(&c.unpack()),
+            Input::Volume(Change::Resynced) | Input::Claim(Change::Resynced) | Input::Resync => self.resync(),
+            Input::Pod(Change::Applied(p)) => self.pod_seen(&p, false),
+            Input::Pod(Change::Deleted(p)) => self.pod_seen(&p, true),
+            Input::Pod(Change::Resynced) => self.pods_resync(),
+            Input::Class => self.wake_pending_claims(),
+            Input::StoreCheck => self.executor.check_store(),
         }
+    }
+
+    /// Decided here; its writes (if any) are settled when they land, in `finish`.
+    async fn reconcile(&mut self, key: Key) -> Result<Next, Self::Error> {
+        self.sync(key);
+        Ok(Next::Pending)
+    }
+
+    fn landed(&mut self, landed: Landed<Key, Outcome>) {
+        self.finish(landed)
+    }
+
+    fn panicked(&mut self, key: &Key) {
+        self.executor
+            .metrics
+            .errors
+            .with_label_values(&[key.kind(), PANIC])
+            .inc();
+    }
+
+    fn has_pending(&self) -> bool {
+        !self.woken.is_empty()
+    }
+
+    fn before_batch(&mut self) {
+        self.flush_wakeups();
+    }
+
+    fn before_wait(&mut self) {
+        self.executor.metrics.queue_depth.set(self.queue.len() as i64);
     }
 }
 
@@ -182,19 +229,6 @@ impl Controller {
                 .map(|c| (c.metadata.creation_timestamp.as_ref().map(|t| t.0), c.name_any())),
         );
         (default, classes)
-    }
-
-    /// Takes ready keys while writes may start (a bounded batch, so results and watch events
-    /// are not starved).
-    pub(crate) fn work(&mut self, now: Instant) {
-        self.flush_wakeups();
-        for _ in 0..256 {
-            if !self.window.has_room() {
-                return;
-            }
-            let Some(key) = self.queue.pop(now) else { return };
-            self.sync(key);
-        }
     }
 
     pub(crate) fn sync(&mut self, key: Key) {

@@ -9,13 +9,17 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
+use k8s_openapi::api::storage::v1::StorageClass;
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
 use kube::runtime::reflector::ObjectRef;
+use stowage_common::driver::{self, Inputs, Next, Pace, Reconciler};
+use stowage_common::errors::PANIC;
 use stowage_common::events::Events;
-use stowage_common::inflight::Window;
+use stowage_common::inflight::{Landed, Window};
 use stowage_common::informer::Change;
 use stowage_common::informers::Informers;
+use stowage_common::packed::Packed;
 use stowage_common::pv::{claim_class, claim_volume_name, pv_block};
 use stowage_common::queue::WorkQueue;
 use tokio::time::Instant;
@@ -62,9 +66,9 @@ pub(crate) struct Controller {
 
 pub async fn run(cluster: Arc<Informers>, metrics: Metrics, config: Config) -> anyhow::Result<()> {
     // Subscribe before reading the stores so nothing falls between the two.
-    let mut pvc_feed = cluster.pvcs.feed();
-    let mut pv_feed = cluster.pvs.feed();
-    let mut class_feed = cluster.classes.feed();
+    let pvc_feed = cluster.pvcs.feed();
+    let pv_feed = cluster.pvs.feed();
+    let class_feed = cluster.classes.feed();
     let client = cluster.client.clone();
     let mut ctl = Controller {
         window: Window::new(config.max_in_flight),
@@ -83,60 +87,79 @@ pub async fn run(cluster: Arc<Informers>, metrics: Metrics, config: Config) -> a
         cluster,
     };
     ctl.resync();
-    let mut resync = tokio::time::interval_at(Instant::now() + config.resync, config.resync);
-    loop {
-        ctl.executor.metrics.queue_depth.set(ctl.queue.len() as i64);
-        ctl.queue.report(Instant::now());
-        ctl.executor.metrics.in_progress.set(ctl.resizing.len() as i64);
-        let next_due = ctl.queue.next_due();
-        tokio::select! {
-            biased;
-            landed = ctl.window.next() => ctl.finish(landed),
-            r = pvc_feed.next() => match r? {
-                Change::Applied(c) => ctl.claim_seen(&c.unpack()),
-                Change::Deleted(c) => ctl.claim_gone(&c.unpack()),
-                Change::Resynced => ctl.resync(),
-            },
-            r = pv_feed.next() => match r? {
-                Change::Applied(pv) => ctl.pv_seen(&pv.unpack()),
-                Change::Deleted(pv) => {
-                    ctl.pvs.remove(&pv.name_any());
-                    ctl.queue_claim_of(&pv.unpack());
-                }
-                Change::Resynced => ctl.resync(),
-            },
-            r = class_feed.next() => match r? {
-                // A class that now allows expansion unblocks its claims (and a refusal is news).
-                Change::Applied(sc) | Change::Deleted(sc) => ctl.wake_class(&sc.name_any()),
-                Change::Resynced => ctl.resync(),
-            },
-            _ = resync.tick() => ctl.resync(),
-            _ = std::future::ready(()), if ctl.window.has_room() && ctl.queue.has_ready() => ctl.work(Instant::now()),
-            _ = tokio::time::sleep_until(next_due.unwrap_or_else(Instant::now)), if next_due.is_some() && ctl.window.has_room() => {
-                ctl.work(Instant::now())
+    let inputs = Inputs::new()
+        .feed(pvc_feed, Input::Claim)
+        .feed(pv_feed, Input::Volume)
+        .feed(class_feed, Input::Class)
+        .every(Instant::now() + config.resync, config.resync, || Input::Resync);
+    driver::run(ctl, inputs, Pace::default()).await
+}
+
+pub(crate) enum Input {
+    Claim(Change<Packed<PersistentVolumeClaim>>),
+    Volume(Change<Packed<PersistentVolume>>),
+    Class(Change<StorageClass>),
+    Resync,
+}
+
+impl Reconciler for Controller {
+    type Key = String;
+    type Input = Input;
+    type Done = Outcome;
+    type Error = std::convert::Infallible;
+
+    fn queue(&mut self) -> &mut WorkQueue<String> {
+        &mut self.queue
+    }
+
+    fn window(&mut self) -> Option<&mut Window<String, Outcome>> {
+        Some(&mut self.window)
+    }
+
+    fn input(&mut self, input: Input) {
+        match input {
+            Input::Claim(Change::Applied(c)) => self.claim_seen(&c.unpack()),
+            Input::Claim(Change::Deleted(c)) => self.claim_gone(&c.unpack()),
+            Input::Volume(Change::Applied(pv)) => self.pv_seen(&pv.unpack()),
+            Input::Volume(Change::Deleted(pv)) => {
+                self.pvs.remove(&pv.name_any());
+                self.queue_claim_of(&pv.unpack());
             }
+            // A class that now allows expansion unblocks its claims (and a refusal is news).
+            Input::Class(Change::Applied(sc) | Change::Deleted(sc)) => self.wake_class(&sc.name_any()),
+            Input::Claim(Change::Resynced)
+            | Input::Volume(Change::Resynced)
+            | Input::Class(Change::Resynced)
+            | Input::Resync => self.resync(),
         }
+    }
+
+    async fn reconcile(&mut self, key: String) -> Result<Next, Self::Error> {
+        Ok(self.sync(key))
+    }
+
+    fn landed(&mut self, landed: Landed<String, Outcome>) {
+        self.finish(landed)
+    }
+
+    fn panicked(&mut self, _: &String) {
+        self.executor.metrics.errors.with_label_values(&[PANIC]).inc();
+    }
+
+    fn before_wait(&mut self) {
+        self.executor.metrics.queue_depth.set(self.queue.len() as i64);
+        self.executor.metrics.in_progress.set(self.resizing.len() as i64);
     }
 }
 
 impl Controller {
-    pub(crate) fn work(&mut self, now: Instant) {
-        for _ in 0..256 {
-            if !self.window.has_room() {
-                return;
-            }
-            let Some(key) = self.queue.pop(now) else { return };
-            self.sync(key);
-        }
-    }
-
-    pub(crate) fn sync(&mut self, key: String) {
+    /// Decides one claim: reports at once, or starts its writes (then `finish` settles it).
+    pub(crate) fn sync(&mut self, key: String) -> Next {
         if self.window.defer_if_running(&key) {
-            return;
+            return Next::Pending;
         }
         let Some(claim) = self.claim(&key) else {
-            self.queue.succeeded(&key);
-            return;
+            return Next::Done;
         };
         let pv = Some(claim_volume_name(&claim))
             .filter(|n| !n.is_empty())
@@ -173,8 +196,7 @@ impl Controller {
                     self.executor.report(&key, &claim, *warning, reason, note);
                 }
             }
-            self.queue.succeeded(&key);
-            return;
+            return Next::Done;
         }
         let executor = self.executor.clone();
         self.window.start(key.clone(), async move {
@@ -199,5 +221,6 @@ impl Controller {
             timer.observe_duration();
             done
         });
+        Next::Pending
     }
 }

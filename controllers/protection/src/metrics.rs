@@ -116,3 +116,32 @@ impl Metrics {
         m
     }
 }
+
+impl Metrics {
+    /// Counts a failed sync of `controller`.
+    pub fn failed(&self, controller: &str, error: &str) {
+        self.errors.with_label_values(&[controller, error]).inc();
+    }
+}
+
+/// One sync, counted when it starts and timed until it is dropped (also when it fails or panics).
+pub struct Reconcile {
+    duration: prometheus::Histogram,
+    started: std::time::Instant,
+}
+
+impl Reconcile {
+    pub fn start(m: &Metrics, controller: &str) -> Self {
+        m.reconciles.with_label_values(&[controller]).inc();
+        Self {
+            duration: m.duration.with_label_values(&[controller]),
+            started: std::time::Instant::now(),
+        }
+    }
+}
+
+impl Drop for Reconcile {
+    fn drop(&mut self) {
+        self.duration.observe(self.started.elapsed().as_secs_f64());
+    }
+}

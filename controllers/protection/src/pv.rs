@@ -17,7 +17,8 @@ use crate::core::{Action, PV_FINALIZER, decide_pv};
 use crate::error::Error;
 use crate::exec as write;
 use crate::metrics::{self, Metrics};
-use stowage_common::errors::MetricLabel;
+use stowage_common::driver::{self, Inputs, Next, Pace, Reconciler};
+use stowage_common::errors::{MetricLabel, PANIC};
 use stowage_common::queue::WorkQueue;
 
 struct Controller {
@@ -34,7 +35,7 @@ fn needs_sync(pv: &PersistentVolume) -> bool {
 
 /// Runs pv-protection until the feed closes or the future is dropped.
 pub async fn run_pv_protection(cluster: Arc<Informers>, metrics: Metrics) -> anyhow::Result<()> {
-    let mut volumes = cluster.pvs.feed();
+    let volumes = cluster.pvs.feed();
     cluster.pvs.ready().await;
     let mut c = Controller {
         cluster,
@@ -49,24 +50,44 @@ pub async fn run_pv_protection(cluster: Arc<Informers>, metrics: Metrics) -> any
     };
     c.resync();
     tracing::info!("pv-protection started");
-    loop {
-        while let Some(f) = volumes.try_next()? {
-            c.on_volume(f);
-        }
-        c.metrics
+    // One sync at a time, each on the newest view (upstream's single worker).
+    driver::run(c, Inputs::new().feed(volumes, |c| c), Pace { batch: 1 }).await
+}
+
+impl Reconciler for Controller {
+    type Key = String;
+    type Input = Change<Packed<PersistentVolume>>;
+    type Done = ();
+    type Error = Error;
+
+    fn queue(&mut self) -> &mut WorkQueue<String> {
+        &mut self.queue
+    }
+
+    fn input(&mut self, f: Self::Input) {
+        self.on_volume(f)
+    }
+
+    async fn reconcile(&mut self, name: String) -> Result<Next, Error> {
+        let _timer = metrics::Reconcile::start(&self.metrics, metrics::PV_CONTROLLER);
+        self.sync(&name).await.map(|()| Next::Done)
+    }
+
+    fn error_policy(&mut self, name: String, e: Error) {
+        self.metrics.failed(metrics::PV_CONTROLLER, e.metric_label());
+        let delay = self.queue.retry(name.clone(), Instant::now());
+        tracing::debug!(volume = %name, error = %e, ?delay, "sync failed, retrying");
+    }
+
+    fn panicked(&mut self, _: &String) {
+        self.metrics.failed(metrics::PV_CONTROLLER, PANIC);
+    }
+
+    fn before_wait(&mut self) {
+        self.metrics
             .queue_depth
             .with_label_values(&[metrics::PV_CONTROLLER])
-            .set(c.queue.len() as i64);
-        c.queue.report(Instant::now());
-        if let Some(name) = c.queue.pop(Instant::now()) {
-            c.sync(name).await;
-            continue;
-        }
-        let due = c.queue.next_due();
-        tokio::select! {
-            r = volumes.next() => c.on_volume(r?),
-            _ = tokio::time::sleep_until(due.unwrap_or_else(Instant::now)), if due.is_some() => {}
-        }
+            .set(self.queue.len() as i64);
     }
 }
 
@@ -114,31 +135,7 @@ impl Controller {
         }
     }
 
-    async fn sync(&mut self, name: String) {
-        let started = std::time::Instant::now();
-        self.metrics
-            .reconciles
-            .with_label_values(&[metrics::PV_CONTROLLER])
-            .inc();
-        let result = self.sync_inner(&name).await;
-        self.metrics
-            .duration
-            .with_label_values(&[metrics::PV_CONTROLLER])
-            .observe(started.elapsed().as_secs_f64());
-        match result {
-            Ok(()) => self.queue.succeeded(&name),
-            Err(e) => {
-                self.metrics
-                    .errors
-                    .with_label_values(&[metrics::PV_CONTROLLER, e.metric_label()])
-                    .inc();
-                let delay = self.queue.retry(name.clone(), Instant::now());
-                tracing::debug!(volume = %name, error = %e, ?delay, "sync failed, retrying");
-            }
-        }
-    }
-
-    async fn sync_inner(&mut self, name: &str) -> Result<(), Error> {
+    async fn sync(&mut self, name: &str) -> Result<(), Error> {
         let Some(pv) = self
             .cluster
             .pvs

@@ -21,7 +21,8 @@ use crate::error::Error;
 use crate::exec as write;
 use crate::index::{Key, PodsByClaim, key_of};
 use crate::metrics::{self, Metrics};
-use stowage_common::errors::{ERROR, MetricLabel, SUCCESS};
+use stowage_common::driver::{self, Inputs, Next, Pace, Reconciler};
+use stowage_common::errors::{ERROR, MetricLabel, PANIC, SUCCESS};
 use stowage_common::queue::WorkQueue;
 
 /// Reason of the event on a claim whose deletion waits for pods.
@@ -42,8 +43,8 @@ struct Controller {
 /// Runs pvc-protection until the feeds close (the informers stopped) or the future is dropped.
 pub async fn run_pvc_protection(cluster: Arc<Informers>, metrics: Metrics) -> anyhow::Result<()> {
     // Subscribe before the first scan, so nothing that changes during it is missed.
-    let mut claims = cluster.pvcs.feed();
-    let mut pods = cluster.pods.feed();
+    let claims = cluster.pvcs.feed();
+    let pods = cluster.pods.feed();
     cluster.pvcs.ready().await;
     cluster.pods.ready().await;
     let mut c = Controller {
@@ -62,30 +63,53 @@ pub async fn run_pvc_protection(cluster: Arc<Informers>, metrics: Metrics) -> an
     c.resync_pods();
     c.resync_claims();
     tracing::info!("pvc-protection started");
-    loop {
-        // Take in everything already announced before the next sync, so it decides on the
-        // newest view and a burst of changes to one claim becomes one sync.
-        while let Some(f) = claims.try_next()? {
-            c.on_claim(f);
+    // One sync at a time, each on the newest view (upstream's single worker).
+    let inputs = Inputs::new().feed(claims, Input::Claim).feed(pods, Input::Pod);
+    driver::run(c, inputs, Pace { batch: 1 }).await
+}
+
+enum Input {
+    Claim(Change<Packed<PersistentVolumeClaim>>),
+    Pod(Change<Pod>),
+}
+
+impl Reconciler for Controller {
+    type Key = Key;
+    type Input = Input;
+    type Done = ();
+    type Error = Error;
+
+    fn queue(&mut self) -> &mut WorkQueue<Key> {
+        &mut self.queue
+    }
+
+    fn input(&mut self, input: Input) {
+        match input {
+            Input::Claim(f) => self.on_claim(f),
+            Input::Pod(f) => self.on_pod(f),
         }
-        while let Some(f) = pods.try_next()? {
-            c.on_pod(f);
-        }
-        c.metrics
+    }
+
+    async fn reconcile(&mut self, key: Key) -> Result<Next, Error> {
+        let _timer = metrics::Reconcile::start(&self.metrics, metrics::PVC_CONTROLLER);
+        self.sync(&key).await.map(|()| Next::Done)
+    }
+
+    fn error_policy(&mut self, key: Key, e: Error) {
+        self.metrics.failed(metrics::PVC_CONTROLLER, e.metric_label());
+        let delay = self.queue.retry(key.clone(), Instant::now());
+        tracing::debug!(claim = %format!("{}/{}", key.0, key.1), error = %e, ?delay, "sync failed, retrying");
+    }
+
+    fn panicked(&mut self, _: &Key) {
+        self.metrics.failed(metrics::PVC_CONTROLLER, PANIC);
+    }
+
+    fn before_wait(&mut self) {
+        self.metrics
             .queue_depth
             .with_label_values(&[metrics::PVC_CONTROLLER])
-            .set(c.queue.len() as i64);
-        c.queue.report(Instant::now());
-        if let Some(key) = c.queue.pop(Instant::now()) {
-            c.sync(key).await;
-            continue;
-        }
-        let due = c.queue.next_due();
-        tokio::select! {
-            r = claims.next() => c.on_claim(r?),
-            r = pods.next() => c.on_pod(r?),
-            _ = tokio::time::sleep_until(due.unwrap_or_else(Instant::now)), if due.is_some() => {}
-        }
+            .set(self.queue.len() as i64);
     }
 }
 
@@ -176,31 +200,7 @@ impl Controller {
         users(pvc, pods.iter().map(|p| p.as_ref()))
     }
 
-    async fn sync(&mut self, key: Key) {
-        let started = std::time::Instant::now();
-        self.metrics
-            .reconciles
-            .with_label_values(&[metrics::PVC_CONTROLLER])
-            .inc();
-        let result = self.sync_inner(&key).await;
-        self.metrics
-            .duration
-            .with_label_values(&[metrics::PVC_CONTROLLER])
-            .observe(started.elapsed().as_secs_f64());
-        match result {
-            Ok(()) => self.queue.succeeded(&key),
-            Err(e) => {
-                self.metrics
-                    .errors
-                    .with_label_values(&[metrics::PVC_CONTROLLER, e.metric_label()])
-                    .inc();
-                let delay = self.queue.retry(key.clone(), Instant::now());
-                tracing::debug!(claim = %format!("{}/{}", key.0, key.1), error = %e, ?delay, "sync failed, retrying");
-            }
-        }
-    }
-
-    async fn sync_inner(&mut self, key: &Key) -> Result<(), Error> {
+    async fn sync(&mut self, key: &Key) -> Result<(), Error> {
         let Some(pvc) = self.claim(key) else {
             if self.waiting.remove(key).is_some() {
                 self.update_waiting_gauge();

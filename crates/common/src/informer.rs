@@ -172,6 +172,14 @@ pub struct Feed<K> {
 }
 
 impl<K: Clone> Feed<K> {
+    /// A feed over any change channel; `kind` names it when it ends.
+    pub fn new(rx: broadcast::Receiver<Change<K>>, kind: &str) -> Self {
+        Self {
+            rx,
+            kind: kind.to_string(),
+        }
+    }
+
     pub async fn next(&mut self) -> anyhow::Result<Change<K>> {
         match self.rx.recv().await {
             Ok(c) => Ok(c),

@@ -4,6 +4,7 @@ pub mod attachment;
 pub mod backoff;
 pub mod client;
 pub mod clientmetrics;
+pub mod driver;
 pub mod errors;
 pub mod events;
 pub mod inflight;

@@ -1,0 +1,315 @@
+//! The one run loop of the keyed controllers (binder, expand, pv- and pvc-protection), in the manner
+//! of kube-runtime's `Controller::run(reconcile, error_policy, ctx)`: the controller says what its
+//! inputs are, how a change becomes queued keys, how one key is reconciled and what a failure
+//! costs; the loop does the rest the same way for all of them.
+//!
+//! One pass of the loop:
+//! 1. takes in every input already announced (feeds, timers) and every write task that landed,
+//!    so a decision sees the newest view and a burst of changes to one object becomes one sync;
+//! 2. reconciles up to `batch` ready keys while the write window has room;
+//! 3. otherwise waits for the first of: a landing write, an input, the next delayed key.
+//!
+//! A reconcile that fails goes to the controller's error policy (by default: again, after the
+//! queue's own exponential backoff, the one backoff of a controller); one that panics is counted
+//! and retried the same way instead of ending the controller. A feed whose watch ended ends the
+//! loop with that error, as the informers are gone.
+
+use std::hash::Hash;
+use std::panic::AssertUnwindSafe;
+use std::time::Duration;
+
+use futures::stream::{BoxStream, SelectAll};
+use futures::{FutureExt, StreamExt};
+use tokio::time::Instant;
+
+use crate::inflight::{Landed, Window};
+use crate::informer::{Change, Feed};
+use crate::queue::WorkQueue;
+
+/// What became of a reconciled key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Next {
+    /// Done: the queue forgets its failures.
+    Done,
+    /// The controller settles it itself: when its write task lands (`landed`), after the
+    /// running writes it was deferred behind, or by the retry it already queued.
+    Pending,
+}
+
+/// One controller, as the driver sees it.
+pub trait Reconciler: Send {
+    type Key: Clone + Eq + Hash + Ord + std::fmt::Debug + Send + 'static;
+    /// A change from one of the controller's inputs (see [`Inputs`]).
+    type Input: Send + 'static;
+    /// What a write task hands back when it lands.
+    type Done: Send + 'static;
+    type Error: std::fmt::Display + Send;
+
+    /// The controller's work queue.
+    fn queue(&mut self) -> &mut WorkQueue<Self::Key>;
+    /// The controller's write window, if its writes run as tasks of their own; a controller
+    /// without one writes inside `reconcile`, one key at a time.
+    fn window(&mut self) -> Option<&mut Window<Self::Key, Self::Done>> {
+        None
+    }
+    /// Takes in one change: updates what the controller keeps and queues the keys it touches.
+    fn input(&mut self, input: Self::Input);
+    /// Decides one key, and either writes or starts the writes.
+    fn reconcile(&mut self, key: Self::Key) -> impl Future<Output = Result<Next, Self::Error>> + Send;
+    /// Takes in what a write task brought back.
+    fn landed(&mut self, _landed: Landed<Self::Key, Self::Done>) {}
+    /// What a failed reconcile costs: by default the key comes back after the queue's backoff.
+    fn error_policy(&mut self, key: Self::Key, error: Self::Error) {
+        let delay = self.queue().retry(key.clone(), Instant::now());
+        tracing::debug!(?key, %error, ?delay, "reconcile failed, retrying");
+    }
+    /// A reconcile panicked (a bug): counted by the controller; the key is retried with backoff.
+    fn panicked(&mut self, _key: &Self::Key) {}
+    /// Work the controller holds besides the queue's ready keys (then a pass runs at once).
+    fn has_pending(&self) -> bool {
+        false
+    }
+    /// Runs before each batch of reconciles (to turn what is pending into queued keys).
+    fn before_batch(&mut self) {}
+    /// Runs before the loop waits: the controller's gauges.
+    fn before_wait(&mut self) {}
+}
+
+/// The inputs of a controller, merged: its feeds and its timers.
+pub struct Inputs<I> {
+    streams: SelectAll<BoxStream<'static, anyhow::Result<I>>>,
+}
+
+impl<I: Send + 'static> Default for Inputs<I> {
+    fn default() -> Self {
+        Self {
+            streams: SelectAll::new(),
+        }
+    }
+}
+
+impl<I: Send + 'static> Inputs<I> {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds a store's change feed; `wrap` names its changes as the controller's inputs.
+    pub fn feed<K: Clone + Send + Sync + 'static>(
+        mut self,
+        feed: Feed<K>,
+        wrap: impl Fn(Change<K>) -> I + Send + 'static,
+    ) -> Self {
+        let s = futures::stream::unfold(feed, move |mut f| async move {
+            let next = f.next().await;
+            Some((next, f))
+        })
+        .map(move |r| r.map(&wrap));
+        self.streams.push(s.boxed());
+        self
+    }
+
+    /// Adds a timer: `tick` at `first`, then every `period` (missed ticks are caught up, as
+    /// tokio's intervals do).
+    pub fn every(mut self, first: Instant, period: Duration, tick: impl Fn() -> I + Send + 'static) -> Self {
+        let s = futures::stream::unfold(tokio::time::interval_at(first, period), |mut i| async move {
+            i.tick().await;
+            Some(((), i))
+        })
+        .map(move |()| Ok(tick()));
+        self.streams.push(s.boxed());
+        self
+    }
+
+    /// An input already announced, if any.
+    fn ready(&mut self) -> anyhow::Result<Option<I>> {
+        match self.streams.next().now_or_never() {
+            Some(Some(r)) => r.map(Some),
+            _ => Ok(None),
+        }
+    }
+
+    /// The next input; pending forever without inputs. Cancel-safe.
+    async fn next(&mut self) -> anyhow::Result<I> {
+        match self.streams.next().await {
+            Some(r) => r,
+            None => std::future::pending().await,
+        }
+    }
+}
+
+/// How the loop paces a controller.
+#[derive(Debug, Clone, Copy)]
+pub struct Pace {
+    /// Keys reconciled before inputs are taken in again: 1 for a controller that writes inline
+    /// (each decision on the newest view), more for one whose writes run as tasks (a bounded
+    /// batch, so results and changes are not starved).
+    pub batch: usize,
+}
+
+impl Default for Pace {
+    fn default() -> Self {
+        Self { batch: 256 }
+    }
+}
+
+/// Runs `r` on `inputs` until an input fails (a feed's watch ended) or the future is dropped
+/// (leadership lost: dropping the controller's window aborts its writes).
+pub async fn run<R: Reconciler>(mut r: R, mut inputs: Inputs<R::Input>, pace: Pace) -> anyhow::Result<()> {
+    loop {
+        while let Some(i) = inputs.ready()? {
+            r.input(i);
+        }
+        if let Some(w) = r.window()
+            && let Some(l) = w.next().now_or_never()
+        {
+            r.landed(l);
+            continue;
+        }
+        let has_room = r.window().is_none_or(|w| w.has_room());
+        let now = Instant::now();
+        // Delayed keys become ready only when popped: one that fell due counts as ready.
+        let due_now = r.queue().next_due().is_some_and(|at| at <= now);
+        if has_room && (r.queue().has_ready() || due_now || r.has_pending()) {
+            r.before_batch();
+            for _ in 0..pace.batch.max(1) {
+                if !r.window().is_none_or(|w| w.has_room()) {
+                    break;
+                }
+                let Some(key) = r.queue().pop(Instant::now()) else {
+                    break;
+                };
+                reconcile_one(&mut r, key).await;
+            }
+            continue;
+        }
+        r.before_wait();
+        r.queue().report(Instant::now());
+        // A full window needs no timer: a landing write wakes the loop.
+        let due = r.queue().next_due().filter(|_| has_room);
+        tokio::select! {
+            biased;
+            l = async {
+                match r.window() {
+                    Some(w) => w.next().await,
+                    None => std::future::pending().await,
+                }
+            } => r.landed(l),
+            i = inputs.next() => r.input(i?),
+            () = async {
+                match due {
+                    Some(at) => tokio::time::sleep_until(at).await,
+                    None => std::future::pending().await,
+                }
+            } => {}
+        }
+    }
+}
+
+async fn reconcile_one<R: Reconciler>(r: &mut R, key: R::Key) {
+    let outcome = AssertUnwindSafe(r.reconcile(key.clone())).catch_unwind().await;
+    match outcome {
+        Ok(Ok(Next::Done)) => r.queue().succeeded(&key),
+        Ok(Ok(Next::Pending)) => {}
+        Ok(Err(e)) => r.error_policy(key, e),
+        Err(_) => {
+            tracing::error!(?key, "reconcile panicked; retrying with backoff");
+            r.panicked(&key);
+            r.queue().retry(key, Instant::now());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::{Arc, Mutex};
+    use tokio::sync::broadcast;
+
+    /// A controller whose reconcile of "boom" panics once, of "fail" fails once, and of any
+    /// other key writes in a task (when windowed) or inline.
+    struct Toy {
+        queue: WorkQueue<String>,
+        window: Option<Window<String, String>>,
+        log: Arc<Mutex<Vec<String>>>,
+        failed: bool,
+        panicked: bool,
+    }
+
+    impl Reconciler for Toy {
+        type Key = String;
+        type Input = Change<String>;
+        type Done = String;
+        type Error = String;
+
+        fn queue(&mut self) -> &mut WorkQueue<String> {
+            &mut self.queue
+        }
+        fn window(&mut self) -> Option<&mut Window<String, String>> {
+            self.window.as_mut()
+        }
+        fn input(&mut self, input: Change<String>) {
+            if let Change::Applied(k) = input {
+                self.queue.add(k.to_string());
+            }
+        }
+        async fn reconcile(&mut self, key: String) -> Result<Next, String> {
+            if key == "boom" && !self.panicked {
+                self.panicked = true;
+                panic!("a bug");
+            }
+            if key == "fail" && !self.failed {
+                self.failed = true;
+                return Err("not yet".into());
+            }
+            match &mut self.window {
+                Some(w) => {
+                    let k = key.clone();
+                    w.start(key, async move { format!("wrote {k}") });
+                    Ok(Next::Pending)
+                }
+                None => {
+                    self.log.lock().unwrap().push(format!("wrote {key}"));
+                    Ok(Next::Done)
+                }
+            }
+        }
+        fn landed(&mut self, l: Landed<String, String>) {
+            self.log.lock().unwrap().push(l.result.unwrap());
+            self.queue.succeeded(&l.key);
+        }
+    }
+
+    async fn drive(windowed: bool) -> Vec<String> {
+        let (tx, rx) = broadcast::channel(16);
+        let log = Arc::new(Mutex::new(vec![]));
+        let toy = Toy {
+            queue: WorkQueue::with_backoff(Duration::from_millis(1), Duration::from_millis(4)),
+            window: windowed.then(|| Window::new(2)),
+            log: log.clone(),
+            failed: false,
+            panicked: false,
+        };
+        let inputs = Inputs::new().feed(Feed::new(rx, "toy"), |c| c);
+        let task = tokio::spawn(run(toy, inputs, Pace::default()));
+        for k in ["a", "boom", "fail", "b"] {
+            tx.send(Change::Applied(Arc::new(k.to_string()))).unwrap();
+        }
+        while log.lock().unwrap().len() < 4 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        // A feed that ends ends the loop, with the resource named.
+        drop(tx);
+        let err = task.await.unwrap().unwrap_err();
+        assert!(err.to_string().contains("toy"), "{err}");
+        let mut got = log.lock().unwrap().clone();
+        got.sort();
+        got
+    }
+
+    #[tokio::test]
+    async fn failures_and_panics_are_retried_inline_and_windowed() {
+        let want = vec!["wrote a", "wrote b", "wrote boom", "wrote fail"];
+        assert_eq!(drive(false).await, want);
+        assert_eq!(drive(true).await, want);
+    }
+}
