@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::time::Instant;
 
-use stowage_common::backoff::Backoff;
+use stowage_common::runtime::backoff::Backoff;
 
 use crate::objects::VaState;
 use crate::vecmap::VecMap;

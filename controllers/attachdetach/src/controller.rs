@@ -12,9 +12,9 @@ use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::ObjectReference;
 use kube::{Api, ResourceExt};
-use stowage_common::events::Events;
-use stowage_common::informer::Change;
-use stowage_common::informers::Informers;
+use stowage_common::observe::events::Events;
+use stowage_common::store::informer::Change;
+use stowage_common::store::informers::Informers;
 use tokio::sync::{Semaphore, mpsc};
 use tokio::task::JoinSet;
 
@@ -158,7 +158,7 @@ pub async fn run(cluster: Arc<Informers>, metrics: Metrics, config: Config) -> a
     let mut resync = tokio::time::interval_at(start, config.resync.max(Duration::from_millis(100)));
     // A late resync is not made up for by a burst of them.
     resync.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    // Not the keyed driver (stowage_common::driver) the other controllers run on: as upstream's
+    // Not the keyed driver (stowage_common::runtime::driver) the other controllers run on: as upstream's
     // reconciler, a pass compares the whole desired state with the whole actual state (a detach
     // is decided from every pod of every node, a node's status write carries its whole list),
     // so the unit of work is a pass over dirty state, not a key; passes are spaced and throttled

@@ -9,8 +9,8 @@ use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
 use k8s_openapi::api::storage::v1::CSIDriver;
 use kube::ResourceExt;
 use serde::Deserialize;
-use stowage_common::packed::Packed;
-use stowage_common::slim::Pod;
+use stowage_common::store::packed::Packed;
+use stowage_common::store::slim::Pod;
 
 use crate::objects::PvSpecView;
 pub use crate::translate::Kind;
@@ -317,7 +317,7 @@ pub fn resolve_pod(pod: &Pod, lookup: &impl Lookup) -> PodVolumes {
     let mut out = PodVolumes::default();
     // persistentVolumeClaim volumes and generic ephemeral ones (`<pod>-<volume>`, only when the
     // pod controls that claim), as upstream's desired-state populator resolves them.
-    for pc in stowage_common::objects::pod_claims(pod) {
+    for pc in stowage_common::store::objects::pod_claims(pod) {
         let resolved = match lookup.claim(&ns, &pc.claim) {
             None => Err("the claim does not exist".to_string()),
             Some(claim) if !pc.usable(pod, &claim.metadata) => {
@@ -431,7 +431,7 @@ pub fn kept_note(node: &str, kept: &[VolumeSpec], unresolved: &[Unresolved]) -> 
         pvs.join(", "),
         whys.join("; ")
     );
-    stowage_common::events::bounded_note(note)
+    stowage_common::observe::events::bounded_note(note)
 }
 
 #[cfg(test)]

@@ -3,7 +3,7 @@
 //! reports an `Outcome` through `Owed`, also when it panics. (A little over 600 lines: the writes
 //! and the live-Node check before a detach, with its unit tests, belong together.)
 //!
-//! Why two semaphores and a JoinSet, not `stowage_common::queue` + `inflight::Window` (decided in
+//! Why two semaphores and a JoinSet, not `stowage_common::runtime::queue` + `inflight::Window` (decided in
 //! issue 17): the window runs one task per key, with keys waiting undecided in the queue; this
 //! controller decides all (volume, node) pairs in one pass, and one task carries a node's status
 //! patch and then that node's detaches (several keys), in that order, which the rule "never
@@ -23,9 +23,9 @@ use k8s_openapi::api::core::v1::{Node, PersistentVolume};
 use kube::api::{DeleteParams, ObjectMeta, Patch, PatchParams, PostParams};
 use kube::runtime::reflector::ObjectRef;
 use kube::{Api, ResourceExt};
-use stowage_common::attachment::{VolumeAttachment, VolumeAttachmentSource, VolumeAttachmentSpec};
-use stowage_common::events::Events;
-use stowage_common::lean::Lean;
+use stowage_common::observe::events::Events;
+use stowage_common::store::attachment::{VolumeAttachment, VolumeAttachmentSource, VolumeAttachmentSpec};
+use stowage_common::store::lean::Lean;
 use tokio::sync::{Semaphore, mpsc};
 
 use crate::actual::Op;
@@ -36,8 +36,8 @@ use crate::metrics::{Metrics, Snapshot};
 use crate::objects::{PvSpecView, pv_finalizer_change};
 use crate::results::Outcome;
 
-/// A write task's debt: the `Outcome`s it owes its loop (`stowage_common::owed`).
-type Owed = stowage_common::owed::Owed<Outcome>;
+/// A write task's debt: the `Outcome`s it owes its loop (`stowage_common::runtime::owed`).
+type Owed = stowage_common::runtime::owed::Owed<Outcome>;
 
 /// A test seam of the attach task (`controller.rs` live tests): empty in production, where each
 /// point costs one `Option` check. Only this crate can fill it.
@@ -328,11 +328,11 @@ impl Controller {
                 .finalizers
                 .iter()
                 .flatten()
-                .filter(|f| *f != stowage_common::objects::LOOP_ATTACHER_FINALIZER)
+                .filter(|f| *f != stowage_common::store::objects::LOOP_ATTACHER_FINALIZER)
                 .cloned()
                 .collect();
             if add {
-                fins.push(stowage_common::objects::LOOP_ATTACHER_FINALIZER.into());
+                fins.push(stowage_common::store::objects::LOOP_ATTACHER_FINALIZER.into());
             }
             let patch = serde_json::json!({
                 "metadata": { "finalizers": fins, "resourceVersion": pv.metadata.resource_version }
@@ -380,7 +380,7 @@ impl Controller {
             .map(|va| {
                 va.finalizers()
                     .iter()
-                    .filter(|f| !stowage_common::objects::is_loop_attacher_finalizer(f))
+                    .filter(|f| !stowage_common::store::objects::is_loop_attacher_finalizer(f))
                     .cloned()
                     .collect()
             })

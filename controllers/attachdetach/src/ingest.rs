@@ -9,12 +9,12 @@ use k8s_openapi::api::core::v1::{Node, PersistentVolume, PersistentVolumeClaim};
 use k8s_openapi::api::storage::v1::CSIDriver;
 use kube::ResourceExt;
 use kube::runtime::reflector::ObjectRef;
-use stowage_common::attachment::VolumeAttachment;
-use stowage_common::informer::is_newer;
-use stowage_common::informers::Informers;
-use stowage_common::packed::Packed;
-use stowage_common::slim::Pod;
-use stowage_common::storageops::{VOLUME_ATTACH, VOLUME_DETACH};
+use stowage_common::observe::storageops::{VOLUME_ATTACH, VOLUME_DETACH};
+use stowage_common::store::attachment::VolumeAttachment;
+use stowage_common::store::informer::is_newer;
+use stowage_common::store::informers::Informers;
+use stowage_common::store::packed::Packed;
+use stowage_common::store::slim::Pod;
 
 use crate::actual::Actual;
 use crate::controller::Controller;

@@ -12,7 +12,7 @@ use prometheus::proto::MetricFamily;
 use prometheus::{
     Gauge, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
 };
-use stowage_common::metrics::{Registry, register};
+use stowage_common::observe::metrics::{Registry, register};
 
 use crate::core::ForceReason;
 
@@ -79,13 +79,13 @@ impl Collector for Inventory {
 pub fn kcm_plugin(driver: &str) -> String {
     match driver {
         crate::translate::ISCSI_PLUGIN | crate::translate::FC_PLUGIN => driver.to_string(),
-        _ => stowage_common::storageops::csi_plugin(driver),
+        _ => stowage_common::observe::storageops::csi_plugin(driver),
     }
 }
 
 /// One attach or detach attempt under KCM's `storage_operation_duration_seconds`.
 pub(crate) fn observe_attempt(driver: &str, operation: &str, ok: bool, started: Instant) {
-    stowage_common::storageops::observe(
+    stowage_common::observe::storageops::observe(
         &kcm_plugin(driver),
         operation,
         ok,
@@ -321,7 +321,7 @@ mod tests {
             .insert(("actual_state_of_world", "kubernetes.io/iscsi".into()), 1);
         snap.waiting_since.push(Instant::now() - Duration::from_secs(5));
         m.set_snapshot(snap);
-        let text = stowage_common::metrics::encode(&registry);
+        let text = stowage_common::observe::metrics::encode(&registry);
         assert!(
             text.contains("stowage_attachdetach_volumes{driver=\"d\",state=\"desired_state_of_world\"} 3"),
             "{text}"
@@ -345,7 +345,7 @@ mod tests {
         );
         m.forced_detach(ForceReason::OutOfService);
         m.forced_detach(ForceReason::NodeDeleted);
-        let text = stowage_common::metrics::encode(&registry);
+        let text = stowage_common::observe::metrics::encode(&registry);
         for line in [
             "stowage_attachdetach_forced_detaches_total{reason=\"out-of-service\"} 1",
             "stowage_attachdetach_forced_detaches_total{reason=\"node-deleted\"} 1",

@@ -8,9 +8,9 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::ResourceExt;
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
-use stowage_common::attachment::VolumeAttachment;
-use stowage_common::packed::Packed;
-use stowage_common::slim::Pod;
+use stowage_common::store::attachment::VolumeAttachment;
+use stowage_common::store::packed::Packed;
+use stowage_common::store::slim::Pod;
 
 /// Set by a kubelet (or stowage-agent) that leaves attach/detach to the controller.
 pub const ANN_CONTROLLER_MANAGED: &str = "volumes.kubernetes.io/controller-managed-attach-detach";
@@ -67,7 +67,7 @@ pub fn pod_node(pod: &Pod) -> Option<&str> {
 /// Names of the claims a pod mounts: persistentVolumeClaim and generic ephemeral volumes (the
 /// index claim → pods; whether an ephemeral claim is really the pod's is checked on resolve).
 pub fn pod_claims(pod: &Pod) -> Vec<String> {
-    stowage_common::objects::pod_claims(pod)
+    stowage_common::store::objects::pod_claims(pod)
         .into_iter()
         .map(|c| c.claim)
         .collect()
@@ -168,7 +168,7 @@ pub fn pv_finalizer_change(meta: &ObjectMeta, is_loop: bool, attached: bool) -> 
         .finalizers
         .iter()
         .flatten()
-        .any(|f| f == stowage_common::objects::LOOP_ATTACHER_FINALIZER);
+        .any(|f| f == stowage_common::store::objects::LOOP_ATTACHER_FINALIZER);
     match (is_loop && attached, has) {
         (true, false) if meta.deletion_timestamp.is_none() => Some(true),
         (false, true) => Some(false),
@@ -286,7 +286,7 @@ impl VaState {
             loop_finalizer: va
                 .finalizers()
                 .iter()
-                .any(|f| stowage_common::objects::is_loop_attacher_finalizer(f)),
+                .any(|f| stowage_common::store::objects::is_loop_attacher_finalizer(f)),
         }
     }
 }
@@ -395,7 +395,9 @@ mod access_mode_tests {
         let mut v = pv(LOOP_DRIVER, &["ReadWriteOnce"]);
         assert_eq!(change(&v, true), Some(true));
         assert_eq!(change(&v, false), None);
-        v.metadata.finalizers = Some(vec![stowage_common::objects::LOOP_ATTACHER_FINALIZER.into()]);
+        v.metadata.finalizers = Some(vec![
+            stowage_common::store::objects::LOOP_ATTACHER_FINALIZER.into(),
+        ]);
         assert_eq!(change(&v, true), None);
         assert_eq!(change(&v, false), Some(false));
         // Being deleted: released when nothing names it, never added.

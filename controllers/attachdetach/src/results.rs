@@ -6,7 +6,7 @@ use std::time::Instant;
 use k8s_openapi::api::core::v1::Node;
 use kube::runtime::reflector::ObjectRef;
 use kube::{Resource, ResourceExt};
-use stowage_common::attachment::VolumeAttachment;
+use stowage_common::store::attachment::VolumeAttachment;
 
 use crate::controller::{Controller, STATUS_RETRY};
 use crate::core::{ForceReason, pass_unaffected};
@@ -14,7 +14,7 @@ use crate::error::Error;
 use crate::metrics::observe_attempt;
 use crate::objects::VaState;
 use stowage_common::errors::MetricLabel;
-use stowage_common::storageops::{VOLUME_ATTACH, VOLUME_DETACH};
+use stowage_common::observe::storageops::{VOLUME_ATTACH, VOLUME_DETACH};
 
 /// Results of the write tasks.
 pub(crate) enum Outcome {
@@ -47,7 +47,7 @@ pub(crate) enum Outcome {
     },
 }
 
-impl stowage_common::owed::Work for Outcome {
+impl stowage_common::runtime::owed::Work for Outcome {
     /// Whether `self` and `other` report the same piece of work.
     fn same_work(&self, other: &Outcome) -> bool {
         match (self, other) {

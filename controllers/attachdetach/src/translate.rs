@@ -11,7 +11,7 @@ use std::sync::Arc;
 use k8s_openapi::api::core::v1::{
     AzureDiskVolumeSource, CSIPersistentVolumeSource, FCVolumeSource, PersistentVolumeSpec, SecretReference,
 };
-use stowage_common::slim;
+use stowage_common::store::slim;
 
 use crate::objects::{CSI_PLUGIN, PvSpecView, pv_multi_attach_allowed};
 

@@ -72,9 +72,12 @@ async fn start(runner: &Runner, cp: &ControlPlane, client: &Client) -> Running {
     match runner {
         Runner::Stowage => {
             let mut tasks = JoinSet::new();
-            let registry = stowage_common::metrics::Registry::new();
-            let cluster =
-                stowage_common::informers::Informers::start(client.clone(), registry.clone(), &mut tasks);
+            let registry = stowage_common::observe::metrics::Registry::new();
+            let cluster = stowage_common::store::informers::Informers::start(
+                client.clone(),
+                registry.clone(),
+                &mut tasks,
+            );
             // As stowage-controller does: controllers start once the stores are filled.
             cluster.ready().await;
             let metrics = stowage_attachdetach::Metrics::new(&registry);

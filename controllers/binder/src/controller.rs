@@ -13,14 +13,14 @@ use k8s_openapi::api::core::v1::{ObjectReference, PersistentVolume, PersistentVo
 use k8s_openapi::api::storage::v1::StorageClass;
 use kube::runtime::reflector::ObjectRef;
 use kube::{Api, Resource, ResourceExt};
-use stowage_common::driver::{self, Inputs, Next, Pace, Reconciler};
 use stowage_common::errors::PANIC;
-use stowage_common::events::Events;
-use stowage_common::inflight::{Landed, Window};
-use stowage_common::informer::Change;
-use stowage_common::informers::Informers;
-use stowage_common::packed::Packed;
-use stowage_common::slim::Pod;
+use stowage_common::observe::events::Events;
+use stowage_common::runtime::driver::{self, Inputs, Next, Pace, Reconciler};
+use stowage_common::runtime::inflight::{Landed, Window};
+use stowage_common::store::informer::Change;
+use stowage_common::store::informers::Informers;
+use stowage_common::store::packed::Packed;
+use stowage_common::store::slim::Pod;
 use tokio::time::Instant;
 
 use crate::core::{self, Action, Cache, Env, Event, Target};
@@ -30,7 +30,7 @@ use crate::ingest::PodIndex;
 use crate::metrics::Metrics;
 use crate::objects::*;
 use crate::results::Outcome;
-use stowage_common::queue::WorkQueue;
+use stowage_common::runtime::queue::WorkQueue;
 
 /// Binder settings.
 #[derive(Debug, Clone)]

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use k8s_openapi::api::core::v1::{ObjectReference, PersistentVolume, PersistentVolumeClaim};
 use k8s_openapi::api::storage::v1::StorageClass;
 use kube::{Api, Client, Resource, ResourceExt};
-use stowage_common::events::Events;
+use stowage_common::observe::events::Events;
 use tokio::time::Instant;
 
 use crate::controller::Key;
@@ -18,7 +18,7 @@ use crate::loopdev;
 use crate::metrics::Metrics;
 use crate::objects::*;
 use crate::results::Outcome;
-use stowage_common::writes::Writes;
+use stowage_common::api::writes::Writes;
 
 /// Everything a write task needs. Shared behind one `Arc` (`Controller::executor`): kube's `Api`
 /// carries its resource's names and path as owned strings, and a client handle allocates when
@@ -36,7 +36,7 @@ pub(crate) struct Executor {
     pub(crate) store_check: Arc<std::sync::atomic::AtomicBool>,
     /// When each claim's provisioning and each volume's deletion began, for KCM's end-to-end
     /// `volume_operation_total_seconds` (kept for the leadership term, as KCM keeps its own).
-    pub(crate) timestamps: stowage_common::storageops::Timestamps,
+    pub(crate) timestamps: stowage_common::observe::storageops::Timestamps,
 }
 
 /// Built-in handle → PV names, and PV name → nodes of the VolumeAttachments naming it, from live
@@ -277,7 +277,7 @@ impl Executor {
         snap: &Snapshot,
         done: &mut Outcome,
     ) -> Result<(), Error> {
-        use stowage_common::storageops::{DELETE, PROVISION};
+        use stowage_common::observe::storageops::{DELETE, PROVISION};
         let timed = match action {
             Action::SetProvisioner { claim, provisioner } => {
                 self.timestamps.start(claim, provisioner, PROVISION);

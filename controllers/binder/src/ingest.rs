@@ -6,8 +6,8 @@ use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
 use kube::ResourceExt;
-use stowage_common::packed::Packed;
-use stowage_common::slim::Pod;
+use stowage_common::store::packed::Packed;
+use stowage_common::store::slim::Pod;
 
 use crate::controller::{Controller, Key};
 use crate::core::{PodUse, Target};
@@ -211,10 +211,10 @@ impl PodIndex {
             .as_ref()
             .and_then(|s| s.node_name.as_deref())
             .is_some_and(|n| !n.is_empty());
-        let now: Vec<String> = if gone || stowage_common::objects::pod_terminated(pod) {
+        let now: Vec<String> = if gone || stowage_common::store::objects::pod_terminated(pod) {
             vec![]
         } else {
-            stowage_common::objects::pod_claims(pod)
+            stowage_common::store::objects::pod_claims(pod)
                 .into_iter()
                 .map(|c| format!("{ns}/{}", c.claim))
                 .collect()

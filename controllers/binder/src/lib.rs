@@ -14,7 +14,7 @@ pub mod ingest;
 pub mod loopdev;
 pub mod results;
 // The PV/PVC readers and quantities are shared with the other controllers.
-pub use stowage_common::quantity;
+pub use stowage_common::store::quantity;
 pub mod metrics;
 pub mod objects;
 

@@ -9,8 +9,8 @@ use kube::runtime::reflector::Store;
 use prometheus::core::{Collector, Desc, Describer};
 use prometheus::proto::MetricFamily;
 use prometheus::{Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, Opts};
-use stowage_common::metrics::{Registry, register};
-use stowage_common::packed::Packed;
+use stowage_common::observe::metrics::{Registry, register};
+use stowage_common::store::packed::Packed;
 
 use crate::objects::{claim_class, claim_phase, claim_vac, pv_block, pv_class, pv_phase};
 use kube::ResourceExt;

@@ -1,8 +1,8 @@
-//! What the binder reads of PVs and claims: the shared readers of `stowage_common::pv`, and the
+//! What the binder reads of PVs and claims: the shared readers of `stowage_common::store::pv`, and the
 //! built-in driver's name and handle rule, from the driver's crate (common knows no driver).
 
 use k8s_openapi::api::core::v1::PersistentVolume;
-pub use stowage_common::pv::*;
+pub use stowage_common::store::pv::*;
 /// The built-in driver.
 pub use stowage_loopdriver::DRIVER as LOOP_DRIVER;
 /// A handle that names a file directly inside the image dir (the driver's one rule).

@@ -4,8 +4,8 @@
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{ObjectReference, PersistentVolume, PersistentVolumeClaim};
-use stowage_common::inflight::Landed;
-use stowage_common::packed::IntoPacked;
+use stowage_common::runtime::inflight::Landed;
+use stowage_common::store::packed::IntoPacked;
 use tokio::time::Instant;
 
 use crate::controller::{Controller, Key};
@@ -130,5 +130,5 @@ impl Controller {
 pub fn failure_backoff(n: u32) -> Duration {
     const START: Duration = Duration::from_secs(1);
     const MAX: Duration = Duration::from_secs(300);
-    stowage_common::backoff::exponential(START, MAX, n.saturating_add(1))
+    stowage_common::runtime::backoff::exponential(START, MAX, n.saturating_add(1))
 }

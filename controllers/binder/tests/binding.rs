@@ -502,7 +502,7 @@ async fn a_bind_writes_back_every_field_the_objects_carried() {
 #[tokio::test]
 async fn stores_and_writes_hold_what_the_apiserver_serves_less_managed_fields() {
     use kube::runtime::reflector::ObjectRef;
-    use stowage_common::writes::Writes;
+    use stowage_common::api::writes::Writes;
     let mut h = stowage_testkit::InProcess::new().await;
     h.namespace("app").await;
     let cluster = h.cluster().await;
@@ -542,9 +542,9 @@ async fn stores_and_writes_hold_what_the_apiserver_serves_less_managed_fields() 
 }
 
 /// The object a store holds once it has caught up with `want`'s resourceVersion, unpacked.
-async fn stored_at<K: stowage_common::packed::Packable>(
-    store: &kube::runtime::reflector::Store<stowage_common::packed::Packed<K>>,
-    key: kube::runtime::reflector::ObjectRef<stowage_common::packed::Packed<K>>,
+async fn stored_at<K: stowage_common::store::packed::Packable>(
+    store: &kube::runtime::reflector::Store<stowage_common::store::packed::Packed<K>>,
+    key: kube::runtime::reflector::ObjectRef<stowage_common::store::packed::Packed<K>>,
     want: &K,
 ) -> K {
     let rv = &want.metadata().resource_version;

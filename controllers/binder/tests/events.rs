@@ -4,7 +4,7 @@
 use k8s_openapi::api::events::v1::Event;
 use kube::api::ListParams;
 use kube::{Api, Resource};
-use stowage_common::events::Events;
+use stowage_common::observe::events::Events;
 use stowage_testkit::builders::pvc;
 use stowage_testkit::inproc::WAIT;
 use stowage_testkit::{InProcess, eventually};

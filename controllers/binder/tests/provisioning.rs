@@ -472,8 +472,8 @@ async fn a_read_only_many_filesystem_claim_gets_its_file_system_at_creation() {
 #[tokio::test]
 async fn provisioning_and_deletion_show_in_kube_controller_managers_metrics() {
     let h = Harness::start().await;
-    stowage_common::storageops::register_metrics(&h.registry);
-    stowage_common::queue::register_metrics(&h.registry);
+    stowage_common::observe::storageops::register_metrics(&h.registry);
+    stowage_common::runtime::queue::register_metrics(&h.registry);
     h.namespace("app").await;
     h.create::<StorageClass>(storage_class("loop", "loop.stowage.dev").build())
         .await;

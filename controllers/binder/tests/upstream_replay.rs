@@ -163,9 +163,12 @@ async fn start(runner: &Runner, cp: &ControlPlane, client: &Client) -> Running {
     match runner {
         Runner::Stowage => {
             let mut informers = JoinSet::new();
-            let registry = stowage_common::metrics::Registry::new();
-            let cluster =
-                stowage_common::informers::Informers::start(client.clone(), registry.clone(), &mut informers);
+            let registry = stowage_common::observe::metrics::Registry::new();
+            let cluster = stowage_common::store::informers::Informers::start(
+                client.clone(),
+                registry.clone(),
+                &mut informers,
+            );
             cluster.ready().await;
             let config = stowage_binder::Config {
                 resync: Duration::from_secs(1),

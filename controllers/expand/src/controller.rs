@@ -13,15 +13,15 @@ use k8s_openapi::api::storage::v1::StorageClass;
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
 use kube::runtime::reflector::ObjectRef;
-use stowage_common::driver::{self, Inputs, Next, Pace, Reconciler};
 use stowage_common::errors::PANIC;
-use stowage_common::events::Events;
-use stowage_common::inflight::{Landed, Window};
-use stowage_common::informer::Change;
-use stowage_common::informers::Informers;
-use stowage_common::packed::Packed;
-use stowage_common::pv::{claim_class, claim_volume_name, pv_block};
-use stowage_common::queue::WorkQueue;
+use stowage_common::observe::events::Events;
+use stowage_common::runtime::driver::{self, Inputs, Next, Pace, Reconciler};
+use stowage_common::runtime::inflight::{Landed, Window};
+use stowage_common::runtime::queue::WorkQueue;
+use stowage_common::store::informer::Change;
+use stowage_common::store::informers::Informers;
+use stowage_common::store::packed::Packed;
+use stowage_common::store::pv::{claim_class, claim_volume_name, pv_block};
 use tokio::time::Instant;
 
 use crate::core::{self, Action};
@@ -170,7 +170,7 @@ impl Controller {
         // Only Block volumes ask; a scan of the attachments is not worth it otherwise.
         let attached = pv
             .as_ref()
-            .filter(|v| pv_block(v) || stowage_common::pv::claim_block(&claim))
+            .filter(|v| pv_block(v) || stowage_common::store::pv::claim_block(&claim))
             .is_some_and(|v| is_attached(&self.executor.attachments, &v.name_any()));
         let actions = core::sync_claim(
             &claim,

@@ -9,9 +9,9 @@ use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
 use k8s_openapi::jiff::Timestamp;
 use kube::runtime::reflector::Store;
 use kube::{Client, Resource, ResourceExt};
-use stowage_common::attachment::VolumeAttachment;
-use stowage_common::events::Events;
-use stowage_common::writes::Writes;
+use stowage_common::api::writes::Writes;
+use stowage_common::observe::events::Events;
+use stowage_common::store::attachment::VolumeAttachment;
 use stowage_loopdriver::{ImageError, ImageStore};
 use tokio::time::Instant;
 
@@ -20,7 +20,7 @@ use crate::error::{Error, NOT_ALLOWED, infeasible};
 use crate::metrics::Metrics;
 use crate::results::Outcome;
 use stowage_common::errors::MetricLabel;
-use stowage_common::storageops::{Attempt, EXPAND_VOLUME, csi_plugin};
+use stowage_common::observe::storageops::{Attempt, EXPAND_VOLUME, csi_plugin};
 
 /// The last event published per claim, so a state that persists is reported once.
 pub(crate) type LastEvents = Mutex<HashMap<String, (String, String)>>;

@@ -7,8 +7,8 @@ use std::sync::Arc;
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
 use kube::ResourceExt;
 use kube::runtime::reflector::ObjectRef;
-use stowage_common::informer::is_newer;
-use stowage_common::pv::{claim_class, claim_key, claim_ref, claim_volume_name};
+use stowage_common::store::informer::is_newer;
+use stowage_common::store::pv::{claim_class, claim_key, claim_ref, claim_volume_name};
 
 use crate::controller::Controller;
 use crate::core::{self};

@@ -1,7 +1,7 @@
 //! Expansion metrics (prefix `stowage_expand_`), registered once per process.
 
 use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, IntGauge, Opts};
-use stowage_common::metrics::{Registry, register};
+use stowage_common::observe::metrics::{Registry, register};
 
 #[derive(Clone)]
 pub struct Metrics {

@@ -6,8 +6,8 @@ use std::sync::Arc;
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
 use kube::ResourceExt;
 use kube::runtime::reflector::ObjectRef;
-use stowage_common::inflight::Landed;
-use stowage_common::informer::is_newer;
+use stowage_common::runtime::inflight::Landed;
+use stowage_common::store::informer::is_newer;
 use tokio::time::Instant;
 
 use crate::controller::Controller;

@@ -37,8 +37,8 @@ fn node_pending(c: &k8s_openapi::api::core::v1::PersistentVolumeClaim) -> bool {
 #[tokio::test]
 async fn a_bound_loop_volume_grows_and_is_then_left_alone() {
     let h = Harness::start().await;
-    stowage_common::storageops::register_metrics(&h.registry);
-    stowage_common::queue::register_metrics(&h.registry);
+    stowage_common::observe::storageops::register_metrics(&h.registry);
+    stowage_common::runtime::queue::register_metrics(&h.registry);
     h.namespace("app").await;
     let sc = class(&h, LOOP, true).await;
     let pv = h.bound("app", "data", &sc, "64Mi", LOOP, false).await;
@@ -165,7 +165,7 @@ async fn a_class_without_allow_volume_expansion_gets_a_warning_and_nothing_chang
 #[tokio::test]
 async fn a_failure_mid_way_is_reported_and_the_retry_completes_after_the_fix() {
     let h = Harness::start().await;
-    stowage_common::storageops::register_metrics(&h.registry);
+    stowage_common::observe::storageops::register_metrics(&h.registry);
     h.namespace("app").await;
     let sc = class(&h, LOOP, true).await;
     let pv = h.bound("app", "data", &sc, "64Mi", LOOP, false).await;

@@ -43,8 +43,9 @@ async fn start(upstream: bool, cp: &ControlPlane, client: &Client) -> Running {
         return Running::Upstream(cp.start_kcm("persistentvolume-expander-controller", &[]));
     }
     let mut tasks = JoinSet::new();
-    let registry = stowage_common::metrics::Registry::new();
-    let cluster = stowage_common::informers::Informers::start(client.clone(), registry.clone(), &mut tasks);
+    let registry = stowage_common::observe::metrics::Registry::new();
+    let cluster =
+        stowage_common::store::informers::Informers::start(client.clone(), registry.clone(), &mut tasks);
     // As stowage-controller does: controllers start once the stores are filled.
     cluster.ready().await;
     let metrics = stowage_expand::Metrics::new(&registry);

@@ -3,8 +3,8 @@
 
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use stowage_common::objects::pod_claims;
-use stowage_common::slim::Pod;
+use stowage_common::store::objects::pod_claims;
+use stowage_common::store::slim::Pod;
 
 /// Put on every claim by the apiserver's StorageObjectInUseProtection admission.
 pub const PVC_FINALIZER: &str = "kubernetes.io/pvc-protection";
@@ -93,7 +93,7 @@ pub fn pod_is_shut_down(pod: &Pod) -> bool {
 
 /// The names of the claims a pod refers to, in its own namespace: plain claim volumes and the
 /// `<pod>-<volume>` claims of generic ephemeral volumes (the shared reader,
-/// `stowage_common::objects::pod_claims`). Used to index pods by claim.
+/// `stowage_common::store::objects::pod_claims`). Used to index pods by claim.
 pub fn claim_names(pod: &Pod) -> Vec<String> {
     let mut out: Vec<String> = pod_claims(pod).into_iter().map(|c| c.claim).collect();
     out.sort();
@@ -144,7 +144,7 @@ pub fn waiting_note(users: &[PodRef]) -> String {
     if users.len() > SHOWN {
         note.push_str(&format!(" and {} more", users.len() - SHOWN));
     }
-    stowage_common::events::bounded_note(note)
+    stowage_common::observe::events::bounded_note(note)
 }
 
 #[cfg(test)]

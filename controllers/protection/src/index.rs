@@ -3,7 +3,7 @@
 
 use std::collections::{BTreeSet, HashMap};
 
-use stowage_common::slim::Pod;
+use stowage_common::store::slim::Pod;
 
 use crate::core::claim_names;
 

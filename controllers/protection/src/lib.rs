@@ -3,7 +3,7 @@
 //! uses the object any more, and put them back on objects that lack them. See docs/protection.md.
 //!
 //! The one controller shape (docs/architecture.md), with two controllers: `core` decides (pure),
-//! the shared informers' `Feed`s bring the changes, `index` finds a claim's pods, `stowage_common::queue`
+//! the shared informers' `Feed`s bring the changes, `index` finds a claim's pods, `stowage_common::runtime::queue`
 //! orders the work, `exec` makes guarded patches, and `pvc::Controller` / `pv::Controller` own
 //! the two decision loops.
 

@@ -1,7 +1,7 @@
 //! Metrics of both protection controllers, prefix `stowage_protection_`. See docs/protection.md.
 
 use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts};
-use stowage_common::metrics::{Registry, register};
+use stowage_common::observe::metrics::{Registry, register};
 
 /// Label values of `kind`.
 pub const PVC: &str = "PersistentVolumeClaim";

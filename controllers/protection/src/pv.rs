@@ -8,18 +8,18 @@ use std::sync::Arc;
 use k8s_openapi::api::core::v1::PersistentVolume;
 use kube::Api;
 use kube::runtime::reflector::ObjectRef;
-use stowage_common::informer::Change;
-use stowage_common::informers::Informers;
-use stowage_common::packed::Packed;
+use stowage_common::store::informer::Change;
+use stowage_common::store::informers::Informers;
+use stowage_common::store::packed::Packed;
 use tokio::time::Instant;
 
 use crate::core::{Action, PV_FINALIZER, decide_pv};
 use crate::error::Error;
 use crate::exec as write;
 use crate::metrics::{self, Metrics};
-use stowage_common::driver::{self, Inputs, Next, Pace, Reconciler};
 use stowage_common::errors::{MetricLabel, PANIC};
-use stowage_common::queue::WorkQueue;
+use stowage_common::runtime::driver::{self, Inputs, Next, Pace, Reconciler};
+use stowage_common::runtime::queue::WorkQueue;
 
 struct Controller {
     cluster: Arc<Informers>,

@@ -9,11 +9,11 @@ use k8s_openapi::api::core::v1::PersistentVolumeClaim;
 use kube::api::ListParams;
 use kube::runtime::reflector::ObjectRef;
 use kube::{Api, Resource};
-use stowage_common::events::Events;
-use stowage_common::informer::Change;
-use stowage_common::informers::Informers;
-use stowage_common::packed::Packed;
-use stowage_common::slim::Pod;
+use stowage_common::observe::events::Events;
+use stowage_common::store::informer::Change;
+use stowage_common::store::informers::Informers;
+use stowage_common::store::packed::Packed;
+use stowage_common::store::slim::Pod;
 use tokio::time::Instant;
 
 use crate::core::{Action, PVC_FINALIZER, PodRef, decide_pvc, pvc_needs_sync, users, waiting_note};
@@ -21,9 +21,9 @@ use crate::error::Error;
 use crate::exec as write;
 use crate::index::{Key, PodsByClaim, key_of};
 use crate::metrics::{self, Metrics};
-use stowage_common::driver::{self, Inputs, Next, Pace, Reconciler};
 use stowage_common::errors::{ERROR, MetricLabel, PANIC, SUCCESS};
-use stowage_common::queue::WorkQueue;
+use stowage_common::runtime::driver::{self, Inputs, Next, Pace, Reconciler};
+use stowage_common::runtime::queue::WorkQueue;
 
 /// Reason of the event on a claim whose deletion waits for pods.
 pub const REASON_CLAIM_IN_USE: &str = "ClaimInUse";

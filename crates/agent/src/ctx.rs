@@ -7,8 +7,8 @@ use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
 use k8s_openapi::api::storage::v1::VolumeAttachment;
 use kube::Client;
 use kube::runtime::reflector::ObjectRef;
-use stowage_common::events::Events;
-use stowage_common::informer::Informer;
+use stowage_common::observe::events::Events;
+use stowage_common::store::informer::Informer;
 
 use crate::metrics::Metrics;
 use crate::paths::{DRIVER, Layout, va_name};

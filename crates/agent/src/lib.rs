@@ -33,11 +33,11 @@ use k8s_openapi::api::core::v1::{Node, PersistentVolume, PersistentVolumeClaim, 
 use k8s_openapi::api::storage::v1::VolumeAttachment;
 use kube::Api;
 use kube::runtime::watcher;
-use stowage_common::client::ApiArgs;
-use stowage_common::events::Events;
-use stowage_common::informer::{Informer, as_decoded};
-use stowage_common::lean::Lean;
-use stowage_common::serve::{self, Health};
+use stowage_common::api::client::ApiArgs;
+use stowage_common::observe::events::Events;
+use stowage_common::observe::serve::{self, Health};
+use stowage_common::store::informer::{Informer, as_decoded};
+use stowage_common::store::lean::Lean;
 use stowage_loopdriver::csi::registration;
 use stowage_loopdriver::csi::server::{self as csi_server, Endpoint, NodeSettings, socket_path};
 use tokio::sync::watch;
@@ -53,7 +53,7 @@ pub struct Args {
     #[command(flatten)]
     pub api: ApiArgs,
     #[command(flatten)]
-    pub log: stowage_common::logging::LogArgs,
+    pub log: stowage_common::observe::logging::LogArgs,
     /// Name of the Node this agent serves.
     #[arg(long, env = "NODE_NAME")]
     pub node_name: String,
@@ -117,15 +117,15 @@ fn canonical_dir(p: &PathBuf, flag: &str) -> anyhow::Result<PathBuf> {
 }
 
 /// The registry with every family this process exports, as `run` builds it.
-fn registry() -> (stowage_common::metrics::Registry, metrics::Metrics) {
-    let registry = stowage_common::metrics::registry("stowage-agent");
+fn registry() -> (stowage_common::observe::metrics::Registry, metrics::Metrics) {
+    let registry = stowage_common::observe::metrics::registry("stowage-agent");
     let metrics = metrics::Metrics::new(&registry);
     (registry, metrics)
 }
 
 /// Every metric family stowage-agent registers, series or not (docs/metrics.md is checked
 /// against this list).
-pub fn metric_families() -> Vec<stowage_common::metrics::Family> {
+pub fn metric_families() -> Vec<stowage_common::observe::metrics::Family> {
     registry().0.families()
 }
 
@@ -159,7 +159,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         let endpoint = csi.expect("clap requires --csi-endpoint with --csi-only");
         let socket = endpoint.socket.clone();
         let Some(kubelet_dir) = &args.kubelet_dir else {
-            csi_server::serve(endpoint, stowage_common::shutdown::signalled()).await?;
+            csi_server::serve(endpoint, stowage_common::runtime::shutdown::signalled()).await?;
             return Ok(());
         };
         // A node plugin beside a kubelet whose attachments come from elsewhere (the upstream
@@ -173,9 +173,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             registration::registration_socket(kubelet_dir, &args.csi_driver_name),
             root.join("csi").join("registration.sock"),
             registrar,
-            stowage_common::shutdown::signalled(),
+            stowage_common::runtime::shutdown::signalled(),
         );
-        let served = csi_server::serve(endpoint, stowage_common::shutdown::signalled());
+        let served = csi_server::serve(endpoint, stowage_common::runtime::shutdown::signalled());
         // Either failing ends the process (the kubelet must not keep a plugin that is gone).
         tokio::try_join!(registered, served)?;
         return Ok(());
@@ -188,8 +188,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     serve::spawn(args.metrics_bind_address, health.clone()).await?;
     let client = args
         .api
-        .client(args.api.limit_or(stowage_common::ratelimit::Limit::Static {
-            qps: stowage_common::client::AGENT_QPS,
+        .client(args.api.limit_or(stowage_common::api::ratelimit::Limit::Static {
+            qps: stowage_common::api::client::AGENT_QPS,
             burst: args.api.kube_api_burst,
         }))
         .await?;
@@ -304,7 +304,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     tracing::info!(node = %args.node_name, root = %root.display(), "agent started");
 
     tokio::select! {
-        _ = stowage_common::shutdown::signalled() => {}
+        _ = stowage_common::runtime::shutdown::signalled() => {}
         r = loops.join_next() => {
             health.alive.store(false, Ordering::Relaxed);
             bail!("an agent loop ended unexpectedly: {r:?}");

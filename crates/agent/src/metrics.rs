@@ -6,7 +6,7 @@ use prometheus::{
     Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
 };
 use stowage_common::errors::{ERROR, SUCCESS};
-use stowage_common::metrics::{Registry, register};
+use stowage_common::observe::metrics::{Registry, register};
 use stowage_loopdriver::csi::metrics::RpcMetrics;
 
 /// Operation names used as the `operation` label.

@@ -1,6 +1,6 @@
 //! A test hook, in debug builds only: `--debug-panic-once=<operation>:<pv>` makes the next
 //! `<operation>` of that PV panic once, so tests prove a panicked operation is reported failed
-//! (`stowage_common::owed`) and retried.
+//! (`stowage_common::runtime::owed`) and retried.
 
 /// A test hook, in debug builds only: `--debug-panic-once=<operation>:<pv>` makes the next
 /// `<operation>` (attach, mount) of that PV panic once, so tests can prove a panicked operation

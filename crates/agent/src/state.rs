@@ -14,7 +14,7 @@ use k8s_openapi::jiff::Timestamp;
 use crate::mountinfo::DevNo;
 use crate::paths::{DRIVER, plain_component, unique_name};
 pub use crate::probe::Health;
-use stowage_common::objects::{PodClaim, pod_claims};
+use stowage_common::store::objects::{PodClaim, pod_claims};
 
 /// The pod annotation-free facts the agent needs to talk about a pod.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -327,7 +327,7 @@ pub fn desired<'p>(pods: impl IntoIterator<Item = &'p Pod>, view: &View) -> Desi
                     let st = pvc.status.as_ref()?;
                     let already = pvc.metadata.uid.as_ref().and_then(|u| view.expanded.get(u));
                     if let Some(rv) = already
-                        && !stowage_common::informer::is_newer(
+                        && !stowage_common::store::informer::is_newer(
                             pvc.metadata.resource_version.as_deref(),
                             Some(rv),
                         )

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use hyper_util::rt::TokioIo;
-use stowage_common::serve::Health;
+use stowage_common::observe::serve::Health;
 use stowage_loopdriver::csi::metrics::{BUCKETS, NAME};
 use stowage_loopdriver::csi::server::{self, Endpoint, NodeSettings};
 use stowage_loopdriver::csi::v1::controller_client::ControllerClient;
@@ -107,9 +107,9 @@ async fn every_csi_call_is_counted_by_method_and_grpc_code_on_the_metrics_endpoi
     };
 
     // As the agent's `run` builds them: one registry, the CSI histogram in it, served on /metrics.
-    let registry = stowage_common::metrics::registry("stowage-agent");
+    let registry = stowage_common::observe::metrics::registry("stowage-agent");
     let metrics = stowage_agent::metrics::Metrics::new(&registry);
-    let addr = stowage_common::serve::spawn("127.0.0.1:0".parse().unwrap(), Health::new(registry))
+    let addr = stowage_common::observe::serve::spawn("127.0.0.1:0".parse().unwrap(), Health::new(registry))
         .await
         .unwrap();
     let socket = base.join("csi.sock");

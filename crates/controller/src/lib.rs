@@ -7,12 +7,12 @@ use std::time::Duration;
 use anyhow::bail;
 use clap::Parser;
 use kube::Client;
-use stowage_common::client::ApiArgs;
-use stowage_common::informers::Informers;
-use stowage_common::leader::{self, Elector, Timings};
-use stowage_common::metrics::Registry;
-use stowage_common::ratelimit::{Adaptive, Limit};
-use stowage_common::serve::{self, Health};
+use stowage_common::api::client::ApiArgs;
+use stowage_common::api::ratelimit::{Adaptive, Limit};
+use stowage_common::observe::metrics::Registry;
+use stowage_common::observe::serve::{self, Health};
+use stowage_common::runtime::leader::{self, Elector, Timings};
+use stowage_common::store::informers::Informers;
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 
@@ -41,7 +41,7 @@ pub struct Args {
     #[arg(long, default_value_t = 2000.0)]
     pub kube_api_max_qps: f32,
     #[command(flatten)]
-    pub log: stowage_common::logging::LogArgs,
+    pub log: stowage_common::observe::logging::LogArgs,
     /// Controllers to run: names, `*` for all default ones, `-name` to leave one out
     /// (kube-controller-manager's syntax).
     #[arg(long, value_delimiter = ',', default_value = "*")]
@@ -51,7 +51,7 @@ pub struct Args {
     #[arg(long, default_value = "0.0.0.0:8080", value_parser = plain_address)]
     pub metrics_bind_address: PlainAddress,
     #[command(flatten)]
-    pub secure: stowage_common::secure::SecureArgs,
+    pub secure: stowage_common::observe::secure::SecureArgs,
     /// Run controllers only while holding the leader Lease.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub leader_elect: bool,
@@ -314,18 +314,19 @@ fn default_identity() -> String {
 
 /// The registry with every family this process exports, as `run` builds it before any
 /// leadership, with the leader gauges and the controllers' metrics.
-fn metrics(args: &Args) -> (Registry, stowage_common::metrics::Leader, Wiring) {
-    let registry = stowage_common::metrics::registry("stowage-controller");
-    stowage_common::queue::register_metrics(&registry);
-    stowage_common::storageops::register_metrics(&registry);
-    let leader = stowage_common::metrics::leader_metrics(&registry, &args.leader_elect_resource_name);
+fn metrics(args: &Args) -> (Registry, stowage_common::observe::metrics::Leader, Wiring) {
+    let registry = stowage_common::observe::metrics::registry("stowage-controller");
+    stowage_common::runtime::queue::register_metrics(&registry);
+    stowage_common::observe::storageops::register_metrics(&registry);
+    let leader =
+        stowage_common::observe::metrics::leader_metrics(&registry, &args.leader_elect_resource_name);
     let wiring = Wiring::new(args, &registry);
     (registry, leader, wiring)
 }
 
 /// Every metric family stowage-controller registers, series or not (docs/metrics.md is checked
 /// against this list).
-pub fn metric_families() -> Vec<stowage_common::metrics::Family> {
+pub fn metric_families() -> Vec<stowage_common::observe::metrics::Family> {
     metrics(&Args::parse_from(["stowage-controller"])).0.families()
 }
 
@@ -349,7 +350,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         timings.validate().map_err(anyhow::Error::msg)?;
     }
     let (client, election_client) = args.api.clients(args.limit()).await?;
-    stowage_common::secure::spawn(&args.secure, health.clone(), &client).await?;
+    stowage_common::observe::secure::spawn(&args.secure, health.clone(), &client).await?;
     health.ready.store(true, Ordering::Relaxed);
     tracing::info!(
         controllers = ?controllers,
@@ -357,7 +358,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         "starting; run kube-controller-manager with the flag shown so the two do not both run these"
     );
 
-    let shutdown = stowage_common::shutdown::signalled();
+    let shutdown = stowage_common::runtime::shutdown::signalled();
     if !args.leader_elect {
         leader_gauge.set(true);
         tokio::select! {
@@ -545,7 +546,10 @@ mod tests {
             "--v=4",
         ])
         .unwrap();
-        assert_eq!(args.log.log_format, stowage_common::logging::Format::Json);
+        assert_eq!(
+            args.log.log_format,
+            stowage_common::observe::logging::Format::Json
+        );
         assert_eq!(args.log.verbosity, 4);
         assert_eq!(args.secure.secure_port, 10257);
         assert_eq!(args.metrics_bind_address, PlainAddress(None));
@@ -648,12 +652,12 @@ mod tests {
             }
         }
         let out = Buffer::default();
-        let args = stowage_common::logging::LogArgs {
-            log_format: stowage_common::logging::Format::Json,
+        let args = stowage_common::observe::logging::LogArgs {
+            log_format: stowage_common::observe::logging::Format::Json,
             verbosity: 2,
         };
         let writer = out.clone();
-        let subscriber = stowage_common::logging::subscriber(&args, move || writer.clone(), false);
+        let subscriber = stowage_common::observe::logging::subscriber(&args, move || writer.clone(), false);
         tracing::subscriber::with_default(subscriber, || {
             futures::executor::block_on(in_span("pvc-protection", async {
                 tracing::info!(claim = "ns/data", "added protection finalizer");

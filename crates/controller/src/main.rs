@@ -16,7 +16,7 @@ async fn main() {
         std::process::exit(init_store::main(&argv[1..]));
     }
     let args = stowage_controller::Args::parse();
-    stowage_common::logging::init(&args.log);
+    stowage_common::observe::logging::init(&args.log);
     if let Err(e) = stowage_controller::run(args).await {
         // One line a person can act on, not a panic trace.
         eprintln!("stowage-controller: {e:#}");

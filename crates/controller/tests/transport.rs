@@ -6,8 +6,8 @@ use std::collections::HashSet;
 use futures::{StreamExt, stream};
 use k8s_openapi::api::core::v1::Namespace;
 use kube::Api;
-use stowage_common::client::ApiArgs;
-use stowage_common::ratelimit::Limit;
+use stowage_common::api::client::ApiArgs;
+use stowage_common::api::ratelimit::Limit;
 use stowage_testkit::ControlPlane;
 
 /// Socket inodes of this process.
@@ -52,7 +52,7 @@ async fn a_burst_of_requests_shares_one_http2_connection() {
         kubeconfig: Some(cp.kubeconfig()),
         kube_api_qps: Some(0.0),
         kube_api_burst: 100,
-        kube_api_content_type: stowage_common::client::ContentType::Json,
+        kube_api_content_type: stowage_common::api::client::ContentType::Json,
     };
     let client = args.client(Limit::Unlimited).await.expect("client");
 

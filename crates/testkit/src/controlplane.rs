@@ -428,7 +428,7 @@ impl Drop for ControlPlane {
 async fn client_for(kubeconfig: &Path) -> anyhow::Result<Client> {
     let kc = kube::config::Kubeconfig::read_from(kubeconfig)?;
     let config = kube::Config::from_custom_kubeconfig(kc, &Default::default()).await?;
-    stowage_common::client::build(config, stowage_common::ratelimit::Limit::Unlimited)
+    stowage_common::api::client::build(config, stowage_common::api::ratelimit::Limit::Unlimited)
 }
 
 /// Starts etcd from its saved command line; its log is appended to, so a restart keeps the earlier

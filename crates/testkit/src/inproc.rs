@@ -10,7 +10,7 @@ use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
 use k8s_openapi::api::events::v1::Event;
 use kube::api::{ListParams, PostParams};
 use kube::{Api, Client, ResourceExt};
-use stowage_common::informers::Informers;
+use stowage_common::store::informers::Informers;
 use tokio::task::{JoinHandle, JoinSet};
 
 use crate::{ControlPlane, builders, eventually};
@@ -48,7 +48,7 @@ pub struct InProcess {
     /// store (`ImageStore::init`, the install step); a test of the unmarked case removes
     /// `stowage_loopdriver::image::MARKER`.
     pub images: tempfile::TempDir,
-    pub registry: stowage_common::metrics::Registry,
+    pub registry: stowage_common::observe::metrics::Registry,
     informers: JoinSet<()>,
     controller: Option<JoinHandle<anyhow::Result<()>>>,
 }
@@ -69,7 +69,7 @@ impl InProcess {
             cp,
             client,
             images,
-            registry: stowage_common::metrics::Registry::new(),
+            registry: stowage_common::observe::metrics::Registry::new(),
             informers: JoinSet::new(),
             controller: None,
         }
@@ -245,7 +245,7 @@ impl InProcess {
     }
 
     pub fn metrics_text(&self) -> String {
-        stowage_common::metrics::encode(&self.registry)
+        stowage_common::observe::metrics::encode(&self.registry)
     }
 }
 

@@ -94,7 +94,7 @@ fn main() {
         .enable_all()
         .build()
         .expect("tokio runtime");
-    rt.block_on(stowage_common::shutdown::signalled());
+    rt.block_on(stowage_common::runtime::shutdown::signalled());
     drop(cluster);
     cp.stop();
     let _ = std::fs::remove_dir_all(cp.dir().join("etcd"));

@@ -6,7 +6,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 
-use stowage_common::metrics::Family;
+use stowage_common::observe::metrics::Family;
 
 /// One documented family.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -6,7 +6,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use stowage_common::ratelimit::Limit;
+use stowage_common::api::ratelimit::Limit;
 use stowage_testkit::process::{free_port, spawn_tied, stop};
 
 use crate::procstat;
@@ -242,12 +242,12 @@ pub fn stowage_agent_defaults() -> Limits {
     #[derive(Parser)]
     struct Defaults {
         #[command(flatten)]
-        api: stowage_common::client::ApiArgs,
+        api: stowage_common::api::client::ApiArgs,
     }
     let d = Defaults::parse_from(["stowage-agent"]);
     d.api
         .limit_or(Limit::Static {
-            qps: stowage_common::client::AGENT_QPS,
+            qps: stowage_common::api::client::AGENT_QPS,
             burst: d.api.kube_api_burst,
         })
         .into()

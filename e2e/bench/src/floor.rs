@@ -75,7 +75,7 @@ pub async fn run(args: FloorArgs) -> anyhow::Result<()> {
     let config = kube::Config::from_custom_kubeconfig(kc, &Default::default()).await?;
     // The controllers' transport (HTTP/2, as client-go's), nothing above it: no token bucket,
     // no retry, no metrics.
-    let client = stowage_common::transport::client_builder(config)?.build();
+    let client = stowage_common::api::transport::client_builder(config)?.build();
     let by_run = watcher::Config::default().labels(&format!("{RUN_LABEL}={}", args.run));
     let ns = args.namespace.as_str();
     let c = args.concurrency.max(1);

@@ -1,7 +1,7 @@
 use k8s_openapi::api::core::v1::{self as v1, PersistentVolume, PersistentVolumeSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use proptest::prelude::*;
-use stowage_common::packed::Packed;
+use stowage_common::store::packed::Packed;
 
 use super::*;
 

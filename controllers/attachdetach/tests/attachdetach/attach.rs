@@ -241,7 +241,7 @@ async fn an_attached_loop_volume_is_protected_by_the_attacher_finalizer() {
                     let has = pv
                         .finalizers()
                         .iter()
-                        .any(|f| f == stowage_common::objects::LOOP_ATTACHER_FINALIZER);
+                        .any(|f| f == stowage_common::store::objects::LOOP_ATTACHER_FINALIZER);
                     if has == want {
                         Ok(())
                     } else {
@@ -267,7 +267,7 @@ async fn an_attached_loop_volume_is_protected_by_the_attacher_finalizer() {
 async fn attach_and_detach_show_in_kube_controller_managers_operation_metric() {
     let w = World::with_one_volume().await;
     let c = Controller::start(&w.client, Config::default());
-    stowage_common::storageops::register_metrics(&c.registry);
+    stowage_common::observe::storageops::register_metrics(&c.registry);
     let plugin = "kubernetes.io/csi:loop.stowage.dev";
     let until = |op: &'static str, status: &'static str| {
         let c = &c;

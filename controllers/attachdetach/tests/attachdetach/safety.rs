@@ -8,7 +8,7 @@ use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
 use k8s_openapi::api::storage::v1::{VolumeAttachmentSource, VolumeAttachmentSpec};
 use kube::api::ObjectMeta;
 use kube::runtime::watcher;
-use stowage_common::informer::{Informer, as_decoded};
+use stowage_common::store::informer::{Informer, as_decoded};
 
 use crate::world::*;
 

@@ -14,8 +14,8 @@ pub(crate) use kube::{Api, Client, ResourceExt};
 pub(crate) use serde_json::json;
 pub(crate) use stowage_attachdetach::objects::{attachment_name, unique_volume_name};
 pub(crate) use stowage_attachdetach::{Config, Metrics, run};
-pub(crate) use stowage_common::informers::Informers;
-pub(crate) use stowage_common::metrics::Registry;
+pub(crate) use stowage_common::observe::metrics::Registry;
+pub(crate) use stowage_common::store::informers::Informers;
 pub(crate) use stowage_testkit::{ControlPlane, builders, eventually};
 pub(crate) use tokio::task::JoinSet;
 
@@ -59,7 +59,7 @@ impl Controller {
 
     /// Sum of the samples of `name` whose labels include all of `labels`.
     pub(crate) fn metric_with(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
-        let text = stowage_common::metrics::encode(&self.registry);
+        let text = stowage_common::observe::metrics::encode(&self.registry);
         let parsed = stowage_testkit::scrape::parse(&text).expect("valid exposition");
         parsed
             .samples
@@ -77,7 +77,7 @@ impl Controller {
 
     /// Sum of the samples of `name` whose labels include `label` (all samples when `None`).
     pub(crate) fn metric(&self, name: &str, label: Option<(&str, &str)>) -> f64 {
-        let text = stowage_common::metrics::encode(&self.registry);
+        let text = stowage_common::observe::metrics::encode(&self.registry);
         let parsed = stowage_testkit::scrape::parse(&text).expect("valid exposition");
         parsed
             .samples

@@ -12,8 +12,8 @@ use k8s_openapi::api::core::v1::{ObjectReference, PersistentVolume, PersistentVo
 use k8s_openapi::api::storage::v1::StorageClass;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::ResourceExt;
-use stowage_common::informer::is_newer;
-use stowage_common::packed::{IntoPacked, Packed};
+use stowage_common::store::informer::is_newer;
+use stowage_common::store::packed::{IntoPacked, Packed};
 
 use crate::index::VolumeIndex;
 use crate::objects::*;

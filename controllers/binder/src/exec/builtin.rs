@@ -12,10 +12,10 @@ use tokio::time::Instant;
 use super::*;
 use crate::core::{self};
 use crate::loopdev;
-use stowage_common::attachment::VolumeAttachment;
+use stowage_common::api::writes::is_not_found;
 use stowage_common::errors::{ERROR, SUCCESS};
-use stowage_common::storageops::{Attempt, VOLUME_DELETE, VOLUME_PROVISION, csi_plugin};
-use stowage_common::writes::is_not_found;
+use stowage_common::observe::storageops::{Attempt, VOLUME_DELETE, VOLUME_PROVISION, csi_plugin};
+use stowage_common::store::attachment::VolumeAttachment;
 
 impl Executor {
     pub(crate) async fn provision(

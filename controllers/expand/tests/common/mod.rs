@@ -112,7 +112,7 @@ impl Harness {
             .await
             .unwrap();
         if driver == "loop.stowage.dev" {
-            let bytes = stowage_common::quantity::bytes(size).unwrap() as u64;
+            let bytes = stowage_common::store::quantity::bytes(size).unwrap() as u64;
             stowage_loopdriver::ImageStore::new(self.images.path())
                 .ensure(&pv_name, bytes)
                 .unwrap();

@@ -4,7 +4,7 @@
 //! mounts it) and the finalizer dropped. The loop and its pure `decide` are here; the device steps
 //! and API writes of one operation in `exec.rs`.
 //!
-//! Each operation runs as a task of its own and reports an `Outcome`, through `stowage_common::owed::Owed`, so a
+//! Each operation runs as a task of its own and reports an `Outcome`, through `stowage_common::runtime::owed::Owed`, so a
 //! task that panics still reports a failure and its attachment is retried. Its own task set and
 //! `Tracker` rather than the shared queue and window: every wake re-decides all of this node's
 //! attachments in one pass (with a device check every `VERIFY_PERIOD` that no watch event
@@ -25,8 +25,8 @@ use crate::ctx::{Ctx, is_ours};
 use crate::paths::VA_FINALIZER;
 use crate::tracker::{OpKey, Tracker};
 use exec::{device_ok, execute};
-use stowage_common::objects::is_loop_attacher_finalizer;
-use stowage_common::owed::{Owed, Work};
+use stowage_common::runtime::owed::{Owed, Work};
+use stowage_common::store::objects::is_loop_attacher_finalizer;
 
 mod exec;
 mod sweep;
@@ -98,7 +98,7 @@ impl Work for Outcome {
 /// Is the cached VA older than what our last op wrote? Deciding on it would repeat that op with
 /// a stale resourceVersion (a 409) or attach and write the status twice.
 pub fn cache_behind(cached: Option<&str>, written: &str) -> bool {
-    stowage_common::informer::is_newer(Some(written), cached)
+    stowage_common::store::informer::is_newer(Some(written), cached)
 }
 
 /// `stale_grace`: how long the sweep waits before releasing an unaccounted device (`sweep.rs`).

@@ -3,10 +3,10 @@
 //! an `Outcome` (`results`). The mount table is read on every pass, so the actual state is
 //! reconstructed at start and can never drift from the node's truth.
 //!
-//! A task reports through `stowage_common::owed::Owed`, so one that panics still reports a
+//! A task reports through `stowage_common::runtime::owed::Owed`, so one that panics still reports a
 //! failed `Outcome` and its volume is retried with backoff.
 //!
-//! Why its own task set and `Tracker` rather than `stowage_common::inflight::Window` (decided in
+//! Why its own task set and `Tracker` rather than `stowage_common::runtime::inflight::Window` (decided in
 //! issue 17; the attacher's own reason is at the top of `attacher/mod.rs`): the window runs one
 //! task per key with keys compared for equality, while these keys nest (a key without a pod
 //! stands for the whole volume and excludes every pod's operation on it,
@@ -18,7 +18,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Node;
-use stowage_common::informer::Informer;
+use stowage_common::store::informer::Informer;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
@@ -31,7 +31,7 @@ use crate::paths::unique_name;
 use crate::probe::{Health, Prober};
 use crate::state::{Actual, Desired, DesiredVolume, PodInfo};
 use crate::tracker::Tracker;
-use stowage_common::owed::Owed;
+use stowage_common::runtime::owed::Owed;
 
 mod claim;
 mod exec;

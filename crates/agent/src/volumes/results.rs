@@ -21,7 +21,7 @@ pub(crate) struct Outcome {
 }
 
 /// One operation per task: its report settles its one debt.
-impl stowage_common::owed::Work for Outcome {
+impl stowage_common::runtime::owed::Work for Outcome {
     fn same_work(&self, _: &Self) -> bool {
         true
     }

@@ -22,9 +22,9 @@ use futures::stream::{BoxStream, SelectAll};
 use futures::{FutureExt, StreamExt};
 use tokio::time::Instant;
 
-use crate::inflight::{Landed, Window};
-use crate::informer::{Change, Feed};
-use crate::queue::WorkQueue;
+use crate::runtime::inflight::{Landed, Window};
+use crate::runtime::queue::WorkQueue;
+use crate::store::informer::{Change, Feed};
 
 /// What became of a reconciled key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

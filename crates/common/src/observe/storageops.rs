@@ -86,8 +86,8 @@ static FAMILIES: LazyLock<Families> = LazyLock::new(|| {
 });
 
 /// Registers the families (the controller binary only: the agent observes none of them).
-pub fn register_metrics(registry: &crate::metrics::Registry) {
-    use crate::metrics::register;
+pub fn register_metrics(registry: &crate::observe::metrics::Registry) {
+    use crate::observe::metrics::register;
     let f = &*FAMILIES;
     register(registry, f.duration.clone());
     register(registry, f.total_seconds.clone());
@@ -235,7 +235,7 @@ mod tests {
 
     #[test]
     fn names_labels_and_buckets_are_kube_controller_managers() {
-        let registry = crate::metrics::Registry::new();
+        let registry = crate::observe::metrics::Registry::new();
         register_metrics(&registry);
         let got: Vec<(String, Option<&str>, Vec<String>)> = registry
             .families()

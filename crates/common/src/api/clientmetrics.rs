@@ -80,8 +80,8 @@ pub(crate) static FAMILIES: LazyLock<Families> = LazyLock::new(|| {
 });
 
 impl Families {
-    pub(crate) fn register(&self, registry: &crate::metrics::Registry) {
-        use crate::metrics::register;
+    pub(crate) fn register(&self, registry: &crate::observe::metrics::Registry) {
+        use crate::observe::metrics::register;
         register(registry, self.requests.clone());
         register(registry, self.latency.clone());
         register(registry, self.limiter_wait.clone());

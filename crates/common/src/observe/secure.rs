@@ -36,7 +36,7 @@ use tokio::time::Instant;
 use tokio_rustls::TlsAcceptor;
 use tokio_rustls::server::TlsStream;
 
-use crate::serve::Health;
+use crate::observe::serve::Health;
 
 /// How long an allowed or denied review is reused (the apiserver's delegating authenticator
 /// caches successes 10 s; denials are kept as briefly so a fixed RBAC rule shows quickly).
@@ -251,14 +251,14 @@ async fn client_for(path: &Option<PathBuf>, fallback: &Client) -> anyhow::Result
     match path {
         None => Ok(fallback.clone()),
         Some(p) => {
-            let args = crate::client::ApiArgs {
+            let args = crate::api::client::ApiArgs {
                 kubeconfig: Some(p.clone()),
                 kube_api_qps: None,
                 kube_api_burst: 100,
-                kube_api_content_type: crate::client::ContentType::Json,
+                kube_api_content_type: crate::api::client::ContentType::Json,
             };
             let config = args.config().await?;
-            crate::client::build(config, crate::ratelimit::Limit::Unlimited)
+            crate::api::client::build(config, crate::api::ratelimit::Limit::Unlimited)
         }
     }
 }
@@ -343,7 +343,8 @@ pub async fn spawn(args: &SecureArgs, health: Health, client: &Client) -> anyhow
         tokens: Arc::default(),
         decisions: Arc::default(),
     };
-    let app: Router = crate::serve::router(health).layer(axum::middleware::from_fn_with_state(gate, guard));
+    let app: Router =
+        crate::observe::serve::router(health).layer(axum::middleware::from_fn_with_state(gate, guard));
     tokio::spawn(async move {
         if let Err(e) = axum::serve(listener, app).await {
             tracing::error!(error = %e, "secure server stopped");

@@ -3,17 +3,17 @@
 
 use std::sync::Arc;
 
-use crate::metrics::Registry;
+use crate::observe::metrics::Registry;
 use k8s_openapi::api::core::v1::{Node, PersistentVolume, PersistentVolumeClaim};
 use k8s_openapi::api::storage::v1::{CSIDriver, StorageClass};
 use kube::runtime::watcher;
 use kube::{Api, Client};
 use tokio::task::JoinSet;
 
-use crate::attachment::VolumeAttachment;
-use crate::informer::{Informer, as_decoded};
-use crate::packed::Packed;
-use crate::slim;
+use crate::store::attachment::VolumeAttachment;
+use crate::store::informer::{Informer, as_decoded};
+use crate::store::packed::Packed;
+use crate::store::slim;
 
 pub struct Informers {
     /// The rate-limited client of this process.
@@ -68,7 +68,7 @@ impl Informers {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::objects::{pod_claims, pod_terminated};
+    use crate::store::objects::{pod_claims, pod_terminated};
     use k8s_openapi::api::core::v1::{
         Container, ContainerState, ContainerStateRunning, ContainerStateTerminated, ContainerStatus,
         EphemeralVolumeSource, PersistentVolumeClaimVolumeSource, Pod, PodSpec, PodStatus,

@@ -4,7 +4,7 @@
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
-use crate::slim::PodRead;
+use crate::store::slim::PodRead;
 
 /// The finalizer the built-in driver's attacher (the agent) puts on its VolumeAttachments, in
 /// external-attacher's convention (`external-attacher/` + the driver name with `.` and `/` as `-`),

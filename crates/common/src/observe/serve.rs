@@ -4,7 +4,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use crate::metrics::Registry;
+use crate::observe::metrics::Registry;
 use axum::Router;
 use axum::extract::State;
 use axum::http::{StatusCode, header};
@@ -34,7 +34,7 @@ impl Health {
 async fn metrics(State(h): State<Health>) -> impl IntoResponse {
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
-        crate::metrics::encode(&h.registry),
+        crate::observe::metrics::encode(&h.registry),
     )
 }
 

@@ -9,7 +9,7 @@ use prometheus::IntCounterVec;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use crate::lean::Lean;
+use crate::store::lean::Lean;
 
 #[derive(Clone)]
 pub struct Writes {

@@ -109,7 +109,7 @@ pub struct Adaptive {
 pub(super) mod tests {
     use super::*;
 
-    pub(in crate::ratelimit) const LIMITS: Adaptive = Adaptive {
+    pub(in crate::api::ratelimit) const LIMITS: Adaptive = Adaptive {
         start: 32.0,
         min: 1.0,
         max: 512.0,

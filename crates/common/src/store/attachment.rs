@@ -92,7 +92,7 @@ impl k8s_openapi::Metadata for VolumeAttachment {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::lean::Lean;
+    use crate::store::lean::Lean;
     use serde_json::json;
 
     // Conversions to compare with the API type: nothing outside these tests converts.

@@ -83,13 +83,13 @@ static FAMILIES: LazyLock<Families> = LazyLock::new(|| {
 
 /// Registers the `workqueue_*` families, in the binaries whose controllers use [`WorkQueue`]
 /// (not the agent, whose loops do not: it would export families that never get a series).
-pub fn register_metrics(registry: &crate::metrics::Registry) {
+pub fn register_metrics(registry: &crate::observe::metrics::Registry) {
     FAMILIES.register(registry);
 }
 
 impl Families {
-    fn register(&self, registry: &crate::metrics::Registry) {
-        use crate::metrics::register;
+    fn register(&self, registry: &crate::observe::metrics::Registry) {
+        use crate::observe::metrics::register;
         register(registry, self.depth.clone());
         register(registry, self.adds.clone());
         register(registry, self.retries.clone());
@@ -261,7 +261,7 @@ impl<K: Clone + Eq + Hash + Ord> WorkQueue<K> {
     pub fn retry(&mut self, key: K, now: Instant) -> Duration {
         let n = self.failures.entry(key.clone()).or_insert(0);
         *n = n.saturating_add(1);
-        let delay = crate::backoff::exponential(self.base, self.cap, *n);
+        let delay = crate::runtime::backoff::exponential(self.base, self.cap, *n);
         self.retry_at(key, now, now + delay);
         delay
     }

@@ -100,8 +100,8 @@ pub fn registry(binary: &str) -> Registry {
     info.with_label_values(&[binary, env!("CARGO_PKG_VERSION")])
         .set(1);
     register(&registry, info);
-    register(&registry, crate::events::EVENTS_TOTAL.clone());
-    crate::clientmetrics::FAMILIES.register(&registry);
+    register(&registry, crate::observe::events::EVENTS_TOTAL.clone());
+    crate::api::clientmetrics::FAMILIES.register(&registry);
     #[cfg(target_os = "linux")]
     registry.register(Box::new(
         prometheus::process_collector::ProcessCollector::for_self(),

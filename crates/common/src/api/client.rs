@@ -10,8 +10,8 @@ use kube::client::retry::RetryPolicy;
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Client, Config};
 
-use crate::clientmetrics::MetricsLayer;
-use crate::ratelimit::{Limit, RateLimitLayer};
+use crate::api::clientmetrics::MetricsLayer;
+use crate::api::ratelimit::{Limit, RateLimitLayer};
 
 /// The API connection flags shared by both binaries.
 #[derive(Debug, Clone, clap::Args)]
@@ -127,7 +127,7 @@ fn build_with(mut config: Config, limit: Option<Limit>) -> anyhow::Result<Client
     // kube's own retry sits below any layer added here: the 429s it absorbed would reach neither
     // the request metrics nor the adaptive limiter. Ours goes on top instead.
     config.default_retry = false;
-    let builder = crate::transport::client_builder(config)?;
+    let builder = crate::api::transport::client_builder(config)?;
     let retry = RetryPolicy::new(Duration::from_millis(250), Duration::from_secs(10), 10, true)
         .context("retry policy")?;
     let builder = builder.with_layer(&MetricsLayer::new(host.clone()));

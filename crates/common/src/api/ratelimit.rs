@@ -79,7 +79,7 @@ impl Shared {
     }
 
     fn window_gauge(&self, w: &Window) {
-        crate::clientmetrics::concurrency_limit_set(&self.host, w.limit() as f64);
+        crate::api::clientmetrics::concurrency_limit_set(&self.host, w.limit() as f64);
     }
 }
 
@@ -140,9 +140,9 @@ impl RateLimitLayer {
                 })
             }
         };
-        crate::clientmetrics::limit_set(host, limiter.as_ref().map_or(0.0, |l| l.bucket.qps()));
-        crate::clientmetrics::limit_cuts_start(host);
-        crate::clientmetrics::concurrency_limit_set(
+        crate::api::clientmetrics::limit_set(host, limiter.as_ref().map_or(0.0, |l| l.bucket.qps()));
+        crate::api::clientmetrics::limit_cuts_start(host);
+        crate::api::clientmetrics::concurrency_limit_set(
             host,
             limiter
                 .as_ref()
@@ -286,7 +286,7 @@ where
         self.permitted = false;
         let mut slot = self.slot.take();
         if let Some(shared) = &self.shared {
-            crate::clientmetrics::limiter_waited(
+            crate::api::clientmetrics::limiter_waited(
                 req.method().as_str(),
                 &shared.host,
                 self.waited.as_secs_f64(),
@@ -326,7 +326,7 @@ where
                     && w.throttled(Instant::now(), retry_after(resp), slot.generation)
                 {
                     shared.window_gauge(w);
-                    crate::clientmetrics::limit_cut(&shared.host);
+                    crate::api::clientmetrics::limit_cut(&shared.host);
                 }
             }
             drop(slot);

@@ -1,0 +1,7 @@
+//! The apiserver client: transport, rate limits, client metrics, write helpers.
+
+pub mod client;
+pub mod clientmetrics;
+pub mod ratelimit;
+pub mod transport;
+pub mod writes;

@@ -1,0 +1,9 @@
+//! The controller runtime: the run loop, work queue, write window, leader election, shutdown.
+
+pub mod backoff;
+pub mod driver;
+pub mod inflight;
+pub mod leader;
+pub mod owed;
+pub mod queue;
+pub mod shutdown;
