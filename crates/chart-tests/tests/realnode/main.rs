@@ -11,23 +11,24 @@
 use std::process::Command;
 use std::time::Instant;
 
-use stowage_chart_tests::{Helm, chart_dir};
-use stowage_testkit::realnode::{BUSYBOX_IMAGE, NODE_NAME, RealNode};
-use support::{Kubectl, NS, archives, claim, control_plane, install, mounts_of, pod, poll, rollout};
+use stowage_chart_tests::chart_dir;
+use stowage_testkit::realnode::{BUSYBOX_IMAGE, NODE_NAME};
+use support::{NS, SingleNode, claim, install, mounts_of, pod, poll, rollout, single_node};
 
 mod support;
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_kubelet_runs_pods_on_loop_volumes_installed_by_helm() {
     let started = Instant::now();
-    let archives = archives();
-    let (cp, images, _cleanup) = control_plane(1).await;
-    let node = RealNode::start(&cp, &archives).unwrap_or_else(|e| panic!("real node: {e:#}"));
+    let SingleNode {
+        cp,
+        images,
+        cleanup: _cleanup,
+        node,
+        k,
+        helm,
+    } = single_node().await;
     println!("real node up after {:?}", started.elapsed());
-    let k = Kubectl {
-        kubeconfig: cp.kubeconfig(),
-    };
-    let helm = Helm::new(Some(&cp.kubeconfig()));
     install(&helm, &k, &cp, &images, &node.kubelet_dir, || {
         node.log_tail("kubelet")
     })

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use stowage_chart_tests::{Helm, chart_dir, repo_root};
 use stowage_testkit::ControlPlane;
 use stowage_testkit::host::Cleanup;
-use stowage_testkit::realnode::BUSYBOX_IMAGE;
+use stowage_testkit::realnode::{BUSYBOX_IMAGE, RealNode};
 use stowage_testkit::scrape::{self, Metrics};
 
 pub const BOUND: Duration = Duration::from_secs(180);
@@ -206,6 +206,37 @@ pub async fn control_plane(nodes: usize) -> (ControlPlane, PathBuf, Cleanup) {
         images: images.clone(),
     };
     (cp, images, cleanup)
+}
+
+/// A fresh control plane with one real node, and kubectl and helm pointed at it: how every
+/// single-node scenario starts. Bind its fields in this order (`let SingleNode { cp, images,
+/// cleanup: _cleanup, node, k, helm } = …`): locals drop in reverse, so the node stops before its
+/// loop devices are cleaned up, and both before the control plane.
+pub struct SingleNode {
+    pub cp: ControlPlane,
+    pub images: PathBuf,
+    pub cleanup: Cleanup,
+    pub node: RealNode,
+    pub k: Kubectl,
+    pub helm: Helm,
+}
+
+pub async fn single_node() -> SingleNode {
+    let archives = archives();
+    let (cp, images, cleanup) = control_plane(1).await;
+    let node = RealNode::start(&cp, &archives).unwrap_or_else(|e| panic!("real node: {e:#}"));
+    let k = Kubectl {
+        kubeconfig: cp.kubeconfig(),
+    };
+    let helm = Helm::new(Some(&cp.kubeconfig()));
+    SingleNode {
+        cp,
+        images,
+        cleanup,
+        node,
+        k,
+        helm,
+    }
 }
 
 pub fn archives() -> Vec<PathBuf> {

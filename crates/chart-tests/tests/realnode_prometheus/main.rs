@@ -17,9 +17,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::Instant;
 
 use serde_json::{Value, json};
-use stowage_chart_tests::{Helm, chart_dir};
-use stowage_testkit::realnode::RealNode;
-use support::{Kubectl, archives, claim, control_plane, install, pod, poll, rollout};
+use stowage_chart_tests::chart_dir;
+use support::{Kubectl, SingleNode, claim, install, pod, poll, rollout, single_node};
 use translate::Discovery;
 
 #[allow(dead_code)]
@@ -162,13 +161,14 @@ fn start_prometheus(dir: &Path, config: &Value) -> Prometheus {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_real_prometheus_scrapes_stowage_through_the_charts_monitoring() {
     let started = Instant::now();
-    let archives = archives();
-    let (cp, images, _cleanup) = control_plane(1).await;
-    let node = RealNode::start(&cp, &archives).unwrap_or_else(|e| panic!("real node: {e:#}"));
-    let k = Kubectl {
-        kubeconfig: cp.kubeconfig(),
-    };
-    let helm = Helm::new(Some(&cp.kubeconfig()));
+    let SingleNode {
+        cp,
+        images,
+        cleanup: _cleanup,
+        node,
+        k,
+        helm,
+    } = single_node().await;
 
     // The monitoring kinds, then the chart with all of its monitoring on; scrapes every 5 s so
     // rates have two samples soon.

@@ -10,9 +10,9 @@
 
 use std::time::Instant;
 
-use stowage_chart_tests::{Helm, chart_dir};
-use stowage_testkit::realnode::{NODE_NAME, RealNode};
-use support::{Kubectl, NS, archives, claim, control_plane, install, pod, poll};
+use stowage_chart_tests::chart_dir;
+use stowage_testkit::realnode::NODE_NAME;
+use support::{Kubectl, NS, SingleNode, claim, install, pod, poll, single_node};
 
 // The single-node scenarios' helpers; not all of them are used here.
 #[allow(dead_code)]
@@ -86,13 +86,14 @@ fn binds(k: &Kubectl, name: &str) -> String {
 #[tokio::test(flavor = "multi_thread")]
 async fn moving_back_to_kcm_and_uninstalling_leaves_pods_their_volumes_and_nothing_stuck() {
     let started = Instant::now();
-    let archives = archives();
-    let (cp, images, _cleanup) = control_plane(1).await;
-    let node = RealNode::start(&cp, &archives).unwrap_or_else(|e| panic!("real node: {e:#}"));
-    let k = Kubectl {
-        kubeconfig: cp.kubeconfig(),
-    };
-    let helm = Helm::new(Some(&cp.kubeconfig()));
+    let SingleNode {
+        cp,
+        images,
+        cleanup: _cleanup,
+        node,
+        k,
+        helm,
+    } = single_node().await;
     install(&helm, &k, &cp, &images, &node.kubelet_dir, || {
         node.log_tail("kubelet")
     })
