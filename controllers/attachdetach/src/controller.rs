@@ -10,7 +10,6 @@ use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use k8s_openapi::api::core::v1::ObjectReference;
 use kube::{Api, ResourceExt};
 use stowage_common::observe::events::Events;
 use stowage_common::store::informer::Change;
@@ -304,14 +303,7 @@ impl Controller {
     }
 
     pub(crate) fn pod_event(&self, pod: &PodRef, warning: bool, reason: &'static str, note: String) {
-        let on = ObjectReference {
-            api_version: Some("v1".into()),
-            kind: Some("Pod".into()),
-            namespace: Some(pod.namespace.clone()),
-            name: Some(pod.name.clone()),
-            uid: Some(pod.uid.clone()),
-            ..Default::default()
-        };
+        let on = pod.reference();
         // Queued: events never hold up the reconciler.
         if warning {
             self.executor.events.warning(&on, reason, "Attach", note);

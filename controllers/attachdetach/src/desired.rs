@@ -58,6 +58,11 @@ pub struct PodRef {
 }
 
 impl PodRef {
+    /// The pod as the object an event is about.
+    pub fn reference(&self) -> k8s_openapi::api::core::v1::ObjectReference {
+        stowage_common::store::objects::pod_reference(&self.namespace, &self.name, Some(&self.uid))
+    }
+
     pub fn of(pod: &Pod) -> Self {
         Self {
             namespace: pod.namespace().unwrap_or_default(),

@@ -9,6 +9,7 @@ use k8s_openapi::api::core::v1::{Node, PersistentVolume, PersistentVolumeClaim};
 use k8s_openapi::api::storage::v1::CSIDriver;
 use kube::ResourceExt;
 use kube::runtime::reflector::ObjectRef;
+use stowage_common::observe::events::{Occurrence, Repeat};
 use stowage_common::observe::storageops::{VOLUME_ATTACH, VOLUME_DETACH};
 use stowage_common::store::attachment::VolumeAttachment;
 use stowage_common::store::informer::is_newer;
@@ -50,12 +51,15 @@ pub(crate) struct PodSeen {
     uid: String,
     node: String,
     claims: Vec<String>,
-    /// The last `VolumeKeptAttached` note sent about it (sent again only when it changes).
-    kept_note: Option<String>,
 }
 
 /// Reason of the Warning on a pod whose claims no longer resolve to volumes it keeps.
 pub(crate) const REASON_VOLUME_KEPT: &str = "VolumeKeptAttached";
+
+/// The events gate's subject of a pod's `VolumeKeptAttached` (said once per change of its note).
+fn kept_subject(uid: &str) -> String {
+    format!("pod {uid} kept")
+}
 
 impl Controller {
     /// Initial state: nodes (and what their status says is attached, so a restart keeps it),
@@ -273,7 +277,6 @@ impl Controller {
             .store()
             .get(&ObjectRef::new(&key.1).within(&key.0))
             .filter(|p| pod_is_active(p));
-        let mut last_note = None;
         if let Some(old) = self.pods.remove(&key) {
             for c in &old.claims {
                 let ck = (key.0.clone(), c.clone());
@@ -288,8 +291,7 @@ impl Controller {
                 if self.desired.remove_pod(&old.uid) {
                     self.touch();
                 }
-            } else {
-                last_note = old.kept_note;
+                self.executor.events.forget(&kept_subject(&old.uid));
             }
         }
         let seen = self.pod_seen.remove(&key);
@@ -305,7 +307,6 @@ impl Controller {
         }
         // A deleted node's pods stay desired until they go (pod GC): their volumes may still be
         // mounted there.
-        let mut kept_note_now = None;
         if self.nodes.get(&node).is_some_and(|n| n.managed) {
             let stores = Stores(&self.cluster);
             let resolved = resolve_pod(&pod, &stores);
@@ -334,26 +335,30 @@ impl Controller {
             if update.released {
                 self.touch();
             }
-            if !update.kept.is_empty() {
+            if update.kept.is_empty() {
+                // Resolved again: a later loss is news at once.
+                self.executor.events.forget(&kept_subject(&uid));
+            } else {
                 let note = kept_note(&node, &update.kept, &resolved.unresolved);
-                if last_note.as_ref() != Some(&note) {
+                let on = PodRef::of(&pod).reference();
+                let e = Occurrence {
+                    warning: true,
+                    reason: REASON_VOLUME_KEPT,
+                    action: "Attach",
+                    note: note.clone(),
+                };
+                if self
+                    .executor
+                    .events
+                    .report(&kept_subject(&uid), Repeat::OnChange, &on, e)
+                {
                     tracing::warn!(pod = %format!("{}/{}", key.0, key.1), %note, "volumes kept for a running pod whose claims no longer resolve");
-                    self.pod_event(&PodRef::of(&pod), true, REASON_VOLUME_KEPT, note.clone());
                 }
-                kept_note_now = Some(note);
             }
         } else if self.desired.remove_pod(&uid) {
             self.touch();
         }
-        self.pods.insert(
-            key,
-            PodSeen {
-                uid,
-                node,
-                claims,
-                kept_note: kept_note_now,
-            },
-        );
+        self.pods.insert(key, PodSeen { uid, node, claims });
     }
 
     /// (volume, node, driver, handle) of an attachment, through its PV (translated when it is a

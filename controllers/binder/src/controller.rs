@@ -14,7 +14,7 @@ use k8s_openapi::api::storage::v1::StorageClass;
 use kube::runtime::reflector::ObjectRef;
 use kube::{Api, Resource, ResourceExt};
 use stowage_common::errors::PANIC;
-use stowage_common::observe::events::Events;
+use stowage_common::observe::events::{Events, Occurrence, Repeat};
 use stowage_common::runtime::driver::{self, Inputs, Next, Pace, Reconciler};
 use stowage_common::runtime::inflight::{Landed, Window};
 use stowage_common::store::informer::Change;
@@ -82,8 +82,6 @@ pub(crate) struct Controller {
     pub(crate) unbound_by_class: HashMap<String, HashSet<String>>,
     /// Classes whose unbound claims are to be woken at the next work pass.
     pub(crate) woken: HashSet<String>,
-    /// Last event per object, so a condition that persists is reported once, not every resync.
-    pub(crate) last_event: HashMap<Target, (&'static str, String)>,
     /// Consecutive failures (other than conflicts) per key, for the retry backoff.
     pub(crate) failing: HashMap<Key, u32>,
     /// Which pods use which claim (delayed-binding events, Recycle waiting for pods).
@@ -111,7 +109,6 @@ pub async fn run(cluster: Arc<Informers>, metrics: Metrics, config: Config) -> a
         unbound: HashMap::new(),
         unbound_by_class: HashMap::new(),
         woken: HashSet::new(),
-        last_event: HashMap::new(),
         failing: HashMap::new(),
         pods: PodIndex::default(),
         executor: Arc::new(Executor {
@@ -345,33 +342,29 @@ impl Controller {
     /// Sends `e` unless it repeats the last event about the same object: a condition that
     /// persists is reported once per change of its text, however often it is retried.
     pub(crate) fn send_event(&mut self, e: Event, reference: ObjectReference) {
-        let key = (e.reason, e.note.clone());
-        if self.last_event.get(&e.target) == Some(&key) {
-            return;
-        }
+        let subject = subject(&e.target);
         let known = match &e.target {
             Target::Claim(k) => self.cache.has_claim(k),
             Target::Volume(n) => self.cache.has_pv(n),
         };
+        let (warning, reason) = (e.warning, e.reason);
+        let said = self.executor.events.report(
+            &subject,
+            Repeat::OnChange,
+            &reference,
+            Occurrence {
+                warning,
+                reason,
+                action: "Binding",
+                note: e.note,
+            },
+        );
         // Only objects still known are remembered (their removal forgets them).
-        if known {
-            self.last_event.insert(e.target.clone(), key);
+        if !known {
+            self.executor.events.forget(&subject);
         }
-        if e.warning {
-            self.executor
-                .metrics
-                .warnings
-                .with_label_values(&[e.reason])
-                .inc();
-        }
-        if e.warning {
-            self.executor
-                .events
-                .warning(&reference, e.reason, "Binding", e.note);
-        } else {
-            self.executor
-                .events
-                .normal(&reference, e.reason, "Binding", e.note);
+        if said && warning {
+            self.executor.metrics.warnings.with_label_values(&[reason]).inc();
         }
     }
 
@@ -380,5 +373,13 @@ impl Controller {
             Target::Claim(k) => self.cache.claim(k)?.object_ref(&()),
             Target::Volume(n) => self.cache.pv(n)?.object_ref(&()),
         })
+    }
+}
+
+/// The events gate's subject of an object the binder reports on.
+pub(crate) fn subject(t: &Target) -> String {
+    match t {
+        Target::Claim(k) => format!("claim {k}"),
+        Target::Volume(n) => format!("volume {n}"),
     }
 }

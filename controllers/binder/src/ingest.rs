@@ -9,7 +9,7 @@ use kube::ResourceExt;
 use stowage_common::store::packed::Packed;
 use stowage_common::store::slim::Pod;
 
-use crate::controller::{Controller, Key};
+use crate::controller::{Controller, Key, subject};
 use crate::core::{PodUse, Target};
 use crate::objects::*;
 
@@ -88,7 +88,7 @@ impl Controller {
         // The end of a deletion this process started (a no-op for any other volume).
         self.executor.timestamps.finished(&name);
         self.failing.remove(&Key::Volume(name.clone()));
-        self.last_event.remove(&Target::Volume(name));
+        self.executor.events.forget(&subject(&Target::Volume(name)));
         if let Some((ns, n, _)) = claim_ref(pv) {
             self.queue.add(Key::Claim(format!("{ns}/{n}")));
         }
@@ -108,7 +108,7 @@ impl Controller {
         self.executor.timestamps.forget(&key);
         self.track_claim(&key, None);
         self.failing.remove(&Key::Claim(key.clone()));
-        self.last_event.remove(&Target::Claim(key.clone()));
+        self.executor.events.forget(&subject(&Target::Claim(key.clone())));
         let vol = claim_volume_name(c);
         if !vol.is_empty() {
             self.queue.add(Key::Volume(vol.to_string()));

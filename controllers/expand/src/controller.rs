@@ -79,7 +79,6 @@ pub async fn run(cluster: Arc<Informers>, metrics: Metrics, config: Config) -> a
         executor: Arc::new(Executor {
             events: Events::new(client.clone(), "stowage-expand"),
             client,
-            last_events: Default::default(),
             metrics,
             image_dir: config.image_dir.clone(),
             attachments: cluster.attachments.store().clone(),

@@ -1,16 +1,15 @@
 //! The `Executor`: runs one claim's actions (status writes, growing a built-in image) inside the
 //! shared in-flight window and records what it wrote in the `Outcome`.
 
-use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
 use k8s_openapi::jiff::Timestamp;
 use kube::runtime::reflector::Store;
 use kube::{Client, Resource, ResourceExt};
 use stowage_common::api::writes::Writes;
-use stowage_common::observe::events::Events;
+use stowage_common::observe::events::{Events, Occurrence, Repeat};
 use stowage_common::store::attachment::VolumeAttachment;
 use stowage_loopdriver::{ImageError, ImageStore};
 use tokio::time::Instant;
@@ -22,15 +21,11 @@ use crate::results::Outcome;
 use stowage_common::errors::MetricLabel;
 use stowage_common::observe::storageops::{Attempt, EXPAND_VOLUME, csi_plugin};
 
-/// The last event published per claim, so a state that persists is reported once.
-pub(crate) type LastEvents = Mutex<HashMap<String, (String, String)>>;
-
 /// Everything a write task needs. Shared behind one `Arc` (`Controller::executor`): a copy per
 /// write task would clone the client handle and the image path, which allocate.
 pub(crate) struct Executor {
     pub(crate) client: Client,
     pub(crate) events: Events,
-    pub(crate) last_events: LastEvents,
     pub(crate) metrics: Metrics,
     pub(crate) image_dir: PathBuf,
     pub(crate) attachments: Store<VolumeAttachment>,
@@ -98,21 +93,14 @@ impl Executor {
         note: String,
         once: bool,
     ) -> bool {
-        {
-            let mut last = self.last_events.lock().unwrap_or_else(|p| p.into_inner());
-            let entry = (reason.to_string(), note.clone());
-            if once && last.get(key) == Some(&entry) {
-                return false;
-            }
-            last.insert(key.to_string(), entry);
-        }
-        let target = on.object_ref(&());
-        if warning {
-            self.events.warning(&target, reason, "Resize", note);
-        } else {
-            self.events.normal(&target, reason, "Resize", note);
-        }
-        true
+        let repeat = if once { Repeat::OnChange } else { Repeat::Always };
+        let e = Occurrence {
+            warning,
+            reason,
+            action: "Resize",
+            note,
+        };
+        self.events.report(key, repeat, &on.object_ref(&()), e)
     }
 
     pub(crate) async fn apply(

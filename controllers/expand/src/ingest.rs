@@ -102,11 +102,7 @@ impl Controller {
         let key = claim_key(c);
         self.claims.remove(&key);
         self.resizing.remove(&key);
-        self.executor
-            .last_events
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(&key);
+        self.executor.events.forget(&key);
     }
 
     pub(crate) fn pv_seen(&mut self, pv: &PersistentVolume) {

@@ -27,14 +27,7 @@ pub struct PodInfo {
 
 impl PodInfo {
     pub fn reference(&self) -> k8s_openapi::api::core::v1::ObjectReference {
-        k8s_openapi::api::core::v1::ObjectReference {
-            api_version: Some("v1".into()),
-            kind: Some("Pod".into()),
-            namespace: Some(self.namespace.clone()),
-            name: Some(self.name.clone()),
-            uid: Some(self.uid.clone()),
-            ..Default::default()
-        }
+        stowage_common::store::objects::pod_reference(&self.namespace, &self.name, Some(&self.uid))
     }
 }
 

@@ -13,11 +13,12 @@
 //! `tracker::OpKey::conflicts`), backoff is per key *and* kind of operation, and every volume is
 //! decided in one pass over the mount table rather than per queued key.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Node;
+use stowage_common::observe::events::Occurrence;
 use stowage_common::store::informer::Informer;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinSet;
@@ -42,7 +43,7 @@ pub use claim::{finish_claim_resize, resize_finished_patch};
 use exec::Executor;
 pub use ingest::observe;
 use ingest::observe_and_decide;
-use results::{Noted, Outcome, finish, note_due, note_errors, note_unsure};
+use results::{Noted, Outcome, REPEAT, finish, note_errors, note_unsure};
 
 /// Longest sleep between passes: mounts are re-checked for health at least this often.
 const PERIOD: Duration = Duration::from_secs(1);
@@ -76,8 +77,9 @@ pub async fn run(ctx: Arc<Ctx>, mut link: NodeLink, mut stop: watch::Receiver<bo
     let mut expanded: BTreeMap<String, String> = BTreeMap::new();
     let mut known_pods: HashMap<String, PodInfo> = HashMap::new();
     let mut handles: HashMap<String, String> = HashMap::new();
-    let mut noted: HashMap<(String, String, &'static str), Noted> = HashMap::new();
-    let mut blind: HashMap<&'static str, Noted> = HashMap::new();
+    let mut noted = Noted::new();
+    // Reasons the node could not be observed for, said on the Node until it can be again.
+    let mut blind: HashSet<&'static str> = HashSet::new();
     let prober = Prober::new(ctx.metrics.probes_in_flight.clone());
     tracing::info!("volume manager started");
     loop {
@@ -86,7 +88,9 @@ pub async fn run(ctx: Arc<Ctx>, mut link: NodeLink, mut stop: watch::Receiver<bo
             Ok((d, a)) => {
                 if !blind.is_empty() {
                     tracing::info!("the node can be observed again, resuming");
-                    blind.clear();
+                    for reason in blind.drain() {
+                        ctx.events.forget(&format!("node {reason}"));
+                    }
                 }
                 pass(
                     &ctx,
@@ -115,15 +119,20 @@ pub async fn run(ctx: Arc<Ctx>, mut link: NodeLink, mut stop: watch::Receiver<bo
                 let note = format!(
                     "{e}; the volume manager keeps its last known state (volumesInUse unchanged, nothing mounted or unmounted) and retries"
                 );
-                if note_due(&mut blind, e.reason(), &note, now) {
-                    let node = k8s_openapi::api::core::v1::ObjectReference {
-                        api_version: Some("v1".into()),
-                        kind: Some("Node".into()),
-                        name: Some(ctx.node.clone()),
-                        ..Default::default()
-                    };
-                    ctx.events.warning(&node, e.reason(), "Observe", note);
-                }
+                let node = k8s_openapi::api::core::v1::ObjectReference {
+                    api_version: Some("v1".into()),
+                    kind: Some("Node".into()),
+                    name: Some(ctx.node.clone()),
+                    ..Default::default()
+                };
+                blind.insert(e.reason());
+                let e = Occurrence {
+                    warning: true,
+                    reason: e.reason(),
+                    action: "Observe",
+                    note,
+                };
+                ctx.events.report(&format!("node {}", e.reason), REPEAT, &node, e);
             }
         }
 
@@ -181,7 +190,7 @@ struct Pass<'a> {
     tracker: &'a mut Tracker,
     known_pods: &'a mut HashMap<String, PodInfo>,
     handles: &'a mut HashMap<String, String>,
-    noted: &'a mut HashMap<(String, String, &'static str), Noted>,
+    noted: &'a mut Noted,
     tasks: &'a mut JoinSet<()>,
     done_tx: &'a mpsc::UnboundedSender<Outcome>,
 }
@@ -225,8 +234,8 @@ async fn pass(ctx: &Arc<Ctx>, link: &NodeLink, p: Pass<'_>) {
         }
         changed
     });
-    note_errors(ctx, &d, noted, now).await;
-    note_unsure(ctx, &d, &a, known_pods, noted, now);
+    note_errors(ctx, &d, noted).await;
+    note_unsure(ctx, &d, &a, known_pods, noted);
     ctx.metrics
         .volumes
         .with_label_values(&["desired"])

@@ -1,8 +1,11 @@
 //! What an operation reports back (`Outcome`) and how it is folded into the loop's memory; the
 //! rate-limited Events that tell users why a volume is not mounted yet.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+
+use k8s_openapi::api::core::v1::ObjectReference;
 use std::time::Duration;
+use stowage_common::observe::events::{Occurrence, Repeat};
 
 use tokio::time::Instant;
 
@@ -27,45 +30,59 @@ impl stowage_common::runtime::owed::Work for Outcome {
     }
 }
 
-/// Rate limit for repeated "cannot mount yet" events of one (pod, volume, reason).
-pub(crate) struct Noted {
-    pub(crate) message: String,
-    pub(crate) next: Instant,
-    pub(crate) delay: Duration,
+/// The (pod UID, volume, reason) triples whose events are being repeated: when one clears, the
+/// recorder forgets it, so a recurrence is said at once.
+pub(crate) type Noted = HashSet<(String, String, &'static str)>;
+
+/// How a "cannot mount yet" event repeats while it stays the same: after 10 s, then gaps that
+/// double up to 5 minutes.
+pub(crate) const REPEAT: Repeat = Repeat::Backoff {
+    first: Duration::from_secs(10),
+    max: Duration::from_secs(300),
+};
+
+/// The events gate's subject of one (pod, volume, reason).
+fn subject((uid, volume, reason): &(String, String, &'static str)) -> String {
+    format!("pod {uid} volume {volume} {reason}")
 }
 
-/// First gap between repeats of the same event; it doubles up to `NOTE_MAX`.
-pub(crate) const NOTE_FIRST: Duration = Duration::from_secs(10);
-pub(crate) const NOTE_MAX: Duration = Duration::from_secs(300);
-
-/// Records that `key` wants to say `message` now; true when it is due (first time, a new
-/// message, or the gap since the last one passed; gaps double while the message stays).
-pub(crate) fn note_due<K: std::hash::Hash + Eq>(
-    noted: &mut HashMap<K, Noted>,
-    key: K,
-    message: &str,
-    now: Instant,
+/// Says one (pod, volume, reason) event under `REPEAT`; returns whether it was said.
+fn note(
+    ctx: &Ctx,
+    noted: &mut Noted,
+    key: (String, String, &'static str),
+    on: &ObjectReference,
+    note: String,
 ) -> bool {
-    let due = match noted.get(&key) {
-        None => true,
-        Some(n) => n.message != message || now >= n.next,
-    };
-    if !due {
-        return false;
-    }
-    let delay = noted
-        .get(&key)
-        .filter(|n| n.message == message)
-        .map_or(NOTE_FIRST, |n| (n.delay * 2).min(NOTE_MAX));
-    noted.insert(
-        key,
-        Noted {
-            message: message.to_string(),
-            next: now + delay,
-            delay,
+    let said = ctx.events.report(
+        &subject(&key),
+        REPEAT,
+        on,
+        Occurrence {
+            warning: true,
+            reason: key.2,
+            action: "Mount",
+            note,
         },
     );
-    true
+    noted.insert(key);
+    said
+}
+
+/// Forgets the triples of `class` (by `in_class`) that were not seen in this pass.
+fn forget_cleared(
+    ctx: &Ctx,
+    noted: &mut Noted,
+    seen: &BTreeSet<(String, String, &'static str)>,
+    in_class: impl Fn(&str) -> bool,
+) {
+    noted.retain(|k| {
+        let keep = seen.contains(k) || !in_class(k.2);
+        if !keep {
+            ctx.events.forget(&subject(k));
+        }
+        keep
+    });
 }
 
 pub(crate) fn finish(tracker: &mut Tracker, expanded: &mut BTreeMap<String, String>, done: Outcome) {
@@ -76,24 +93,17 @@ pub(crate) fn finish(tracker: &mut Tracker, expanded: &mut BTreeMap<String, Stri
 }
 
 /// Events for pods whose volumes cannot be mounted yet, each repeated with growing gaps.
-pub(crate) async fn note_errors(
-    ctx: &Ctx,
-    d: &Desired,
-    noted: &mut HashMap<(String, String, &'static str), Noted>,
-    now: Instant,
-) {
+pub(crate) async fn note_errors(ctx: &Ctx, d: &Desired, noted: &mut Noted) {
     let mut seen = BTreeSet::new();
     for e in &d.errors {
         let key = (e.pod.uid.clone(), e.volume.clone(), e.reason);
         seen.insert(key.clone());
-        if !note_due(noted, key, &e.message, now) {
-            continue;
+        let text = format!("Unable to mount volume \"{}\": {}", e.volume, e.message);
+        if note(ctx, noted, key, &e.pod.reference(), text.clone()) {
+            tracing::info!(pod = %e.pod.name, ns = %e.pod.namespace, reason = e.reason, "{text}");
         }
-        let note = format!("Unable to mount volume \"{}\": {}", e.volume, e.message);
-        tracing::info!(pod = %e.pod.name, ns = %e.pod.namespace, reason = e.reason, "{note}");
-        ctx.events.warning(&e.pod.reference(), e.reason, "Mount", note);
     }
-    noted.retain(|k, _| seen.contains(k) || UNSURE_REASONS.contains(&k.2));
+    forget_cleared(ctx, noted, &seen, |r| !UNSURE_REASONS.contains(&r));
 }
 
 /// Event reasons of `note_unsure`.
@@ -106,8 +116,7 @@ pub(crate) fn note_unsure(
     d: &Desired,
     a: &Actual,
     known_pods: &HashMap<String, PodInfo>,
-    noted: &mut HashMap<(String, String, &'static str), Noted>,
-    now: Instant,
+    noted: &mut Noted,
 ) {
     let mut seen = BTreeSet::new();
     for (pv, av) in &a.volumes {
@@ -132,11 +141,10 @@ pub(crate) fn note_unsure(
             };
             let key = (uid.clone(), pv.clone(), reason);
             seen.insert(key.clone());
-            if note_due(noted, key, &message, now) {
+            if note(ctx, noted, key, &pod.reference(), message.clone()) {
                 tracing::warn!(pv, pod = %pod.name, ns = %pod.namespace, "{message}");
-                ctx.events.warning(&pod.reference(), reason, "Mount", message);
             }
         }
     }
-    noted.retain(|k, _| seen.contains(k) || !UNSURE_REASONS.contains(&k.2));
+    forget_cleared(ctx, noted, &seen, |r| UNSURE_REASONS.contains(&r));
 }

@@ -162,16 +162,20 @@ pub(crate) fn decide(seen: Option<&Seen>, now: Instant) -> Step {
     }
 }
 
-/// The bounded memory of sent events: a map plus its recency order; inserting beyond the
-/// capacity forgets the least recently seen key (its next occurrence just starts a new object).
-pub(crate) struct Folds {
-    map: HashMap<FoldKey, (Seen, u64)>,
-    order: BTreeMap<u64, FoldKey>,
+/// A bounded memory: a map plus its recency order; inserting beyond the capacity forgets the
+/// least recently put key (for folds: its next occurrence just starts a new object; for the
+/// repeat gate: its next event is sent at once).
+pub(crate) struct Bounded<K, V> {
+    map: HashMap<K, (V, u64)>,
+    order: BTreeMap<u64, K>,
     tick: u64,
     cap: usize,
 }
 
-impl Folds {
+/// What the sender remembers of the Event objects it created.
+pub(crate) type Folds = Bounded<FoldKey, Seen>;
+
+impl<K: Clone + Eq + std::hash::Hash, V> Bounded<K, V> {
     pub(crate) fn new(cap: usize) -> Self {
         Self {
             map: HashMap::new(),
@@ -181,31 +185,30 @@ impl Folds {
         }
     }
 
-    pub(crate) fn get(&self, k: &FoldKey) -> Option<&Seen> {
+    pub(crate) fn get<Q>(&self, k: &Q) -> Option<&V>
+    where
+        K: std::borrow::Borrow<Q>,
+        Q: Eq + std::hash::Hash + ?Sized,
+    {
         self.map.get(k).map(|(s, _)| s)
     }
 
     /// Changes an entry without making it more recent.
-    fn get_mut(&mut self, k: &FoldKey) -> Option<&mut Seen> {
+    fn get_mut(&mut self, k: &K) -> Option<&mut V> {
         self.map.get_mut(k).map(|(s, _)| s)
     }
 
-    /// Keys whose series has occurrences the Event object does not show yet.
-    pub(crate) fn unwritten(&self) -> Vec<FoldKey> {
-        self.map
-            .iter()
-            .filter(|(_, (s, _))| s.count > s.written)
-            .map(|(k, _)| k.clone())
-            .collect()
+    fn iter(&self) -> impl Iterator<Item = (&K, &V)> {
+        self.map.iter().map(|(k, (v, _))| (k, v))
     }
 
-    pub(crate) fn put(&mut self, k: FoldKey, seen: Seen) {
+    pub(crate) fn put(&mut self, k: K, v: V) {
         self.tick += 1;
         if let Some((_, old)) = self.map.remove(&k) {
             self.order.remove(&old);
         }
         self.order.insert(self.tick, k.clone());
-        self.map.insert(k, (seen, self.tick));
+        self.map.insert(k, (v, self.tick));
         while self.map.len() > self.cap {
             let Some((_, oldest)) = self.order.pop_first() else {
                 break;
@@ -214,7 +217,11 @@ impl Folds {
         }
     }
 
-    pub(crate) fn forget(&mut self, k: &FoldKey) {
+    pub(crate) fn forget<Q>(&mut self, k: &Q)
+    where
+        K: std::borrow::Borrow<Q>,
+        Q: Eq + std::hash::Hash + ?Sized,
+    {
         if let Some((_, t)) = self.map.remove(k) {
             self.order.remove(&t);
         }
@@ -224,6 +231,80 @@ impl Folds {
     pub(crate) fn len(&self) -> usize {
         self.map.len()
     }
+}
+
+impl Folds {
+    /// Keys whose series has occurrences the Event object does not show yet.
+    pub(crate) fn unwritten(&self) -> Vec<FoldKey> {
+        self.iter()
+            .filter(|(_, s)| s.count > s.written)
+            .map(|(k, _)| k.clone())
+            .collect()
+    }
+}
+
+/// Whether an event about a subject is said again: the one place where controllers' repeats are
+/// held back (before the recorder folds what is sent into series).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Repeat {
+    /// Every time; it becomes the subject's last event all the same.
+    Always,
+    /// Once per change of reason or note: a condition that persists is reported once, however
+    /// often it is decided again.
+    OnChange,
+    /// A new reason or note at once; the same one again after a gap that doubles from `first`
+    /// to `max` while it stays (a failure that persists is heard of less and less often).
+    Backoff { first: Duration, max: Duration },
+    /// At most once per period, whatever the note (a finding reported about many objects).
+    Every(Duration),
+}
+
+/// What the gate remembers of a subject's last event.
+#[derive(Debug, Clone)]
+pub(crate) struct Said {
+    reason: String,
+    note: String,
+    /// When the same event may be said again (`Backoff`, `Every`).
+    next: Instant,
+    gap: Duration,
+}
+
+/// Subjects the gate remembers; beyond this the least recently said is forgotten.
+const GATE_CAPACITY: usize = 16_384;
+
+/// The gate's decision for one event: whether it is said now, and what to remember if so.
+pub(crate) fn gate(
+    last: Option<&Said>,
+    repeat: Repeat,
+    reason: &str,
+    note: &str,
+    now: Instant,
+) -> Option<Said> {
+    let same = last.is_some_and(|l| l.reason == reason && l.note == note);
+    let (say, gap) = match repeat {
+        Repeat::Always => (true, Duration::ZERO),
+        Repeat::OnChange => (!same, Duration::ZERO),
+        Repeat::Backoff { first, max } => match last {
+            Some(l) if same => (now >= l.next, (l.gap * 2).clamp(first, max)),
+            _ => (true, first),
+        },
+        Repeat::Every(period) => (last.is_none_or(|l| now >= l.next), period),
+    };
+    say.then(|| Said {
+        reason: reason.to_string(),
+        note: note.to_string(),
+        next: now + gap,
+        gap,
+    })
+}
+
+/// One event a controller has to say.
+#[derive(Debug, Clone)]
+pub struct Occurrence<'a> {
+    pub warning: bool,
+    pub reason: &'a str,
+    pub action: &'a str,
+    pub note: String,
 }
 
 /// The apiserver refuses notes longer than this many bytes.
@@ -266,6 +347,8 @@ impl Drop for AbortOnDrop {
 pub struct Events {
     tx: mpsc::Sender<Pending>,
     component: Arc<str>,
+    /// The last event said about each subject (`report`), shared by every clone.
+    said: Arc<std::sync::Mutex<Bounded<String, Said>>>,
     _sender: Arc<AbortOnDrop>,
 }
 
@@ -424,8 +507,38 @@ impl Events {
         Self {
             tx,
             component,
+            said: Arc::new(std::sync::Mutex::new(Bounded::new(GATE_CAPACITY))),
             _sender: Arc::new(AbortOnDrop(task)),
         }
+    }
+
+    /// Says `e` about `on` unless `repeat` holds it back for `subject` (a key the caller picks:
+    /// an object's UID, or an object and one of its volumes); returns whether it was said, so a
+    /// log line can follow the same rule.
+    pub fn report(&self, subject: &str, repeat: Repeat, on: &ObjectReference, e: Occurrence<'_>) -> bool {
+        {
+            let mut said = self.said.lock().unwrap_or_else(|p| p.into_inner());
+            match gate(said.get(subject), repeat, e.reason, &e.note, Instant::now()) {
+                Some(s) => said.put(subject.to_string(), s),
+                None => return false,
+            }
+        }
+        let type_ = if e.warning {
+            EventType::Warning
+        } else {
+            EventType::Normal
+        };
+        self.queue(on, type_, e.reason, e.action, e.note);
+        true
+    }
+
+    /// Forgets what was said about `subject` (it is gone, or its condition cleared): its next
+    /// event is said at once.
+    pub fn forget(&self, subject: &str) {
+        self.said
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .forget(subject);
     }
 
     pub fn normal(&self, on: &ObjectReference, reason: &str, action: &str, note: String) {
@@ -456,6 +569,50 @@ impl Events {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_gate_says_what_each_repeat_rule_lets_through() {
+        let t0 = Instant::now();
+        let s = |d: u64| t0 + Duration::from_secs(d);
+        let step = |last: &mut Option<Said>, r: Repeat, note: &str, at: Instant| {
+            let said = gate(last.as_ref(), r, "Reason", note, at);
+            let out = said.is_some();
+            if let Some(x) = said {
+                *last = Some(x);
+            }
+            out
+        };
+        // OnChange: once per text.
+        let mut l = None;
+        assert!(step(&mut l, Repeat::OnChange, "a", s(0)));
+        assert!(!step(&mut l, Repeat::OnChange, "a", s(1000)));
+        assert!(step(&mut l, Repeat::OnChange, "b", s(1000)));
+        // Always records, so the text it said is the one OnChange compares with.
+        assert!(step(&mut l, Repeat::Always, "a", s(1000)));
+        assert!(!step(&mut l, Repeat::OnChange, "a", s(1001)));
+        // Backoff: 10 s, then 20 s, capped at 30 s; a new text at once and from the first gap.
+        let b = Repeat::Backoff {
+            first: Duration::from_secs(10),
+            max: Duration::from_secs(30),
+        };
+        let mut l = None;
+        assert!(step(&mut l, b, "x", s(0)));
+        assert!(!step(&mut l, b, "x", s(9)));
+        assert!(step(&mut l, b, "x", s(10)));
+        assert!(!step(&mut l, b, "x", s(29)));
+        assert!(step(&mut l, b, "x", s(30)));
+        assert!(step(&mut l, b, "x", s(60)));
+        assert!(!step(&mut l, b, "x", s(89)));
+        assert!(step(&mut l, b, "y", s(61)));
+        assert!(!step(&mut l, b, "y", s(70)));
+        assert!(step(&mut l, b, "y", s(71)));
+        // Every: whatever the note, once per period.
+        let e = Repeat::Every(Duration::from_secs(600));
+        let mut l = None;
+        assert!(step(&mut l, e, "one", s(0)));
+        assert!(!step(&mut l, e, "two", s(599)));
+        assert!(step(&mut l, e, "three", s(600)));
+    }
 
     #[tokio::test]
     async fn a_full_queue_drops_and_counts_instead_of_growing() {

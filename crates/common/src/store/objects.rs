@@ -16,6 +16,22 @@ pub const LOOP_ATTACHER_FINALIZER: &str = "external-attacher/loop-stowage-dev";
 pub const LEGACY_LOOP_ATTACHER_FINALIZER: &str = "loop.stowage.dev/attached";
 
 /// Is `f` the built-in attacher's finalizer, current or legacy?
+/// A pod as the object an event is about.
+pub fn pod_reference(
+    namespace: &str,
+    name: &str,
+    uid: Option<&str>,
+) -> k8s_openapi::api::core::v1::ObjectReference {
+    k8s_openapi::api::core::v1::ObjectReference {
+        api_version: Some("v1".into()),
+        kind: Some("Pod".into()),
+        namespace: Some(namespace.into()),
+        name: Some(name.into()),
+        uid: uid.map(Into::into),
+        ..Default::default()
+    }
+}
+
 pub fn is_loop_attacher_finalizer(f: &str) -> bool {
     f == LOOP_ATTACHER_FINALIZER || f == LEGACY_LOOP_ATTACHER_FINALIZER
 }

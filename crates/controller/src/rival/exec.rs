@@ -13,8 +13,9 @@ use kube::api::{ListParams, ObjectList, WatchEvent, WatchParams};
 use kube::core::Request;
 use kube::{Api, Client, Resource};
 use prometheus::{IntCounterVec, IntGauge, IntGaugeVec, Opts};
-use stowage_common::observe::events::Events;
+use stowage_common::observe::events::{Events, Occurrence, Repeat};
 use stowage_common::observe::metrics::{Registry, register};
+use stowage_common::store::objects::pod_reference;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
@@ -344,7 +345,6 @@ async fn report(
 ) {
     let started = Instant::now();
     let mut seen = Seen::default();
-    let mut last_event: HashMap<Kind, Instant> = HashMap::new();
     let mut last_flags_report: Option<Instant> = None;
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -356,9 +356,23 @@ async fn report(
                     let owner = kind.owner();
                     metrics.writes.with_label_values(&[kind.as_str(), owner]).inc();
                     seen.last_write = Some(started.elapsed());
-                    let due = last_event.get(&kind).is_none_or(|t| t.elapsed() >= EVENT_PERIOD);
-                    if due {
-                        last_event.insert(kind, Instant::now());
+                    // Once a minute per kind of object, however many KCM writes.
+                    let said = events.report(
+                        kind.as_str(),
+                        Repeat::Every(EVENT_PERIOD),
+                        &reference(kind, &name, namespace.clone(), uid),
+                        Occurrence {
+                            warning: true,
+                            reason: "ConflictingController",
+                            action: "DetectConflict",
+                            note: format!(
+                                "kube-controller-manager wrote {fields} of this {} at {at}, as stowage's {owner} controller does: both controllers are running. Turn one off: add {} to kube-controller-manager's --controllers, or leave {owner} out of stowage-controller's",
+                                kind.as_str(),
+                                kcm_off(&[owner]),
+                            ),
+                        },
+                    );
+                    if said {
                         let target = match &namespace {
                             Some(ns) => format!("{ns}/{name}"),
                             None => name.clone(),
@@ -366,16 +380,6 @@ async fn report(
                         tracing::warn!(
                             kind = kind.as_str(), object = %target, %fields, at = %at, controller = owner,
                             "kube-controller-manager wrote what stowage's {owner} controller writes: two controllers are acting on the same objects"
-                        );
-                        events.warning(
-                            &reference(kind, &name, namespace, uid),
-                            "ConflictingController",
-                            "DetectConflict",
-                            format!(
-                                "kube-controller-manager wrote {fields} of this {} at {at}, as stowage's {owner} controller does: both controllers are running. Turn one off: add {} to kube-controller-manager's --controllers, or leave {owner} out of stowage-controller's",
-                                kind.as_str(),
-                                kcm_off(&[owner]),
-                            ),
                         );
                     }
                 }
@@ -397,14 +401,7 @@ async fn report(
                             pod = %format!("{KCM_NAMESPACE}/{name}"), controllers = ?clash,
                             "a kube-controller-manager pod's flags turn on controllers stowage runs"
                         );
-                        let on = ObjectReference {
-                            api_version: Some("v1".into()),
-                            kind: Some("Pod".into()),
-                            name: Some(name.clone()),
-                            namespace: Some(KCM_NAMESPACE.into()),
-                            uid: uid.clone(),
-                            ..Default::default()
-                        };
+                        let on = pod_reference(KCM_NAMESPACE, name, uid.as_deref());
                         events.warning(
                             &on,
                             "ConflictingController",
