@@ -13,21 +13,14 @@ use std::time::Instant;
 
 use stowage_chart_tests::chart_dir;
 use stowage_testkit::realnode::{BUSYBOX_IMAGE, NODE_NAME};
-use support::{NS, SingleNode, claim, install, mounts_of, pod, poll, rollout, single_node};
+use support::{NS, claim, install, mounts_of, pod, poll, rollout, single_node};
 
 mod support;
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_kubelet_runs_pods_on_loop_volumes_installed_by_helm() {
     let started = Instant::now();
-    let SingleNode {
-        cp,
-        images,
-        cleanup: _cleanup,
-        node,
-        k,
-        helm,
-    } = single_node().await;
+    let (cp, images, _cleanup, node, k, helm) = single_node().await;
     println!("real node up after {:?}", started.elapsed());
     install(&helm, &k, &cp, &images, &node.kubelet_dir, || {
         node.log_tail("kubelet")

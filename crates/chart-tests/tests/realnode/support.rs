@@ -209,19 +209,10 @@ pub async fn control_plane(nodes: usize) -> (ControlPlane, PathBuf, Cleanup) {
 }
 
 /// A fresh control plane with one real node, and kubectl and helm pointed at it: how every
-/// single-node scenario starts. Bind its fields in this order (`let SingleNode { cp, images,
-/// cleanup: _cleanup, node, k, helm } = …`): locals drop in reverse, so the node stops before its
-/// loop devices are cleaned up, and both before the control plane.
-pub struct SingleNode {
-    pub cp: ControlPlane,
-    pub images: PathBuf,
-    pub cleanup: Cleanup,
-    pub node: RealNode,
-    pub k: Kubectl,
-    pub helm: Helm,
-}
-
-pub async fn single_node() -> SingleNode {
+/// single-node scenario starts. Bind them in this order (`let (cp, images, _cleanup, node, k,
+/// helm) = …`): locals drop in reverse, so the node stops before its loop devices are cleaned
+/// up, and both before the control plane.
+pub async fn single_node() -> (ControlPlane, PathBuf, Cleanup, RealNode, Kubectl, Helm) {
     let archives = archives();
     let (cp, images, cleanup) = control_plane(1).await;
     let node = RealNode::start(&cp, &archives).unwrap_or_else(|e| panic!("real node: {e:#}"));
@@ -229,14 +220,7 @@ pub async fn single_node() -> SingleNode {
         kubeconfig: cp.kubeconfig(),
     };
     let helm = Helm::new(Some(&cp.kubeconfig()));
-    SingleNode {
-        cp,
-        images,
-        cleanup,
-        node,
-        k,
-        helm,
-    }
+    (cp, images, cleanup, node, k, helm)
 }
 
 pub fn archives() -> Vec<PathBuf> {

@@ -18,7 +18,7 @@ use std::time::Instant;
 
 use serde_json::{Value, json};
 use stowage_chart_tests::chart_dir;
-use support::{Kubectl, SingleNode, claim, install, pod, poll, rollout, single_node};
+use support::{Kubectl, claim, install, pod, poll, rollout, single_node};
 use translate::Discovery;
 
 #[allow(dead_code)]
@@ -161,14 +161,7 @@ fn start_prometheus(dir: &Path, config: &Value) -> Prometheus {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_real_prometheus_scrapes_stowage_through_the_charts_monitoring() {
     let started = Instant::now();
-    let SingleNode {
-        cp,
-        images,
-        cleanup: _cleanup,
-        node,
-        k,
-        helm,
-    } = single_node().await;
+    let (cp, images, _cleanup, node, k, helm) = single_node().await;
 
     // The monitoring kinds, then the chart with all of its monitoring on; scrapes every 5 s so
     // rates have two samples soon.
