@@ -3,7 +3,7 @@
 //! No I/O.
 
 use std::collections::BTreeMap;
-use std::time::Instant;
+use tokio::time::Instant;
 
 use stowage_common::runtime::backoff::Backoff;
 

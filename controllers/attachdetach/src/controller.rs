@@ -8,7 +8,9 @@
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use kube::{Api, ResourceExt};
 use stowage_common::observe::events::Events;
@@ -153,7 +155,7 @@ pub async fn run(cluster: Arc<Informers>, metrics: Metrics, config: Config) -> a
         "attach/detach state loaded"
     );
 
-    let start = tokio::time::Instant::now() + config.resync;
+    let start = Instant::now() + config.resync;
     let mut resync = tokio::time::interval_at(start, config.resync.max(Duration::from_millis(100)));
     // A late resync is not made up for by a burst of them.
     resync.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -163,13 +165,12 @@ pub async fn run(cluster: Arc<Informers>, metrics: Metrics, config: Config) -> a
     // so the unit of work is a pass over dirty state, not a key; passes are spaced and throttled
     // as a whole, and write tasks draw from two budgets instead of one window.
     loop {
-        let wake = c.wake_at.map(tokio::time::Instant::from_std);
+        let wake = c.wake_at;
         // A due pass that came too soon after the last one waits for the interval.
         let throttled = c
             .last_pass
             .map(|t| t + c.pass_gap)
-            .filter(|t| c.dirty && *t > Instant::now())
-            .map(tokio::time::Instant::from_std);
+            .filter(|t| c.dirty && *t > Instant::now());
         tokio::select! {
             biased;
             _ = std::future::ready(()), if c.backlog >= MAX_BACKLOG => c.catch_up(),
@@ -207,7 +208,7 @@ pub async fn run(cluster: Arc<Informers>, metrics: Metrics, config: Config) -> a
                 c.all_pods_dirty();
             }
             _ = resync.tick() => c.resync(true),
-            _ = tokio::time::sleep_until(wake.unwrap_or_else(tokio::time::Instant::now)), if wake.is_some() => {
+            _ = tokio::time::sleep_until(wake.unwrap_or_else(Instant::now)), if wake.is_some() => {
                 c.wake_at = None;
                 c.dirty = true;
             }
@@ -215,7 +216,7 @@ pub async fn run(cluster: Arc<Informers>, metrics: Metrics, config: Config) -> a
             // does not wait for a full pass (nor for its spacing).
             _ = std::future::ready(()), if !c.dirty_pods.is_empty() || !c.attach_dirty.is_empty() => c.attach_step(),
             _ = std::future::ready(()), if c.dirty && throttled.is_none() => c.pass(),
-            _ = tokio::time::sleep_until(throttled.unwrap_or_else(tokio::time::Instant::now)), if throttled.is_some() => c.pass(),
+            _ = tokio::time::sleep_until(throttled.unwrap_or_else(Instant::now)), if throttled.is_some() => c.pass(),
         }
     }
 }

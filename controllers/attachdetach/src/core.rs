@@ -3,7 +3,9 @@
 //! single-node volume before anything tries to attach it elsewhere).
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use crate::Config;
 use crate::actual::{Actual, Attachment, Op};

@@ -17,7 +17,9 @@
 
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use k8s_openapi::api::core::v1::{Node, PersistentVolume};
 use kube::api::{DeleteParams, ObjectMeta, Patch, PatchParams, PostParams};

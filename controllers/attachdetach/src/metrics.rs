@@ -5,7 +5,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use tokio::time::Instant;
 
 use prometheus::core::{Collector, Desc};
 use prometheus::proto::MetricFamily;

@@ -1,7 +1,7 @@
 //! What write tasks report back (`Outcome`) and the step that folds it into the state, metrics
 //! and events.
 
-use std::time::Instant;
+use tokio::time::Instant;
 
 use k8s_openapi::api::core::v1::Node;
 use kube::runtime::reflector::ObjectRef;

@@ -1,7 +1,9 @@
 //! Tests of the pure pass, over 600 lines: one case per rule, each beside the rules it borders,
 //! plus the property tests over random states.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use proptest::prelude::*;
 
