@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# The A/B measurement docs/benchmarks.md asks of a change to the read path or the controllers'
+# loops: stowage-controller built (release) at two commits, run alternately on the same machine,
+# same harness (the bench binary of this tree), stowage only, static-10000 and attach-1000x50
+# with client limits lifted; then the medians of each build and whether the change stays within
+# 5 % of throughput and 10 % of CPU per object of the build before.
+#
+#   e2e/scripts/ab-bench.sh <before> [after=HEAD]
+#   AB_ROUNDS=3 (runs per build, alternating)  AB_WORKLOADS=static,attach
+#
+# Each commit's binary is built once in a worktree under the user's cache dir and kept there,
+# keyed by the commit. Needs `make controlplane` (the bench's apiserver) and an idle machine.
+set -euo pipefail
+top=$(cd "$(dirname "$0")/../.." && pwd)
+cd "$top"
+before=$(git rev-parse --verify "${1:?usage: ab-bench.sh <before> [after]}^{commit}")
+after=$(git rev-parse --verify "${2:-HEAD}^{commit}")
+rounds=${AB_ROUNDS:-3}
+workloads=${AB_WORKLOADS:-static,attach}
+cache="${XDG_CACHE_HOME:-$HOME/.cache}/stowage/ab"
+mkdir -p "$cache"
+
+# build <commit>: prints the path of that commit's release stowage-controller.
+build() {
+  local commit=$1 bin="$cache/bin/$1/stowage-controller"
+  if [ ! -x "$bin" ]; then
+    local wt="$cache/src-$commit"
+    [ -d "$wt" ] || git worktree add -q --detach "$wt" "$commit" >&2
+    # One target dir for both builds: the dependencies compile once.
+    (cd "$wt" && CARGO_TARGET_DIR="$cache/target" cargo build --release -p stowage-controller >&2)
+    mkdir -p "$(dirname "$bin")"
+    cp "$cache/target/release/stowage-controller" "$bin"
+    git worktree remove --force "$wt" >&2
+  fi
+  echo "$bin"
+}
+
+echo "==> building $before and $after (cached by commit)" >&2
+bin_before=$(build "$before")
+bin_after=$(build "$after")
+
+out="e2e/results/ab-$(date -u +%Y%m%dT%H%M%SZ)"
+mkdir -p "$out"
+for round in $(seq 1 "$rounds"); do
+  for side in before after; do
+    bin=$bin_before
+    [ "$side" = after ] && bin=$bin_after
+    echo "==> round $round: $side" >&2
+    BENCH_STOWAGE_BIN=$bin BENCH_IMPLS=stowage BENCH_WORKLOADS=$workloads \
+      BENCH_STATIC_SIZES=10000 BENCH_MODES=lifted BENCH_OUT_DIR="$out/$side-$round" \
+      ./e2e/scripts/bench.sh >/dev/null
+  done
+done
+
+python3 - "$out" "$before" "$after" <<'EOF'
+import glob, json, statistics, sys
+out, before, after = sys.argv[1:]
+rows = {}
+for side in ("before", "after"):
+    for f in glob.glob(f"{out}/{side}-*/bench-*.json"):
+        for r in json.load(open(f))["results"]:
+            if r["implementation"] != "stowage" or not r["converged"]:
+                continue
+            key = (r["workload"], side)
+            rows.setdefault(key, []).append((r["throughput_per_s"], r["cpu_s"] / max(r["done"], 1)))
+print(f"| workload | build | runs | objects/s (median) | CPU ms per object (median) |")
+print("| --- | --- | --- | --- | --- |")
+verdict = True
+for w in sorted({k[0] for k in rows}):
+    med = {}
+    for side, commit in (("before", before), ("after", after)):
+        runs = rows.get((w, side), [])
+        if not runs:
+            print(f"| {w} | {side} {commit[:7]} | 0 | — | — |")
+            verdict = False
+            continue
+        t = statistics.median(x[0] for x in runs)
+        c = statistics.median(x[1] for x in runs)
+        med[side] = (t, c)
+        print(f"| {w} | {side} {commit[:7]} | {len(runs)} | {t:.1f} | {c * 1000:.3f} |")
+    if len(med) == 2:
+        dt = med["after"][0] / med["before"][0]
+        dc = med["after"][1] / med["before"][1]
+        ok = dt >= 0.95 and dc <= 1.10
+        verdict &= ok
+        print(f"| {w} | after/before | | {dt:.3f}× | {dc:.3f}× {'ok' if ok else 'OUT OF BOUNDS'} |")
+print()
+print("within bounds (throughput ≥ 0.95×, CPU per object ≤ 1.10×):", "yes" if verdict else "no")
+sys.exit(0 if verdict else 1)
+EOF
