@@ -29,6 +29,11 @@ const POD_PERIOD: Duration = Duration::from_secs(30);
 const EVENT_PERIOD: Duration = Duration::from_secs(60);
 /// How often a clash of flags that has not changed is reported again.
 const REPEAT_PERIOD: Duration = Duration::from_secs(600);
+
+/// The events gate's subject of a kube-controller-manager pod whose flags clash.
+fn flag_subject(pod: &str) -> String {
+    format!("kcm pod {pod} flags")
+}
 /// Objects whose last reported rival write a watcher remembers (so a later event of the same
 /// object, carrying the same entry, is not counted again); beyond it the memory starts over.
 const REMEMBERED: usize = 10_000;
@@ -345,7 +350,6 @@ async fn report(
 ) {
     let started = Instant::now();
     let mut seen = Seen::default();
-    let mut last_flags_report: Option<Instant> = None;
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -384,34 +388,39 @@ async fn report(
                     }
                 }
                 Some(Finding::Pods(pods)) => {
-                    // A clash is reported when it appears or changes, then again only every
-                    // REPEAT_PERIOD (the Event stays fresh), not on every 30 s poll.
-                    let changed = pods
-                        .iter()
-                        .any(|(name, _, clash)| !seen.flagged.iter().any(|(n, c)| n == name && c == clash));
-                    let due = changed || last_flags_report.is_some_and(|t: Instant| t.elapsed() >= REPEAT_PERIOD);
-                    if due {
-                        last_flags_report = Some(Instant::now());
+                    // A clash is said when it appears or changes, then again only every
+                    // REPEAT_PERIOD (the Event stays fresh), not on every 30 s poll; a pod that no
+                    // longer clashes is forgotten, so a new clash of it is said at once.
+                    for (name, _) in &seen.flagged {
+                        if !pods.iter().any(|(n, _, _)| n == name) {
+                            events.forget(&flag_subject(name));
+                        }
                     }
-                    if pods.is_empty() {
-                        last_flags_report = None;
-                    }
-                    for (name, uid, clash) in pods.iter().filter(|_| due) {
-                        tracing::warn!(
-                            pod = %format!("{KCM_NAMESPACE}/{name}"), controllers = ?clash,
-                            "a kube-controller-manager pod's flags turn on controllers stowage runs"
+                    for (name, uid, clash) in &pods {
+                        let said = events.report(
+                            &flag_subject(name),
+                            Repeat::Backoff {
+                                first: REPEAT_PERIOD,
+                                max: REPEAT_PERIOD,
+                            },
+                            &pod_reference(KCM_NAMESPACE, name, uid.as_deref()),
+                            Occurrence {
+                                warning: true,
+                                reason: "ConflictingController",
+                                action: "DetectConflict",
+                                note: format!(
+                                    "this kube-controller-manager runs {} (its --controllers flag), which stowage-controller runs too; add {} to its --controllers",
+                                    clash.join(", "),
+                                    kcm_off(clash),
+                                ),
+                            },
                         );
-                        let on = pod_reference(KCM_NAMESPACE, name, uid.as_deref());
-                        events.warning(
-                            &on,
-                            "ConflictingController",
-                            "DetectConflict",
-                            format!(
-                                "this kube-controller-manager runs {} (its --controllers flag), which stowage-controller runs too; add {} to its --controllers",
-                                clash.join(", "),
-                                kcm_off(clash),
-                            ),
-                        );
+                        if said {
+                            tracing::warn!(
+                                pod = %format!("{KCM_NAMESPACE}/{name}"), controllers = ?clash,
+                                "a kube-controller-manager pod's flags turn on controllers stowage runs"
+                            );
+                        }
                     }
                     seen.flagged = pods.into_iter().map(|(n, _, c)| (n, c)).collect();
                 }
