@@ -18,6 +18,9 @@ after=$(git rev-parse --verify "${2:-HEAD}^{commit}")
 rounds=${AB_ROUNDS:-3}
 workloads=${AB_WORKLOADS:-static,attach}
 cache="${XDG_CACHE_HOME:-$HOME/.cache}/stowage/ab"
+# The bench's apiserver and etcd: this tree's (a harness built elsewhere would look beside its
+# own sources).
+export STOWAGE_CONTROLPLANE_BIN=${STOWAGE_CONTROLPLANE_BIN:-$top/e2e/bin}
 mkdir -p "$cache"
 
 # build <commit>: prints the path of that commit's release stowage-controller.
