@@ -13,6 +13,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use kube::{Api, ResourceExt};
+use stowage_common::api::attachments::Attachments;
 use stowage_common::observe::events::Events;
 use stowage_common::store::informer::Change;
 use stowage_common::store::informers::Informers;
@@ -111,7 +112,7 @@ pub async fn run(cluster: Arc<Informers>, metrics: Metrics, config: Config) -> a
     let mut c = Controller {
         tasks: JoinSet::new(),
         executor: Arc::new(Executor {
-            vas: Api::all(client.clone()),
+            vas: Attachments::new(client.clone()),
             pvs: Api::all(client.clone()),
             nodes: Api::all(client.clone()),
             events: Events::new(client, COMPONENT),

@@ -5,14 +5,10 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
-use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
 use k8s_openapi::api::storage::v1::CSIDriver;
 use kube::ResourceExt;
-use serde::Deserialize;
-use stowage_common::store::packed::Packed;
-use stowage_common::store::slim::Pod;
+use stowage_common::store::{StoredClaim, StoredPod, StoredVolume};
 
-use crate::objects::PvSpecView;
 pub use crate::translate::Kind;
 use crate::translate::{Target, inline_target, pv_target};
 use crate::vecmap::VecMap;
@@ -63,7 +59,7 @@ impl PodRef {
         stowage_common::store::objects::pod_reference(&self.namespace, &self.name, Some(&self.uid))
     }
 
-    pub fn of(pod: &Pod) -> Self {
+    pub fn of(pod: &StoredPod) -> Self {
         Self {
             namespace: pod.namespace().unwrap_or_default(),
             name: pod.name_any(),
@@ -262,29 +258,11 @@ impl Desired {
 }
 
 /// Read access to the objects a pod's volumes resolve through: volumes and claims as the
-/// informers store them, read through views of the few fields resolving needs.
+/// informers store them, read through the readers of the few fields resolving needs.
 pub trait Lookup {
-    fn claim(&self, namespace: &str, name: &str) -> Option<Arc<Packed<PersistentVolumeClaim>>>;
-    fn volume(&self, name: &str) -> Option<Arc<Packed<PersistentVolume>>>;
+    fn claim(&self, namespace: &str, name: &str) -> Option<Arc<StoredClaim>>;
+    fn volume(&self, name: &str) -> Option<Arc<StoredVolume>>;
     fn driver(&self, name: &str) -> Option<Arc<CSIDriver>>;
-}
-
-/// What resolving reads of a claim besides its metadata.
-#[derive(Debug, Default, Deserialize)]
-struct ClaimView {
-    spec: Option<ClaimSpecView>,
-    status: Option<ClaimStatusView>,
-}
-
-#[derive(Debug, Default, Deserialize)]
-#[serde(rename_all = "camelCase")]
-struct ClaimSpecView {
-    volume_name: Option<String>,
-}
-
-#[derive(Debug, Default, Deserialize)]
-struct ClaimStatusView {
-    phase: Option<String>,
 }
 
 /// A driver needs attaching unless its CSIDriver object says otherwise; no object means yes.
@@ -312,12 +290,12 @@ pub struct PodVolumes {
 
 /// The attachable volumes of `pod`. Claims not (yet) bound, volumes missing or pointing at
 /// another claim, and non-CSI volumes are skipped: a later claim or volume event re-resolves.
-pub fn pod_volumes(pod: &Pod, lookup: &impl Lookup) -> Vec<VolumeSpec> {
+pub fn pod_volumes(pod: &StoredPod, lookup: &impl Lookup) -> Vec<VolumeSpec> {
     resolve_pod(pod, lookup).attachable
 }
 
 /// [`pod_volumes`], with why each claim that resolves to no volume does not.
-pub fn resolve_pod(pod: &Pod, lookup: &impl Lookup) -> PodVolumes {
+pub fn resolve_pod(pod: &StoredPod, lookup: &impl Lookup) -> PodVolumes {
     let ns = pod.namespace().unwrap_or_default();
     let mut out = PodVolumes::default();
     // persistentVolumeClaim volumes and generic ephemeral ones (`<pod>-<volume>`, only when the
@@ -325,7 +303,7 @@ pub fn resolve_pod(pod: &Pod, lookup: &impl Lookup) -> PodVolumes {
     for pc in stowage_common::store::objects::pod_claims(pod) {
         let resolved = match lookup.claim(&ns, &pc.claim) {
             None => Err("the claim does not exist".to_string()),
-            Some(claim) if !pc.usable(pod, &claim.metadata) => {
+            Some(claim) if !pc.usable(pod, claim.meta()) => {
                 Err("the claim is not this pod's ephemeral claim (another owner)".to_string())
             }
             Some(claim) => resolve_claim(&claim, lookup),
@@ -345,8 +323,7 @@ pub fn resolve_pod(pod: &Pod, lookup: &impl Lookup) -> PodVolumes {
     }
     // Inline volumes: migrated in-tree sources (translated to their CSI driver) and inline
     // iSCSI/FC, as upstream's populator creates their specs from the pod alone.
-    let inline = pod.spec.iter().flat_map(|s| s.volumes.iter().flatten());
-    for v in inline {
+    for v in pod.volumes() {
         match inline_target(v, &ns) {
             Ok(Some(t)) if attachable(&t, lookup) => {
                 let spec = VolumeSpec::of(t);
@@ -371,23 +348,16 @@ fn attachable(t: &Target, lookup: &impl Lookup) -> bool {
 
 /// The claim's attachable volume, `Ok(None)` for a volume that needs no attaching, or why the
 /// claim resolves to no volume.
-fn resolve_claim(
-    claim: &Packed<PersistentVolumeClaim>,
-    lookup: &impl Lookup,
-) -> Result<Option<VolumeSpec>, String> {
-    // The stored JSON decoded as a claim when stored, and the view is a subset of that type:
-    // an error here is a bug, and the claim then resolves nowhere until its next event.
-    let view = match claim.view::<ClaimView>() {
-        Ok(v) => v,
-        Err(e) => {
-            tracing::error!(claim = ?claim.metadata.name, error = %e, "stored claim does not read back");
-            return Err(format!("the stored claim does not read back: {e}"));
-        }
-    };
-    let phase = view.status.and_then(|s| s.phase);
-    let Some(pv_name) = view.spec.and_then(|s| s.volume_name).filter(|v| !v.is_empty()) else {
+fn resolve_claim(claim: &StoredClaim, lookup: &impl Lookup) -> Result<Option<VolumeSpec>, String> {
+    // An error here is a bug (logged by the reader), and the claim then resolves nowhere until
+    // its next event.
+    let binding = claim
+        .binding()
+        .map_err(|e| format!("the stored claim does not read back: {e}"))?;
+    let (pv_name, phase) = (binding.volume_name, binding.phase);
+    if pv_name.is_empty() {
         return Err("the claim names no volume".into());
-    };
+    }
     if phase.as_deref() != Some("Bound") {
         return Err(format!(
             "the claim is {}, not Bound",
@@ -397,11 +367,11 @@ fn resolve_claim(
     let Some(pv) = lookup.volume(&pv_name) else {
         return Err(format!("its volume {pv_name} does not exist"));
     };
-    let Some(pv) = PvSpecView::of(&pv) else {
+    let Some(pv) = pv.source() else {
         return Err(format!("its volume {pv_name} has no spec"));
     };
     let claim_ref_uid = pv.claim_ref.as_ref().and_then(|r| r.uid.as_deref());
-    if claim_ref_uid != claim.metadata.uid.as_deref() {
+    if claim_ref_uid != claim.meta().uid.as_deref() {
         return Err(format!(
             "its volume {pv_name} is bound to another claim (claimRef UID {})",
             claim_ref_uid.unwrap_or("none")
@@ -446,8 +416,10 @@ mod tests {
         CSIPersistentVolumeSource, ObjectReference, PersistentVolumeClaimSpec, PersistentVolumeClaimStatus,
         PersistentVolumeClaimVolumeSource, PersistentVolumeSpec, Pod as FullPod, PodSpec, Volume,
     };
+    use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
     use k8s_openapi::api::storage::v1::CSIDriverSpec;
     use kube::api::ObjectMeta;
+    use stowage_common::store::Stored;
 
     #[derive(Default)]
     struct Fake {
@@ -457,20 +429,20 @@ mod tests {
     }
 
     impl Lookup for Fake {
-        // Packed here, as the informers store them.
-        fn claim(&self, ns: &str, name: &str) -> Option<Arc<Packed<PersistentVolumeClaim>>> {
+        // Stored here, as the informers store them.
+        fn claim(&self, ns: &str, name: &str) -> Option<Arc<StoredClaim>> {
             self.claims
                 .iter()
                 .find(|c| c.namespace().as_deref() == Some(ns) && c.name_any() == name)
                 .cloned()
-                .map(|c| Arc::new(Packed::new(c)))
+                .map(|c| Arc::new(Stored::new(c)))
         }
-        fn volume(&self, name: &str) -> Option<Arc<Packed<PersistentVolume>>> {
+        fn volume(&self, name: &str) -> Option<Arc<StoredVolume>> {
             self.pvs
                 .iter()
                 .find(|p| p.name_any() == name)
                 .cloned()
-                .map(|p| Arc::new(Packed::new(p)))
+                .map(|p| Arc::new(Stored::new(p)))
         }
         fn driver(&self, name: &str) -> Option<Arc<CSIDriver>> {
             self.drivers
@@ -523,8 +495,8 @@ mod tests {
         }
     }
 
-    fn pod(claims: &[&str]) -> Pod {
-        Pod::try_from(&full_pod(claims)).unwrap()
+    fn pod(claims: &[&str]) -> StoredPod {
+        StoredPod::from_pod(&full_pod(claims)).unwrap()
     }
 
     /// As the API has it; [`pod`]: as the informer stores it.
@@ -635,7 +607,7 @@ mod tests {
             ..Default::default()
         };
         p.spec.as_mut().unwrap().volumes = Some(vec![eph("scratch"), eph("foreign")]);
-        let vols = pod_volumes(&Pod::try_from(&p).unwrap(), &lookup);
+        let vols = pod_volumes(&StoredPod::from_pod(&p).unwrap(), &lookup);
         let names: Vec<_> = vols.iter().map(|v| v.pv_name.as_str()).collect();
         assert_eq!(names, vec!["pv-p-scratch"]);
     }

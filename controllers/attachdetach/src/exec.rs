@@ -22,12 +22,12 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use k8s_openapi::api::core::v1::{Node, PersistentVolume};
-use kube::api::{DeleteParams, ObjectMeta, Patch, PatchParams, PostParams};
+use kube::api::{ObjectMeta, Patch, PatchParams};
 use kube::runtime::reflector::ObjectRef;
 use kube::{Api, ResourceExt};
+use stowage_common::api::attachments::Attachments;
 use stowage_common::observe::events::Events;
-use stowage_common::store::attachment::{VolumeAttachment, VolumeAttachmentSource, VolumeAttachmentSpec};
-use stowage_common::store::lean::Lean;
+use stowage_common::store::{Attachment, AttachmentSource, AttachmentSpec};
 use tokio::sync::{Semaphore, mpsc};
 
 use crate::actual::Op;
@@ -35,7 +35,7 @@ use crate::controller::Controller;
 use crate::core::{Action, ForceReason, Kind};
 use crate::error::Error;
 use crate::metrics::{Metrics, Snapshot};
-use crate::objects::{PvSpecView, pv_finalizer_change};
+use crate::objects::{is_loop, pv_finalizer_change};
 use crate::results::Outcome;
 
 /// A write task's debt: the `Outcome`s it owes its loop (`stowage_common::runtime::owed`).
@@ -99,8 +99,8 @@ impl Hooks {
 /// carries its resource's names and path as owned strings, so a copy per task allocated a dozen
 /// times for each API handle.
 pub(crate) struct Executor {
-    /// Lean: the objects a write returns are decoded without their managed fields.
-    pub(crate) vas: Api<Lean<VolumeAttachment>>,
+    /// Their answers come back as the informer decodes them (no managed fields).
+    pub(crate) vas: Attachments,
     pub(crate) pvs: Api<PersistentVolume>,
     pub(crate) nodes: Api<Node>,
     pub(crate) events: Events,
@@ -250,23 +250,22 @@ impl Controller {
         e.attach_started.get_or_insert(now);
         let w = self.executor.clone();
         w.metrics.queue_depth.with_label_values(&["attach"]).inc();
-        let va = VolumeAttachment {
+        let va = Attachment {
             metadata: ObjectMeta {
                 name: Some(va_name.clone()),
                 ..Default::default()
             },
-            spec: VolumeAttachmentSpec {
+            spec: AttachmentSpec {
                 attacher: driver,
                 node_name: node.clone(),
                 // An inline volume's attachment carries its translated spec instead of a PV.
-                source: VolumeAttachmentSource {
+                source: AttachmentSource {
                     persistent_volume_name: inline.is_none().then_some(pv_name),
                     inline_volume_spec: inline,
                 },
             },
             status: None,
         };
-        let va = Lean(va);
         let owed = Owed::new(
             &w.done,
             vec![Outcome::Attach {
@@ -279,23 +278,16 @@ impl Controller {
         self.tasks.spawn(async move {
             let _guard = owed.guard();
             let _slot = w.attach_slots.clone().acquire_owned().await;
-            let pv = va.0.spec.source.persistent_volume_name.as_deref();
-            w.hooks.before_attach(pv);
+            let pv = va.spec.source.persistent_volume_name.clone();
+            w.hooks.before_attach(pv.as_deref());
             let timer = w
                 .metrics
                 .operation_seconds
                 .with_label_values(&["attach"])
                 .start_timer();
-            let result = w
-                .vas
-                .create(&PostParams::default(), &va)
-                .await
-                .map(Lean::into_inner)
-                .map_err(Error::Api);
+            let result = w.vas.create(va).await.map_err(Error::Api);
             timer.observe_duration();
-            w.hooks
-                .before_attach_result(va.0.spec.source.persistent_volume_name.as_deref())
-                .await;
+            w.hooks.before_attach_result(pv.as_deref()).await;
             owed.send(Outcome::Attach {
                 volume,
                 node,
@@ -320,13 +312,14 @@ impl Controller {
                 continue;
             };
             let attached = self.pv_attachments.contains_key(&name);
-            let Some(add) = PvSpecView::of(&pv)
-                .and_then(|spec| pv_finalizer_change(&pv.metadata, spec.is_loop(), attached))
+            let Some(add) = pv
+                .source()
+                .and_then(|spec| pv_finalizer_change(pv.meta(), is_loop(&spec), attached))
             else {
                 continue;
             };
             let mut fins: Vec<String> = pv
-                .metadata
+                .meta()
                 .finalizers
                 .iter()
                 .flatten()
@@ -337,7 +330,7 @@ impl Controller {
                 fins.push(stowage_common::store::objects::LOOP_ATTACHER_FINALIZER.into());
             }
             let patch = serde_json::json!({
-                "metadata": { "finalizers": fins, "resourceVersion": pv.metadata.resource_version }
+                "metadata": { "finalizers": fins, "resourceVersion": pv.meta().resource_version }
             });
             self.pv_patching.insert(name.clone());
             let w = self.executor.clone();
@@ -361,7 +354,7 @@ impl Controller {
         }
     }
 
-    /// Drops the built-in attacher's finalizer from a dead node's VolumeAttachment (guarded by the
+    /// Drops the built-in attacher's finalizer from a dead node's Attachment (guarded by the
     /// resourceVersion decided on, so a finalizer list that changed meanwhile is decided again).
     pub(crate) fn start_release(
         &mut self,
@@ -412,12 +405,7 @@ impl Controller {
             let patch = serde_json::json!({
                 "metadata": { "finalizers": fins, "resourceVersion": rv }
             });
-            let result = w
-                .vas
-                .patch(&va_name, &PatchParams::default(), &Patch::Merge(&patch))
-                .await
-                .map(Lean::into_inner)
-                .map_err(Error::Api);
+            let result = w.vas.merge_patch(&va_name, &patch).await.map_err(Error::Api);
             owed.send(Outcome::Release { volume, node, result });
         });
     }
@@ -543,15 +531,15 @@ impl Controller {
                         .operation_seconds
                         .with_label_values(&["detach"])
                         .start_timer();
-                    // iSCSI/FC have no VolumeAttachment: their plugins' detach does nothing, so
+                    // iSCSI/FC have no Attachment: their plugins' detach does nothing, so
                     // with the node status written and the live Node checked, it is done.
                     let result = if !crate::translate::is_csi_name(&j.volume) {
                         Ok(None)
                     } else {
-                        match w.vas.delete(&j.va_name, &DeleteParams::default()).await {
+                        match w.vas.delete(&j.va_name).await {
                             // The apiserver may answer with the object as it was when removed at
                             // once; only one still held by finalizers is still there.
-                            Ok(either) => Ok(either.left().map(Lean::into_inner).filter(|va| {
+                            Ok(answer) => Ok(answer.filter(|va| {
                                 va.metadata.deletion_timestamp.is_some() && !va.finalizers().is_empty()
                             })),
                             Err(e) if stowage_common::errors::is_not_found(&e) => Ok(None),

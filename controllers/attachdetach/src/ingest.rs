@@ -5,17 +5,17 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use tokio::time::Instant;
 
-use k8s_openapi::api::core::v1::{Node, PersistentVolume, PersistentVolumeClaim};
+use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::storage::v1::CSIDriver;
 use kube::ResourceExt;
 use kube::runtime::reflector::ObjectRef;
 use stowage_common::observe::events::{Occurrence, Repeat};
 use stowage_common::observe::storageops::{VOLUME_ATTACH, VOLUME_DETACH};
-use stowage_common::store::attachment::VolumeAttachment;
+use stowage_common::store::Attachment;
+use stowage_common::store::StoredPod;
 use stowage_common::store::informer::is_newer;
 use stowage_common::store::informers::Informers;
-use stowage_common::store::packed::Packed;
-use stowage_common::store::slim::Pod;
+use stowage_common::store::{StoredClaim, StoredVolume};
 
 use crate::actual::Actual;
 use crate::controller::Controller;
@@ -23,7 +23,7 @@ use crate::core::pass_unaffected;
 use crate::desired::{Kind, Lookup, PodRef, driver_attachable, kept_note, resolve_pod};
 use crate::metrics::observe_attempt;
 use crate::objects::{
-    NodeInfo, PvSpecView, VaState, pod_claims, pod_is_active, pod_node, pv_finalizer_change,
+    NodeInfo, VaState, is_loop, pod_claims, pod_is_active, pod_node, pv_finalizer_change,
     split_unique_volume_name, unique_volume_name,
 };
 use crate::translate::{is_csi_name, pv_target, split_in_tree_name};
@@ -32,10 +32,10 @@ use crate::translate::{is_csi_name, pv_target, split_in_tree_name};
 pub(crate) struct Stores<'a>(&'a Informers);
 
 impl Lookup for Stores<'_> {
-    fn claim(&self, namespace: &str, name: &str) -> Option<Arc<Packed<PersistentVolumeClaim>>> {
+    fn claim(&self, namespace: &str, name: &str) -> Option<Arc<StoredClaim>> {
         self.0.pvcs.store().get(&ObjectRef::new(name).within(namespace))
     }
-    fn volume(&self, name: &str) -> Option<Arc<Packed<PersistentVolume>>> {
+    fn volume(&self, name: &str) -> Option<Arc<StoredVolume>> {
         self.0.pvs.store().get(&ObjectRef::new(name))
     }
     fn driver(&self, name: &str) -> Option<Arc<CSIDriver>> {
@@ -92,7 +92,7 @@ impl Controller {
     }
 
     /// Reloads everything from the stores. `verify` also drops attachments known only from node
-    /// status that have no VolumeAttachment (upstream's periodic verify, from the store: a CSI
+    /// status that have no Attachment (upstream's periodic verify, from the store: a CSI
     /// volume without one is not attached).
     pub(crate) fn resync(&mut self, verify: bool) {
         self.quiet = true;
@@ -130,7 +130,7 @@ impl Controller {
             if a.va.as_ref().is_some_and(|v| !names.contains(&v.name)) {
                 a.va = None;
             }
-            // iSCSI/FC attachments have no VolumeAttachment to confirm them; their plugins
+            // iSCSI/FC attachments have no Attachment to confirm them; their plugins
             // report every volume attached, as upstream's verify does.
             if verify && a.va.is_none() && a.op.is_none() && is_csi_name(volume) {
                 a.reported = None;
@@ -160,7 +160,7 @@ impl Controller {
 
     /// A pod event: the pod is resolved again by the next attach step (`Controller::attach_step`),
     /// which starts a full pass only if the pod let go of a volume.
-    pub(crate) fn pod_changed(&mut self, pod: &Pod) {
+    pub(crate) fn pod_changed(&mut self, pod: &StoredPod) {
         let key = (pod.namespace().unwrap_or_default(), pod.name_any());
         self.pod_seen.entry(key.clone()).or_insert_with(Instant::now);
         self.dirty_pods.insert(key);
@@ -175,15 +175,11 @@ impl Controller {
         }
     }
 
-    pub(crate) fn volume_changed(&mut self, pv: &Packed<PersistentVolume>) {
-        let name = pv.metadata.name.clone().unwrap_or_default();
-        if let Some(spec) = PvSpecView::of(pv) {
-            if pv_finalizer_change(
-                &pv.metadata,
-                spec.is_loop(),
-                self.pv_attachments.contains_key(&name),
-            )
-            .is_some()
+    pub(crate) fn volume_changed(&mut self, pv: &StoredVolume) {
+        let name = pv.meta().name.clone().unwrap_or_default();
+        if let Some(spec) = pv.source() {
+            if pv_finalizer_change(pv.meta(), is_loop(&spec), self.pv_attachments.contains_key(&name))
+                .is_some()
             {
                 self.pv_dirty.insert(name.clone());
                 self.touch();
@@ -365,7 +361,7 @@ impl Controller {
     /// migrated in-tree volume) or its inline spec.
     pub(crate) fn resolve_va(
         &mut self,
-        va: &VolumeAttachment,
+        va: &Attachment,
         remember: bool,
     ) -> Option<(String, String, String, String)> {
         if let Some(spec) = va.spec.source.inline_volume_spec.as_deref() {
@@ -383,7 +379,7 @@ impl Controller {
             .pvs
             .store()
             .get(&ObjectRef::new(pv_name))
-            .and_then(|p| PvSpecView::of(&p));
+            .and_then(|p| p.source());
         let target = pv.and_then(|p| pv_target(pv_name, &p).ok().flatten());
         let Some(csi) = target.filter(|t| !matches!(t.kind, Kind::InTree)) else {
             // Left alone until its volume shows up, as upstream skips it.
@@ -403,10 +399,10 @@ impl Controller {
         ))
     }
 
-    /// A VolumeAttachment seen (watch) or returned by a write. Marks a full pass due unless the
+    /// A Attachment seen (watch) or returned by a write. Marks a full pass due unless the
     /// change provably leaves that pass's decisions as they were (`pass_unaffected`); returns
     /// whether it did.
-    pub(crate) fn va_applied(&mut self, va: &VolumeAttachment) -> bool {
+    pub(crate) fn va_applied(&mut self, va: &Attachment) -> bool {
         if let Some(pv) = va.spec.source.persistent_volume_name.as_deref() {
             self.pv_attachments
                 .entry(pv.to_string())
@@ -506,14 +502,14 @@ impl Controller {
             .pvs
             .store()
             .get(&ObjectRef::new(name))
-            .is_some_and(|pv| pv_finalizer_change(&pv.metadata, is_loop, attached).is_none());
+            .is_some_and(|pv| pv_finalizer_change(pv.meta(), is_loop, attached).is_none());
         if settled {
             self.pv_dirty.remove(name);
         }
         settled
     }
 
-    pub(crate) fn va_deleted(&mut self, va: &VolumeAttachment) {
+    pub(crate) fn va_deleted(&mut self, va: &Attachment) {
         let name = va.name_any();
         if let Some(pv) = va.spec.source.persistent_volume_name.as_deref() {
             if let Some(set) = self.pv_attachments.get_mut(pv) {
@@ -559,7 +555,7 @@ impl Controller {
     }
 }
 
-/// Whether (volume, node) has no VolumeAttachment and no operation yet: an attach is still to
+/// Whether (volume, node) has no Attachment and no operation yet: an attach is still to
 /// start, so its decision latency is open.
 pub(crate) fn awaits_attach(actual: &Actual, volume: &str, node: &str) -> bool {
     actual

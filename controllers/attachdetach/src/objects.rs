@@ -3,14 +3,11 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use k8s_openapi::api::core::v1::{self as v1, Node, PersistentVolume};
+use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::ResourceExt;
-use serde::Deserialize;
 use sha2::{Digest, Sha256};
-use stowage_common::store::attachment::VolumeAttachment;
-use stowage_common::store::packed::Packed;
-use stowage_common::store::slim::Pod;
+use stowage_common::store::{Attachment, StoredPod, VolumeSource};
 
 /// Set by a kubelet (or stowage-agent) that leaves attach/detach to the controller.
 pub const ANN_CONTROLLER_MANAGED: &str = "volumes.kubernetes.io/controller-managed-attach-detach";
@@ -32,7 +29,7 @@ pub fn split_unique_volume_name(name: &str) -> Option<(&str, &str)> {
     rest.split_once('^')
 }
 
-/// The VolumeAttachment name upstream's CSI attacher uses, so both controllers (and a restart
+/// The Attachment name upstream's CSI attacher uses, so both controllers (and a restart
 /// after switching between them) agree on one object per (volume, node).
 pub fn attachment_name(handle: &str, driver: &str, node: &str) -> String {
     let mut h = Sha256::new();
@@ -50,23 +47,17 @@ pub fn attach_succeeded_note(pv: &str) -> String {
 
 /// Scheduled and not finished. A pod being deleted still holds its volumes until it is gone or
 /// its phase says its containers are done (the kubelet may still be writing).
-pub fn pod_is_active(pod: &Pod) -> bool {
-    let scheduled = pod
-        .spec
-        .as_ref()
-        .and_then(|s| s.node_name.as_deref())
-        .is_some_and(|n| !n.is_empty());
-    let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
-    scheduled && !matches!(phase, Some("Succeeded" | "Failed"))
+pub fn pod_is_active(pod: &StoredPod) -> bool {
+    pod.node_name().is_some() && !matches!(pod.phase(), Some("Succeeded" | "Failed"))
 }
 
-pub fn pod_node(pod: &Pod) -> Option<&str> {
-    pod.spec.as_ref()?.node_name.as_deref().filter(|n| !n.is_empty())
+pub fn pod_node(pod: &StoredPod) -> Option<&str> {
+    pod.node_name()
 }
 
 /// Names of the claims a pod mounts: persistentVolumeClaim and generic ephemeral volumes (the
 /// index claim → pods; whether an ephemeral claim is really the pod's is checked on resolve).
-pub fn pod_claims(pod: &Pod) -> Vec<String> {
+pub fn pod_claims(pod: &StoredPod) -> Vec<String> {
     stowage_common::store::objects::pod_claims(pod)
         .into_iter()
         .map(|c| c.claim)
@@ -79,86 +70,13 @@ pub use stowage_loopdriver::DRIVER as LOOP_DRIVER;
 /// Why a `loop.stowage.dev` volume goes to one node at a time, for the multi-attach event.
 pub const LOOP_SINGLE_NODE_RULE: &str = "loop.stowage.dev volumes that are not ReadOnlyMany are attached to one node at a time: ext4 on a loop image is corrupted when two kernels mount it read-write";
 
-/// What attach/detach reads of a PV's spec. Pod and attachment events each read their volume,
-/// and this view decodes only these fields from the stored JSON (`PvSpecView::of`) instead of
-/// building the whole `PersistentVolume` and cloning its metadata.
-#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct PvSpecView {
-    #[serde(default)]
-    pub access_modes: Vec<String>,
-    pub claim_ref: Option<RefView>,
-    pub csi: Option<CsiView>,
-    // In-tree sources (translated to CSI, or iSCSI/FC attached in-tree); boxed, as they are rare.
-    pub aws_elastic_block_store: Option<Box<v1::AWSElasticBlockStoreVolumeSource>>,
-    pub gce_persistent_disk: Option<Box<v1::GCEPersistentDiskVolumeSource>>,
-    pub azure_disk: Option<Box<v1::AzureDiskVolumeSource>>,
-    pub azure_file: Option<Box<v1::AzureFilePersistentVolumeSource>>,
-    pub cinder: Option<Box<v1::CinderPersistentVolumeSource>>,
-    pub vsphere_volume: Option<Box<v1::VsphereVirtualDiskVolumeSource>>,
-    pub portworx_volume: Option<Box<v1::PortworxVolumeSource>>,
-    pub iscsi: Option<Box<v1::ISCSIPersistentVolumeSource>>,
-    pub fc: Option<Box<v1::FCVolumeSource>>,
-    /// The PV's labels and annotations (GCE PD's zones, Azure File's resource group feed the
-    /// translated handle); read from metadata, not the spec.
-    #[serde(skip)]
-    pub labels: BTreeMap<String, String>,
-    #[serde(skip)]
-    pub annotations: BTreeMap<String, String>,
-}
-
-/// The claim a volume is bound to.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
-pub struct RefView {
-    pub namespace: Option<String>,
-    pub name: Option<String>,
-    pub uid: Option<String>,
-}
-
-#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct CsiView {
-    pub driver: String,
-    pub volume_handle: String,
-}
-
-impl PvSpecView {
-    /// The view of a stored volume. Its JSON decoded as a `PersistentVolume` when stored, and
-    /// these fields have that type's names and types, so this cannot fail short of a bug; if it
-    /// did, the error is logged and `None` leaves the volume as it is: not resolved for a pod,
-    /// its finalizer neither added nor removed.
-    pub fn of(pv: &Packed<PersistentVolume>) -> Option<Self> {
-        #[derive(Deserialize)]
-        struct Wire {
-            #[serde(default)]
-            spec: Option<PvSpecView>,
-        }
-        match pv.view::<Wire>() {
-            Ok(w) => {
-                let mut spec = w.spec.unwrap_or_default();
-                // Only the in-tree sources that read them copy them (from the decoded metadata).
-                if spec.gce_persistent_disk.is_some() {
-                    spec.labels = pv.metadata.labels.clone().unwrap_or_default();
-                }
-                if spec.azure_file.is_some() {
-                    spec.annotations = pv.metadata.annotations.clone().unwrap_or_default();
-                }
-                Some(spec)
-            }
-            Err(e) => {
-                tracing::error!(pv = ?pv.metadata.name, error = %e, "stored volume does not read back");
-                None
-            }
-        }
-    }
-
-    pub fn is_loop(&self) -> bool {
-        self.csi.as_ref().is_some_and(|c| c.driver == LOOP_DRIVER)
-    }
+/// Is the volume's CSI driver the built-in one?
+pub fn is_loop(spec: &VolumeSource) -> bool {
+    spec.csi.as_ref().is_some_and(|c| c.driver == LOOP_DRIVER)
 }
 
 /// What the built-in attacher's finalizer on a PV needs, as external-attacher keeps it: on a
-/// `loop.stowage.dev` PV while any VolumeAttachment names it (so the PV cannot vanish under an
+/// `loop.stowage.dev` PV while any Attachment names it (so the PV cannot vanish under an
 /// attachment that a restarted controller could then no longer map), off once none does.
 /// `Some(true)`: add, `Some(false)`: remove, `None`: nothing. No finalizer is added to a PV
 /// being deleted (the apiserver refuses new finalizers then). `is_loop`: the PV's CSI driver is
@@ -180,9 +98,9 @@ pub fn pv_finalizer_change(meta: &ObjectMeta, is_loop: bool, attached: bool) -> 
 /// treated as shareable, as upstream does. Exception: a `loop.stowage.dev` volume is shareable
 /// only when every mode is ReadOnlyMany (the agent then attaches and mounts it read-only), since
 /// two kernels writing one ext4 image corrupt it, whatever the PV's modes claim.
-pub fn pv_multi_attach_allowed(spec: &PvSpecView) -> bool {
+pub fn pv_multi_attach_allowed(spec: &VolumeSource) -> bool {
     let modes = &spec.access_modes;
-    if spec.is_loop() {
+    if is_loop(spec) {
         return !modes.is_empty() && modes.iter().all(|m| m == "ReadOnlyMany");
     }
     modes.is_empty() || modes.iter().any(|m| m == "ReadWriteMany" || m == "ReadOnlyMany")
@@ -254,7 +172,7 @@ impl NodeInfo {
     }
 }
 
-/// What the controller reads from one VolumeAttachment.
+/// What the controller reads from one Attachment.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct VaState {
     pub name: String,
@@ -269,7 +187,7 @@ pub struct VaState {
 }
 
 impl VaState {
-    pub fn of(va: &VolumeAttachment) -> Self {
+    pub fn of(va: &Attachment) -> Self {
         let status = va.status.as_ref();
         Self {
             name: va.name_any(),
@@ -326,7 +244,9 @@ mod tests {
 #[cfg(test)]
 mod access_mode_tests {
     use super::*;
+    use k8s_openapi::api::core::v1::PersistentVolume;
     use k8s_openapi::api::core::v1::{CSIPersistentVolumeSource, PersistentVolumeSpec};
+    use stowage_common::store::{BoundClaim, CsiSource, StoredVolume};
 
     fn pv(driver: &str, modes: &[&str]) -> PersistentVolume {
         PersistentVolume {
@@ -347,13 +267,13 @@ mod access_mode_tests {
         }
     }
 
-    /// The view the controller reads, through a stored (packed) copy as in the informer.
-    fn view(pv: &PersistentVolume) -> PvSpecView {
-        PvSpecView::of(&Packed::new(pv.clone())).unwrap()
+    /// What the controller reads, through a stored copy as in the informer.
+    fn view(pv: &PersistentVolume) -> VolumeSource {
+        StoredVolume::new(pv.clone()).source().unwrap()
     }
 
     fn change(pv: &PersistentVolume, attached: bool) -> Option<bool> {
-        pv_finalizer_change(&pv.metadata, view(pv).is_loop(), attached)
+        pv_finalizer_change(&pv.metadata, is_loop(&view(pv)), attached)
     }
 
     fn shared(pv: &PersistentVolume) -> bool {
@@ -372,21 +292,21 @@ mod access_mode_tests {
         });
         assert_eq!(
             view(&v),
-            PvSpecView {
+            VolumeSource {
                 access_modes: vec!["ReadWriteOnce".into(), "ReadOnlyMany".into()],
-                claim_ref: Some(RefView {
+                claim_ref: Some(BoundClaim {
                     namespace: Some("app".into()),
                     name: Some("c".into()),
                     uid: Some("u-1".into())
                 }),
-                csi: Some(CsiView {
+                csi: Some(CsiSource {
                     driver: "nfs.csi.example".into(),
                     volume_handle: "h".into()
                 }),
                 ..Default::default()
             }
         );
-        assert_eq!(view(&PersistentVolume::default()), PvSpecView::default());
+        assert_eq!(view(&PersistentVolume::default()), VolumeSource::default());
     }
 
     #[test]

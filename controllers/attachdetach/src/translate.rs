@@ -11,9 +11,9 @@ use std::sync::Arc;
 use k8s_openapi::api::core::v1::{
     AzureDiskVolumeSource, CSIPersistentVolumeSource, FCVolumeSource, PersistentVolumeSpec, SecretReference,
 };
-use stowage_common::store::slim;
+use stowage_common::store::{PodVolume, VolumeSource};
 
-use crate::objects::{CSI_PLUGIN, PvSpecView, pv_multi_attach_allowed};
+use crate::objects::{CSI_PLUGIN, pv_multi_attach_allowed};
 
 /// The in-tree iSCSI plugin (still built into kube-controller-manager v1.36).
 pub const ISCSI_PLUGIN: &str = "kubernetes.io/iscsi";
@@ -87,7 +87,7 @@ pub fn is_csi_name(name: &str) -> bool {
 
 /// `Ok(None)`: the PV needs no attaching (NFS, host path, local, …); `Err`: a source upstream
 /// fails to translate (its volume is then skipped, as upstream skips it).
-pub fn pv_target(pv_name: &str, pv: &PvSpecView) -> Result<Option<Target>, String> {
+pub fn pv_target(pv_name: &str, pv: &VolumeSource) -> Result<Option<Target>, String> {
     let csi = |driver: &str, handle: String, modes: &[String]| Target {
         driver: driver.to_string(),
         handle,
@@ -182,7 +182,7 @@ pub fn pv_target(pv_name: &str, pv: &PvSpecView) -> Result<Option<Target>, Strin
 }
 
 /// A pod's inline volume: `Ok(None)` when it is nothing attach/detach handles.
-pub fn inline_target(v: &slim::Volume, namespace: &str) -> Result<Option<Target>, String> {
+pub fn inline_target(v: &PodVolume, namespace: &str) -> Result<Option<Target>, String> {
     // Non-migrated inline volumes: upstream checks only two kinds for multi-attach, neither
     // of which is left.
     if let Some(s) = &v.iscsi {
@@ -219,7 +219,7 @@ pub fn inline_target(v: &slim::Volume, namespace: &str) -> Result<Option<Target>
 /// csi-translation-lib's translation of a migrated inline volume: the translated PV's name and
 /// spec (volume mode Filesystem, as the library sets for every inline volume).
 pub fn translate_inline(
-    v: &slim::Volume,
+    v: &PodVolume,
     namespace: &str,
 ) -> Result<Option<(String, PersistentVolumeSpec)>, String> {
     let src = |driver: &str, handle: &str| CSIPersistentVolumeSource {

@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{ObjectReference, PersistentVolume, PersistentVolumeClaim};
+use k8s_openapi::api::core::v1::ObjectReference;
 use k8s_openapi::api::storage::v1::StorageClass;
 use kube::runtime::reflector::ObjectRef;
 use kube::{Api, Resource, ResourceExt};
@@ -17,10 +17,10 @@ use stowage_common::errors::PANIC;
 use stowage_common::observe::events::{Events, Occurrence, Repeat};
 use stowage_common::runtime::driver::{self, Inputs, Next, Pace, Reconciler};
 use stowage_common::runtime::inflight::{Landed, Window};
+use stowage_common::store::StoredPod;
 use stowage_common::store::informer::Change;
 use stowage_common::store::informers::Informers;
-use stowage_common::store::packed::Packed;
-use stowage_common::store::slim::Pod;
+use stowage_common::store::{StoredClaim, StoredVolume};
 use tokio::time::Instant;
 
 use crate::core::{self, Action, Cache, Env, Event, Target};
@@ -128,7 +128,7 @@ pub async fn run(cluster: Arc<Informers>, metrics: Metrics, config: Config) -> a
     let inputs = Inputs::new()
         .feed(pv_feed, Input::Volume)
         .feed(pvc_feed, Input::Claim)
-        .feed(pod_feed, Input::Pod)
+        .feed(pod_feed, Input::StoredPod)
         .feed(class_feed, |_| Input::Class)
         .every(Instant::now() + config.resync, config.resync, || Input::Resync)
         // First check at once: the gauge is right from the start of the term.
@@ -139,9 +139,9 @@ pub async fn run(cluster: Arc<Informers>, metrics: Metrics, config: Config) -> a
 }
 
 pub(crate) enum Input {
-    Volume(Change<Packed<PersistentVolume>>),
-    Claim(Change<Packed<PersistentVolumeClaim>>),
-    Pod(Change<Pod>),
+    Volume(Change<StoredVolume>),
+    Claim(Change<StoredClaim>),
+    StoredPod(Change<StoredPod>),
     /// A new or changed class can unblock claims waiting for it.
     Class,
     Resync,
@@ -165,13 +165,13 @@ impl Reconciler for Controller {
     fn input(&mut self, input: Input) {
         match input {
             Input::Volume(Change::Applied(pv)) => self.pv_seen(pv),
-            Input::Volume(Change::Deleted(pv)) => self.pv_gone(&pv.unpack()),
+            Input::Volume(Change::Deleted(pv)) => self.pv_gone(&pv.decode()),
             Input::Claim(Change::Applied(c)) => self.claim_seen(c),
-            Input::Claim(Change::Deleted(c)) => self.claim_gone(&c.unpack()),
+            Input::Claim(Change::Deleted(c)) => self.claim_gone(&c.decode()),
             Input::Volume(Change::Resynced) | Input::Claim(Change::Resynced) | Input::Resync => self.resync(),
-            Input::Pod(Change::Applied(p)) => self.pod_seen(&p, false),
-            Input::Pod(Change::Deleted(p)) => self.pod_seen(&p, true),
-            Input::Pod(Change::Resynced) => self.pods_resync(),
+            Input::StoredPod(Change::Applied(p)) => self.pod_seen(&p, false),
+            Input::StoredPod(Change::Deleted(p)) => self.pod_seen(&p, true),
+            Input::StoredPod(Change::Resynced) => self.pods_resync(),
             Input::Class => self.wake_pending_claims(),
             Input::StoreCheck => self.executor.check_store(),
         }
@@ -258,11 +258,11 @@ impl Controller {
             .with_label_values(&[key.kind()])
             .start_timer();
         let actions = match &key {
-            Key::Claim(k) => match self.cache.claim(k) {
+            Key::Claim(k) => match self.cache.decode_claim(k) {
                 Some(c) => core::sync_claim(&c, &self.cache, &env),
                 None => vec![],
             },
-            Key::Volume(n) => match self.cache.pv(n) {
+            Key::Volume(n) => match self.cache.decode_pv(n) {
                 Some(pv) => core::sync_volume(&pv, &self.cache, &env),
                 None => vec![],
             },
@@ -370,8 +370,8 @@ impl Controller {
 
     pub(crate) fn reference(&self, t: &Target) -> Option<ObjectReference> {
         Some(match t {
-            Target::Claim(k) => self.cache.claim(k)?.object_ref(&()),
-            Target::Volume(n) => self.cache.pv(n)?.object_ref(&()),
+            Target::Claim(k) => self.cache.decode_claim(k)?.object_ref(&()),
+            Target::Volume(n) => self.cache.decode_pv(n)?.object_ref(&()),
         })
     }
 }

@@ -153,7 +153,7 @@ impl Snapshot {
             classes: HashMap::new(),
         };
         let mut pv = |n: &str| {
-            if let Some(p) = cache.pv(n) {
+            if let Some(p) = cache.decode_pv(n) {
                 s.pvs.insert(n.to_string(), p);
             }
         };
@@ -187,10 +187,10 @@ impl Snapshot {
             }
         }
         for c in claim_names {
-            if let Some(obj) = cache.claim(&c) {
+            if let Some(obj) = cache.decode_claim(&c) {
                 // A provisioned volume that already exists makes provisioning a no-op.
                 if let Some(name) = loopdev::provisioned_name(&obj)
-                    && let Some(p) = cache.pv(&name)
+                    && let Some(p) = cache.decode_pv(&name)
                 {
                     s.pvs.insert(name, p);
                 }

@@ -6,8 +6,8 @@ use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
 use kube::ResourceExt;
-use stowage_common::store::packed::Packed;
-use stowage_common::store::slim::Pod;
+use stowage_common::store::StoredPod;
+use stowage_common::store::{StoredClaim, StoredVolume};
 
 use crate::controller::{Controller, Key, subject};
 use crate::core::{PodUse, Target};
@@ -53,7 +53,7 @@ impl Controller {
             let key = claim_key(c.as_ref());
             self.requeue(Key::Claim(key.clone()));
             if self.cache.put_claim(c.clone()) {
-                self.track_claim(&key, Some(&c.unpack()));
+                self.track_claim(&key, Some(&c.decode()));
             }
         }
     }
@@ -65,7 +65,7 @@ impl Controller {
         }
     }
 
-    pub(crate) fn pv_seen(&mut self, pv: Arc<Packed<PersistentVolume>>) {
+    pub(crate) fn pv_seen(&mut self, pv: Arc<StoredVolume>) {
         let name = pv.name_any();
         if let Some(put) = self.cache.put_pv(pv) {
             self.queue.add(Key::Volume(name));
@@ -94,10 +94,10 @@ impl Controller {
         }
     }
 
-    pub(crate) fn claim_seen(&mut self, c: Arc<Packed<PersistentVolumeClaim>>) {
+    pub(crate) fn claim_seen(&mut self, c: Arc<StoredClaim>) {
         let key = claim_key(c.as_ref());
         if self.cache.put_claim(c.clone()) {
-            self.track_claim(&key, Some(&c.unpack()));
+            self.track_claim(&key, Some(&c.decode()));
             self.queue.add(Key::Claim(key));
         }
     }
@@ -122,7 +122,7 @@ impl Controller {
 
     /// Indexes a pod's claims; a change wakes what waits on pods: an unbound claim (its
     /// WaitForPodScheduled event) and a volume still naming the claim (Recycle waits for pods).
-    pub(crate) fn pod_seen(&mut self, pod: &Pod, gone: bool) {
+    pub(crate) fn pod_seen(&mut self, pod: &StoredPod, gone: bool) {
         for claim in self.pods.update(pod, gone) {
             if self.unbound.contains_key(&claim) {
                 self.queue.add(Key::Claim(claim.clone()));
@@ -202,15 +202,11 @@ impl PodIndex {
     }
 
     /// Records `pod` (or its removal); returns the claims whose pods changed.
-    pub(crate) fn update(&mut self, pod: &Pod, gone: bool) -> Vec<String> {
+    pub(crate) fn update(&mut self, pod: &StoredPod, gone: bool) -> Vec<String> {
         let ns = pod.namespace().unwrap_or_default();
         let name = pod.name_any();
         let pod_key = format!("{ns}/{name}");
-        let scheduled = pod
-            .spec
-            .as_ref()
-            .and_then(|s| s.node_name.as_deref())
-            .is_some_and(|n| !n.is_empty());
+        let scheduled = pod.node_name().is_some();
         let now: Vec<String> = if gone || stowage_common::store::objects::pod_terminated(pod) {
             vec![]
         } else {

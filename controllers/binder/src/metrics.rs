@@ -4,26 +4,19 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, RwLock};
 
-use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
+use k8s_openapi::api::core::v1::PersistentVolume;
 use kube::runtime::reflector::Store;
 use prometheus::core::{Collector, Desc, Describer};
 use prometheus::proto::MetricFamily;
 use prometheus::{Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, Opts};
 use stowage_common::observe::metrics::{Registry, register};
-use stowage_common::store::packed::Packed;
+use stowage_common::store::{StoredClaim, StoredVolume};
 
 use crate::objects::{claim_class, claim_phase, claim_vac, pv_block, pv_class, pv_phase};
 use kube::ResourceExt;
 
 /// The stores of the current leadership term, read at scrape time.
-type SharedStores = Arc<
-    RwLock<
-        Option<(
-            Store<Packed<PersistentVolume>>,
-            Store<Packed<PersistentVolumeClaim>>,
-        )>,
-    >,
->;
+type SharedStores = Arc<RwLock<Option<(Store<StoredVolume>, Store<StoredClaim>)>>>;
 
 #[derive(Clone)]
 pub struct Metrics {
@@ -189,7 +182,7 @@ impl Metrics {
     }
 
     /// Points the inventory gauges at the stores of the current leadership term.
-    pub fn attach(&self, pvs: Store<Packed<PersistentVolume>>, pvcs: Store<Packed<PersistentVolumeClaim>>) {
+    pub fn attach(&self, pvs: Store<StoredVolume>, pvcs: Store<StoredClaim>) {
         *self.stores.write().unwrap_or_else(|p| p.into_inner()) = Some((pvs, pvcs));
     }
 }
@@ -306,17 +299,17 @@ impl Collector for Inventory {
         let mut counts: [Counts; 7] = Default::default();
         let mut bump = |i: usize, labels: Vec<String>| *counts[i].entry(labels).or_default() += 1;
         if let Some((pvs, pvcs)) = guard.as_ref() {
-            // Each object is decoded in turn (packed in the stores), never all at once.
-            for packed in pvs.state() {
-                let pv = packed.unpack();
+            // Each object is decoded in turn, never all at once.
+            for stored in pvs.state() {
+                let pv = stored.decode();
                 let class = pv_class(&pv).to_string();
                 bump(0, vec![pv_phase(&pv).into(), class.clone()]);
                 bump(if pv_phase(&pv) == "Bound" { 2 } else { 3 }, vec![class]);
                 let mode = if pv_block(&pv) { "Block" } else { "Filesystem" };
                 bump(6, vec![plugin_name(&pv), mode.into()]);
             }
-            for packed in pvcs.state() {
-                let c = packed.unpack();
+            for stored in pvcs.state() {
+                let c = stored.decode();
                 let class = claim_class(&c).unwrap_or("").to_string();
                 bump(1, vec![claim_phase(&c).into(), class.clone()]);
                 let vac = claim_vac(&c).to_string();

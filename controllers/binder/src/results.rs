@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{ObjectReference, PersistentVolume, PersistentVolumeClaim};
 use stowage_common::runtime::inflight::Landed;
-use stowage_common::store::packed::IntoPacked;
+use stowage_common::store::IntoStored;
 use tokio::time::Instant;
 
 use crate::controller::{Controller, Key};
@@ -97,12 +97,12 @@ impl Controller {
                 self.pv_gone(&pv);
             }
         }
-        // Packed as the informers pack them (which also drops the responses' managedFields).
+        // Stored as the informers store them (which also drops the responses' managedFields).
         for pv in done.pvs {
-            self.pv_seen(pv.into_packed());
+            self.pv_seen(pv.into_stored());
         }
         for c in done.claims {
-            self.claim_seen(c.into_packed());
+            self.claim_seen(c.into_stored());
         }
         for k in done.wake {
             self.queue.add(k);

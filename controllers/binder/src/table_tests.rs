@@ -230,8 +230,10 @@ impl Row {
             pods_of: &pods,
         };
         let out = match self.sync {
-            Sync::Claim => sync_claim(&cache.claim(C).expect("row has claim ns/c"), &cache, &env),
-            Sync::Volume(name) => sync_volume(&cache.pv(name).expect("row has the volume"), &cache, &env),
+            Sync::Claim => sync_claim(&cache.decode_claim(C).expect("row has claim ns/c"), &cache, &env),
+            Sync::Volume(name) => {
+                sync_volume(&cache.decode_pv(name).expect("row has the volume"), &cache, &env)
+            }
         };
         let events = out
             .iter()

@@ -439,7 +439,7 @@ async fn a_recycle_volume_waits_for_the_pods_of_its_old_claim_then_fails() {
     assert!(msg.contains("recycling is not supported"), "{msg}");
 }
 
-/// The binder stores PVs and claims packed and writes them back whole (PUT): every field the
+/// The binder stores PVs and claims in the read model's form and writes them back whole (PUT): every field the
 /// objects carried, including ones it never reads, must come back from the apiserver unchanged.
 #[tokio::test]
 async fn a_bind_writes_back_every_field_the_objects_carried() {
@@ -497,7 +497,7 @@ async fn a_bind_writes_back_every_field_the_objects_carried() {
     );
 }
 
-/// The informers and the PUTs decode objects `Lean` (without managed fields): what they hold is
+/// The informers and the PUTs decode objects without managed fields: what they hold is
 /// exactly what the apiserver serves, less that one field, which the apiserver does send.
 #[tokio::test]
 async fn stores_and_writes_hold_what_the_apiserver_serves_less_managed_fields() {
@@ -541,19 +541,19 @@ async fn stores_and_writes_hold_what_the_apiserver_serves_less_managed_fields() 
     assert_eq!(stored_claim, want_claim, "the claim informer's object");
 }
 
-/// The object a store holds once it has caught up with `want`'s resourceVersion, unpacked.
-async fn stored_at<K: stowage_common::store::packed::Packable>(
-    store: &kube::runtime::reflector::Store<stowage_common::store::packed::Packed<K>>,
-    key: kube::runtime::reflector::ObjectRef<stowage_common::store::packed::Packed<K>>,
+/// The object a store holds once it has caught up with `want`'s resourceVersion, decoded.
+async fn stored_at<K: stowage_common::store::Storable>(
+    store: &kube::runtime::reflector::Store<stowage_common::store::Stored<K>>,
+    key: kube::runtime::reflector::ObjectRef<stowage_common::store::Stored<K>>,
     want: &K,
 ) -> K {
     let rv = &want.metadata().resource_version;
     eventually(WAIT, || async {
         match store.get(&key) {
-            Some(o) if &o.metadata.resource_version == rv => Ok(o.unpack()),
+            Some(o) if &o.meta().resource_version == rv => Ok(o.decode()),
             other => Err(format!(
                 "stored: {:?}",
-                other.map(|o| o.metadata.resource_version.clone())
+                other.map(|o| o.meta().resource_version.clone())
             )),
         }
     })

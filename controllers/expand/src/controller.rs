@@ -20,8 +20,8 @@ use stowage_common::runtime::inflight::{Landed, Window};
 use stowage_common::runtime::queue::WorkQueue;
 use stowage_common::store::informer::Change;
 use stowage_common::store::informers::Informers;
-use stowage_common::store::packed::Packed;
 use stowage_common::store::pv::{claim_class, claim_volume_name, pv_block};
+use stowage_common::store::{StoredClaim, StoredVolume};
 use tokio::time::Instant;
 
 use crate::core::{self, Action};
@@ -95,8 +95,8 @@ pub async fn run(cluster: Arc<Informers>, metrics: Metrics, config: Config) -> a
 }
 
 pub(crate) enum Input {
-    Claim(Change<Packed<PersistentVolumeClaim>>),
-    Volume(Change<Packed<PersistentVolume>>),
+    Claim(Change<StoredClaim>),
+    Volume(Change<StoredVolume>),
     Class(Change<StorageClass>),
     Resync,
 }
@@ -117,12 +117,12 @@ impl Reconciler for Controller {
 
     fn input(&mut self, input: Input) {
         match input {
-            Input::Claim(Change::Applied(c)) => self.claim_seen(&c.unpack()),
-            Input::Claim(Change::Deleted(c)) => self.claim_gone(&c.unpack()),
-            Input::Volume(Change::Applied(pv)) => self.pv_seen(&pv.unpack()),
+            Input::Claim(Change::Applied(c)) => self.claim_seen(&c.decode()),
+            Input::Claim(Change::Deleted(c)) => self.claim_gone(&c.decode()),
+            Input::Volume(Change::Applied(pv)) => self.pv_seen(&pv.decode()),
             Input::Volume(Change::Deleted(pv)) => {
                 self.pvs.remove(&pv.name_any());
-                self.queue_claim_of(&pv.unpack());
+                self.queue_claim_of(&pv.decode());
             }
             // A class that now allows expansion unblocks its claims (and a refusal is news).
             Input::Class(Change::Applied(sc) | Change::Deleted(sc)) => self.wake_class(&sc.name_any()),

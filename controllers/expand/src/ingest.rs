@@ -8,7 +8,7 @@ use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
 use kube::ResourceExt;
 use kube::runtime::reflector::ObjectRef;
 use stowage_common::store::informer::is_newer;
-use stowage_common::store::pv::{claim_class, claim_key, claim_ref, claim_volume_name};
+use stowage_common::store::pv::{claim_key, claim_ref, claim_volume_name};
 
 use crate::controller::Controller;
 use crate::core::{self};
@@ -37,12 +37,12 @@ impl Controller {
         let (ns, name) = split(key);
         let stored = self.cluster.pvcs.store().get(&ObjectRef::new(name).within(ns));
         // A claim gone from the store is gone, whatever we wrote before.
-        let stored = Arc::new(stored?.unpack());
+        let stored = Arc::new(stored?.decode());
         newest(Some(stored), self.claims.get(key))
     }
 
     pub(crate) fn pv(&self, name: &str) -> Option<Arc<PersistentVolume>> {
-        let stored = Arc::new(self.cluster.pvs.store().get(&ObjectRef::new(name))?.unpack());
+        let stored = Arc::new(self.cluster.pvs.store().get(&ObjectRef::new(name))?.decode());
         newest(Some(stored), self.pvs.get(name))
     }
 
@@ -131,10 +131,11 @@ impl Controller {
     }
 
     pub(crate) fn wake_class(&mut self, class: &str) {
-        for packed in self.cluster.pvcs.store().state() {
-            let c = packed.unpack();
-            if claim_class(&c) == Some(class) && !claim_volume_name(&c).is_empty() {
-                self.queue.add(claim_key(&c));
+        // The few fields this reads are decoded, not each whole claim.
+        for stored in self.cluster.pvcs.store().state() {
+            let Ok(binding) = stored.binding() else { continue };
+            if stored.class(&binding) == Some(class) && !binding.volume_name.is_empty() {
+                self.queue.add(claim_key(stored.as_ref()));
             }
         }
     }

@@ -3,8 +3,8 @@
 
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use stowage_common::store::StoredPod;
 use stowage_common::store::objects::pod_claims;
-use stowage_common::store::slim::Pod;
 
 /// Put on every claim by the apiserver's StorageObjectInUseProtection admission.
 pub const PVC_FINALIZER: &str = "kubernetes.io/pvc-protection";
@@ -19,10 +19,10 @@ pub struct PodRef {
 }
 
 impl PodRef {
-    pub fn of(pod: &Pod) -> Self {
+    pub fn of(pod: &StoredPod) -> Self {
         Self {
-            name: pod.metadata.name.clone().unwrap_or_default(),
-            uid: pod.metadata.uid.clone().unwrap_or_default(),
+            name: pod.meta().name.clone().unwrap_or_default(),
+            uid: pod.meta().uid.clone().unwrap_or_default(),
         }
     }
 }
@@ -47,7 +47,7 @@ fn has(finalizers: Option<&Vec<String>>, f: &str) -> bool {
 }
 
 /// The decision for a claim given the pods that use it (already filtered by `pod_uses_claim`).
-/// Only the claim's metadata matters, so a packed claim is decided without decoding it.
+/// Only the claim's metadata matters, so a stored claim is decided without decoding it.
 pub fn decide_pvc(meta: &ObjectMeta, users: &[PodRef]) -> Action {
     let protected = has(meta.finalizers.as_ref(), PVC_FINALIZER);
     match (meta.deletion_timestamp.is_some(), protected) {
@@ -67,9 +67,13 @@ pub fn decide_pvc(meta: &ObjectMeta, users: &[PodRef]) -> Action {
 
 /// The decision for a volume: it stays while Bound.
 pub fn decide_pv(pv: &PersistentVolume) -> Action {
-    let meta = &pv.metadata;
+    decide_pv_of(&pv.metadata, pv.status.as_ref().and_then(|s| s.phase.as_deref()))
+}
+
+/// [`decide_pv`] from the only fields it reads: the metadata and `status.phase`.
+pub fn decide_pv_of(meta: &ObjectMeta, phase: Option<&str>) -> Action {
     let protected = has(meta.finalizers.as_ref(), PV_FINALIZER);
-    let bound = pv.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Bound");
+    let bound = phase == Some("Bound");
     match (meta.deletion_timestamp.is_some(), protected) {
         (true, true) if bound => Action::WaitForUnbind,
         (true, true) => Action::RemoveFinalizer,
@@ -87,14 +91,14 @@ pub fn pvc_needs_sync(meta: &ObjectMeta) -> bool {
 /// A pod the kubelet is done with, or that was force-deleted: deleted with a zero grace period
 /// (upstream's `podIsShutDown`). It only waits for its own finalizers, so counting it as the user
 /// of its generic ephemeral claim could deadlock a pod finalizer that waits for that claim.
-pub fn pod_is_shut_down(pod: &Pod) -> bool {
-    pod.metadata.deletion_timestamp.is_some() && pod.metadata.deletion_grace_period_seconds == Some(0)
+pub fn pod_is_shut_down(pod: &StoredPod) -> bool {
+    pod.meta().deletion_timestamp.is_some() && pod.meta().deletion_grace_period_seconds == Some(0)
 }
 
 /// The names of the claims a pod refers to, in its own namespace: plain claim volumes and the
 /// `<pod>-<volume>` claims of generic ephemeral volumes (the shared reader,
 /// `stowage_common::store::objects::pod_claims`). Used to index pods by claim.
-pub fn claim_names(pod: &Pod) -> Vec<String> {
+pub fn claim_names(pod: &StoredPod) -> Vec<String> {
     let mut out: Vec<String> = pod_claims(pod).into_iter().map(|c| c.claim).collect();
     out.sort();
     out.dedup();
@@ -108,8 +112,8 @@ pub fn claim_names(pod: &Pod) -> Vec<String> {
 /// the pod owns it and is not shut down (`pod_is_shut_down`). Unlike upstream, a pod not yet
 /// scheduled counts too: it may be bound to a node any moment, and keeping the claim a little
 /// longer is the safe mistake.
-pub fn pod_uses_claim(pod: &Pod, pvc: &PersistentVolumeClaim) -> bool {
-    if pod.metadata.namespace != pvc.metadata.namespace {
+pub fn pod_uses_claim(pod: &StoredPod, pvc: &PersistentVolumeClaim) -> bool {
+    if pod.meta().namespace != pvc.metadata.namespace {
         return false;
     }
     let Some(claim) = pvc.metadata.name.as_deref() else {
@@ -121,7 +125,7 @@ pub fn pod_uses_claim(pod: &Pod, pvc: &PersistentVolumeClaim) -> bool {
 }
 
 /// The live users of `pvc` among `pods`, sorted.
-pub fn users<'a>(pvc: &PersistentVolumeClaim, pods: impl IntoIterator<Item = &'a Pod>) -> Vec<PodRef> {
+pub fn users<'a>(pvc: &PersistentVolumeClaim, pods: impl IntoIterator<Item = &'a StoredPod>) -> Vec<PodRef> {
     let mut u: Vec<PodRef> = pods
         .into_iter()
         .filter(|p| pod_uses_claim(p, pvc))
@@ -155,6 +159,7 @@ mod tests {
         PodSpec, PodStatus, Volume,
     };
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::{OwnerReference, Time};
+    use kube::Resource;
     use kube::api::ObjectMeta;
     use proptest::prelude::*;
 
@@ -198,7 +203,7 @@ mod tests {
         Other(String),
     }
 
-    fn pod(name: &str, uid: &str, phase: Option<&str>, vols: &[Vol]) -> Pod {
+    fn pod(name: &str, uid: &str, phase: Option<&str>, vols: &[Vol]) -> StoredPod {
         let volumes = vols
             .iter()
             .map(|v| match v {
@@ -222,7 +227,7 @@ mod tests {
             })
             .collect();
         // Built as the API type, stored as the informer decodes it.
-        Pod::try_from(&FullPod {
+        StoredPod::from_pod(&FullPod {
             metadata: ObjectMeta {
                 name: Some(name.into()),
                 namespace: Some("ns".into()),
@@ -279,13 +284,13 @@ mod tests {
             );
         }
         let mut p = pod("p", "u1", Some("Running"), &[Vol::Claim("data".into())]);
-        p.metadata.deletion_timestamp = Some(ts());
-        p.metadata.deletion_grace_period_seconds = Some(30);
+        p.meta_mut().deletion_timestamp = Some(ts());
+        p.meta_mut().deletion_grace_period_seconds = Some(30);
         assert!(
             pod_uses_claim(&p, &c),
             "a pod still in its grace period uses the claim"
         );
-        p.metadata.deletion_grace_period_seconds = Some(0);
+        p.meta_mut().deletion_grace_period_seconds = Some(0);
         assert!(
             pod_uses_claim(&p, &c),
             "force-deleted but still there (finalizers): its volume may still be mounted"
@@ -300,10 +305,10 @@ mod tests {
             assert!(pod_uses_claim(&p, &c), "{phase}: not shut down");
         }
         let mut p = pod("p", "u1", Some("Running"), &[Vol::Ephemeral("scratch".into())]);
-        p.metadata.deletion_timestamp = Some(ts());
-        p.metadata.deletion_grace_period_seconds = Some(30);
+        p.meta_mut().deletion_timestamp = Some(ts());
+        p.meta_mut().deletion_grace_period_seconds = Some(30);
         assert!(pod_uses_claim(&p, &c), "in its grace period");
-        p.metadata.deletion_grace_period_seconds = Some(0);
+        p.meta_mut().deletion_grace_period_seconds = Some(0);
         assert!(!pod_uses_claim(&p, &c), "shut down");
         assert_eq!(decide_pvc(&c.metadata, &users(&c, [&p])), Action::RemoveFinalizer);
     }
@@ -334,7 +339,7 @@ mod tests {
     fn other_namespace_does_not_count() {
         let c = claim("data", true, true);
         let mut p = pod("p", "u1", Some("Running"), &[Vol::Claim("data".into())]);
-        p.metadata.namespace = Some("elsewhere".into());
+        p.meta_mut().namespace = Some("elsewhere".into());
         assert!(!pod_uses_claim(&p, &c));
     }
 
@@ -406,7 +411,7 @@ mod tests {
         ]
     }
 
-    fn arb_pod() -> impl Strategy<Value = Pod> {
+    fn arb_pod() -> impl Strategy<Value = StoredPod> {
         (
             0u8..4,
             prop_oneof![
@@ -422,8 +427,8 @@ mod tests {
             .prop_map(|(i, phase, vols, grace)| {
                 let mut p = pod(&format!("p{i}"), &format!("u{i}"), phase, &vols);
                 if let Some(g) = grace {
-                    p.metadata.deletion_timestamp = Some(ts());
-                    p.metadata.deletion_grace_period_seconds = Some(g);
+                    p.meta_mut().deletion_timestamp = Some(ts());
+                    p.meta_mut().deletion_grace_period_seconds = Some(g);
                 }
                 p
             })
@@ -459,13 +464,13 @@ mod tests {
             // Upstream's rule: a named claim whatever the pod's state; an owned ephemeral claim
             // unless the pod is shut down (deleted with a zero grace period).
             let live_user = pods.iter().any(|p| {
-                let shut_down = p.metadata.deletion_timestamp.is_some() && p.metadata.deletion_grace_period_seconds == Some(0);
-                p.spec.as_ref().unwrap().volumes.iter().flatten().any(|v| {
+                let shut_down = p.meta().deletion_timestamp.is_some() && p.meta().deletion_grace_period_seconds == Some(0);
+                p.volumes().iter().any(|v| {
                     v.persistent_volume_claim.as_ref().is_some_and(|s| s.claim_name == name)
                         || (!shut_down
                             && v.ephemeral.is_some()
-                            && format!("{}-{}", p.metadata.name.as_ref().unwrap(), v.name) == name
-                            && c.metadata.owner_references.iter().flatten().any(|o| Some(&o.uid) == p.metadata.uid.as_ref()))
+                            && format!("{}-{}", p.meta().name.as_ref().unwrap(), v.name) == name
+                            && c.metadata.owner_references.iter().flatten().any(|o| Some(&o.uid) == p.meta().uid.as_ref()))
                 })
             });
             if action == Action::RemoveFinalizer {

@@ -3,7 +3,7 @@
 
 use std::collections::{BTreeSet, HashMap};
 
-use stowage_common::store::slim::Pod;
+use stowage_common::store::StoredPod;
 
 use crate::core::claim_names;
 
@@ -27,8 +27,8 @@ pub struct PodsByClaim {
 impl PodsByClaim {
     /// Indexes a created or updated pod; returns the claims whose users may have changed (those
     /// it refers to now and those it referred to before).
-    pub fn apply(&mut self, pod: &Pod) -> Vec<Key> {
-        let pod_key = key_of(&pod.metadata);
+    pub fn apply(&mut self, pod: &StoredPod) -> Vec<Key> {
+        let pod_key = key_of(pod.meta());
         let claims = claim_names(pod);
         let mut touched = self.remove_key(&pod_key);
         for c in &claims {
@@ -47,8 +47,8 @@ impl PodsByClaim {
     }
 
     /// Drops a deleted pod; returns the claims it referred to.
-    pub fn delete(&mut self, pod: &Pod) -> Vec<Key> {
-        self.remove_key(&key_of(&pod.metadata))
+    pub fn delete(&mut self, pod: &StoredPod) -> Vec<Key> {
+        self.remove_key(&key_of(pod.meta()))
     }
 
     fn remove_key(&mut self, pod_key: &Key) -> Vec<Key> {
@@ -71,7 +71,7 @@ impl PodsByClaim {
     }
 
     /// Rebuilds from a full list (after a relist or a lagged feed).
-    pub fn rebuild<'a>(&mut self, pods: impl IntoIterator<Item = &'a Pod>) {
+    pub fn rebuild<'a>(&mut self, pods: impl IntoIterator<Item = &'a StoredPod>) {
         *self = Self::default();
         for p in pods {
             self.apply(p);
@@ -103,8 +103,8 @@ mod tests {
     use proptest::prelude::*;
     use std::collections::BTreeMap;
 
-    fn pod(ns: &str, name: &str, claims: &[String]) -> Pod {
-        Pod::try_from(&FullPod {
+    fn pod(ns: &str, name: &str, claims: &[String]) -> StoredPod {
+        StoredPod::from_pod(&FullPod {
             metadata: ObjectMeta {
                 name: Some(name.into()),
                 namespace: Some(ns.into()),
@@ -158,11 +158,11 @@ mod tests {
         #[test]
         fn incremental_equals_rebuild(ops in proptest::collection::vec((any::<bool>(), 0u8..2, 0u8..4, proptest::collection::vec(0u8..4, 0..3)), 0..100)) {
             let mut ix = PodsByClaim::default();
-            let mut live: BTreeMap<(String, String), Pod> = BTreeMap::new();
+            let mut live: BTreeMap<(String, String), StoredPod> = BTreeMap::new();
             for (del, ns, name, claims) in ops {
                 let claims: Vec<String> = claims.iter().map(|c| format!("c{c}")).collect();
                 let p = pod(&format!("ns{ns}"), &format!("p{name}"), &claims);
-                let k = key_of(&p.metadata);
+                let k = key_of(p.meta());
                 let before: BTreeSet<Key> = ix.by_claim.iter().filter(|(_, s)| s.contains(&k.1)).map(|(c, _)| c.clone()).filter(|c| c.0 == k.0).collect();
                 let touched: BTreeSet<Key> = if del { live.remove(&k); ix.delete(&p).into_iter().collect() } else { live.insert(k.clone(), p.clone()); ix.apply(&p).into_iter().collect() };
                 let after: BTreeSet<Key> = ix.by_claim.iter().filter(|(_, s)| s.contains(&k.1)).map(|(c, _)| c.clone()).filter(|c| c.0 == k.0).collect();

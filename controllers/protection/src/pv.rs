@@ -8,12 +8,12 @@ use std::sync::Arc;
 use k8s_openapi::api::core::v1::PersistentVolume;
 use kube::Api;
 use kube::runtime::reflector::ObjectRef;
+use stowage_common::store::StoredVolume;
 use stowage_common::store::informer::Change;
 use stowage_common::store::informers::Informers;
-use stowage_common::store::packed::Packed;
 use tokio::time::Instant;
 
-use crate::core::{Action, PV_FINALIZER, decide_pv};
+use crate::core::{Action, PV_FINALIZER, decide_pv, decide_pv_of};
 use crate::error::Error;
 use crate::exec as write;
 use crate::metrics::{self, Metrics};
@@ -29,8 +29,9 @@ struct Controller {
     waiting: HashSet<String>,
 }
 
-fn needs_sync(pv: &PersistentVolume) -> bool {
-    decide_pv(pv) != Action::Nothing
+/// Whether a change of this volume can lead to an action (reads its metadata and phase only).
+fn needs_sync(pv: &StoredVolume) -> bool {
+    decide_pv_of(pv.meta(), pv.phase().as_deref()) != Action::Nothing
 }
 
 /// Runs pv-protection until the feed closes or the future is dropped.
@@ -56,7 +57,7 @@ pub async fn run_pv_protection(cluster: Arc<Informers>, metrics: Metrics) -> any
 
 impl Reconciler for Controller {
     type Key = String;
-    type Input = Change<Packed<PersistentVolume>>;
+    type Input = Change<StoredVolume>;
     type Done = ();
     type Error = Error;
 
@@ -92,18 +93,18 @@ impl Reconciler for Controller {
 }
 
 impl Controller {
-    fn on_volume(&mut self, f: Change<Packed<PersistentVolume>>) {
+    fn on_volume(&mut self, f: Change<StoredVolume>) {
         match f {
             Change::Applied(pv) => {
-                let name = pv.metadata.name.clone().unwrap_or_default();
-                if needs_sync(&pv.unpack()) {
+                let name = pv.meta().name.clone().unwrap_or_default();
+                if needs_sync(&pv) {
                     self.queue.add(name);
                 } else {
                     self.set_waiting(&name, false);
                 }
             }
             Change::Deleted(pv) => {
-                let name = pv.metadata.name.clone().unwrap_or_default();
+                let name = pv.meta().name.clone().unwrap_or_default();
                 self.queue.succeeded(&name);
                 self.set_waiting(&name, false);
             }
@@ -113,11 +114,11 @@ impl Controller {
 
     fn resync(&mut self) {
         let all = self.cluster.pvs.store().state();
-        let present: HashSet<String> = all.iter().filter_map(|v| v.metadata.name.clone()).collect();
+        let present: HashSet<String> = all.iter().filter_map(|v| v.meta().name.clone()).collect();
         self.waiting.retain(|n| present.contains(n));
         self.metrics.volumes_waiting.set(self.waiting.len() as i64);
-        for pv in all.iter().filter(|v| needs_sync(&v.unpack())) {
-            self.queue.add(pv.metadata.name.clone().unwrap_or_default());
+        for pv in all.iter().filter(|v| needs_sync(v)) {
+            self.queue.add(pv.meta().name.clone().unwrap_or_default());
         }
     }
 
@@ -141,7 +142,7 @@ impl Controller {
             .pvs
             .store()
             .get(&ObjectRef::new(name))
-            .map(|p| p.unpack())
+            .map(|p| p.decode())
         else {
             self.set_waiting(name, false);
             return Ok(());

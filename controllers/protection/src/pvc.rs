@@ -10,10 +10,10 @@ use kube::api::ListParams;
 use kube::runtime::reflector::ObjectRef;
 use kube::{Api, Resource};
 use stowage_common::observe::events::Events;
+use stowage_common::store::StoredClaim;
+use stowage_common::store::StoredPod;
 use stowage_common::store::informer::Change;
 use stowage_common::store::informers::Informers;
-use stowage_common::store::packed::Packed;
-use stowage_common::store::slim::Pod;
 use tokio::time::Instant;
 
 use crate::core::{Action, PVC_FINALIZER, PodRef, decide_pvc, pvc_needs_sync, users, waiting_note};
@@ -64,13 +64,15 @@ pub async fn run_pvc_protection(cluster: Arc<Informers>, metrics: Metrics) -> an
     c.resync_claims();
     tracing::info!("pvc-protection started");
     // One sync at a time, each on the newest view (upstream's single worker).
-    let inputs = Inputs::new().feed(claims, Input::Claim).feed(pods, Input::Pod);
+    let inputs = Inputs::new()
+        .feed(claims, Input::Claim)
+        .feed(pods, Input::StoredPod);
     driver::run(c, inputs, Pace { batch: 1 }).await
 }
 
 enum Input {
-    Claim(Change<Packed<PersistentVolumeClaim>>),
-    Pod(Change<Pod>),
+    Claim(Change<StoredClaim>),
+    StoredPod(Change<StoredPod>),
 }
 
 impl Reconciler for Controller {
@@ -86,7 +88,7 @@ impl Reconciler for Controller {
     fn input(&mut self, input: Input) {
         match input {
             Input::Claim(f) => self.on_claim(f),
-            Input::Pod(f) => self.on_pod(f),
+            Input::StoredPod(f) => self.on_pod(f),
         }
     }
 
@@ -114,8 +116,8 @@ impl Reconciler for Controller {
 }
 
 impl Controller {
-    /// The stored claim, packed (its metadata reads without decoding).
-    fn stored_claim(&self, key: &Key) -> Option<Arc<Packed<PersistentVolumeClaim>>> {
+    /// The stored claim (its metadata reads without decoding).
+    fn stored_claim(&self, key: &Key) -> Option<Arc<StoredClaim>> {
         self.cluster
             .pvcs
             .store()
@@ -123,14 +125,14 @@ impl Controller {
     }
 
     fn claim(&self, key: &Key) -> Option<Arc<PersistentVolumeClaim>> {
-        self.stored_claim(key).map(|c| Arc::new(c.unpack()))
+        self.stored_claim(key).map(|c| Arc::new(c.decode()))
     }
 
-    fn on_claim(&mut self, f: Change<Packed<PersistentVolumeClaim>>) {
+    fn on_claim(&mut self, f: Change<StoredClaim>) {
         match f {
             Change::Applied(pvc) => {
-                let key = key_of(&pvc.metadata);
-                if pvc_needs_sync(&pvc.metadata) {
+                let key = key_of(pvc.meta());
+                if pvc_needs_sync(pvc.meta()) {
                     self.queue.add(key);
                 } else if self.waiting.remove(&key).is_some() {
                     // Someone else took the finalizer off: it no longer waits on our account.
@@ -138,7 +140,7 @@ impl Controller {
                 }
             }
             Change::Deleted(pvc) => {
-                let key = key_of(&pvc.metadata);
+                let key = key_of(pvc.meta());
                 self.queue.succeeded(&key);
                 if self.waiting.remove(&key).is_some() {
                     self.update_waiting_gauge();
@@ -148,7 +150,7 @@ impl Controller {
         }
     }
 
-    fn on_pod(&mut self, f: Change<Pod>) {
+    fn on_pod(&mut self, f: Change<StoredPod>) {
         let touched = match f {
             Change::Applied(pod) => self.index.apply(&pod),
             Change::Deleted(pod) => self.index.delete(&pod),
@@ -161,10 +163,7 @@ impl Controller {
         };
         // A pod change matters only to claims that are being deleted or lack the finalizer.
         for key in touched {
-            if self
-                .stored_claim(&key)
-                .is_some_and(|p| pvc_needs_sync(&p.metadata))
-            {
+            if self.stored_claim(&key).is_some_and(|p| pvc_needs_sync(p.meta())) {
                 self.queue.add(key);
             }
         }
@@ -177,11 +176,11 @@ impl Controller {
 
     fn resync_claims(&mut self) {
         let claims = self.cluster.pvcs.store().state();
-        let present: std::collections::HashSet<Key> = claims.iter().map(|c| key_of(&c.metadata)).collect();
+        let present: std::collections::HashSet<Key> = claims.iter().map(|c| key_of(c.meta())).collect();
         self.waiting.retain(|k, _| present.contains(k));
         self.update_waiting_gauge();
-        for c in claims.iter().filter(|c| pvc_needs_sync(&c.metadata)) {
-            self.queue.add(key_of(&c.metadata));
+        for c in claims.iter().filter(|c| pvc_needs_sync(c.meta())) {
+            self.queue.add(key_of(c.meta()));
         }
     }
 
@@ -192,7 +191,7 @@ impl Controller {
     /// Users of `pvc` according to the shared pod store.
     fn cached_users(&self, pvc: &PersistentVolumeClaim, key: &Key) -> Vec<PodRef> {
         let store = self.cluster.pods.store();
-        let pods: Vec<Arc<Pod>> = self
+        let pods: Vec<Arc<StoredPod>> = self
             .index
             .pods_of(key)
             .filter_map(|name| store.get(&ObjectRef::new(name).within(&key.0)))
@@ -236,7 +235,7 @@ impl Controller {
     }
 
     async fn live_users(&self, pvc: &PersistentVolumeClaim, key: &Key) -> Result<Vec<PodRef>, Error> {
-        let api: Api<Pod> = Api::namespaced(self.cluster.client.clone(), &key.0);
+        let api: Api<StoredPod> = Api::namespaced(self.cluster.client.clone(), &key.0);
         // No resourceVersion: a consistent read, newer than the claim's deletion we reacted to.
         match api.list(&ListParams::default()).await {
             Ok(list) => {

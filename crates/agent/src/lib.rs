@@ -29,15 +29,11 @@ use std::sync::atomic::Ordering;
 
 use anyhow::{Context, bail};
 use clap::Parser;
-use k8s_openapi::api::core::v1::{Node, PersistentVolume, PersistentVolumeClaim, Pod};
-use k8s_openapi::api::storage::v1::VolumeAttachment;
-use kube::Api;
 use kube::runtime::watcher;
 use stowage_common::api::client::ApiArgs;
 use stowage_common::observe::events::Events;
 use stowage_common::observe::serve::{self, Health};
 use stowage_common::store::informer::{Informer, as_decoded};
-use stowage_common::store::lean::Lean;
 use stowage_loopdriver::csi::registration;
 use stowage_loopdriver::csi::server::{self as csi_server, Endpoint, NodeSettings, socket_path};
 use tokio::sync::watch;
@@ -198,25 +194,25 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     // concurrent writes (each loop bounds its own operations).
     let mut watches = JoinSet::new();
     let pods = Informer::spawn(
-        Api::<Lean<Pod>>::all(client.clone()),
+        client.clone(),
         watcher::Config::default().fields(&format!("spec.nodeName={}", args.node_name)),
         as_decoded,
         &mut watches,
     );
     let pvcs = Informer::spawn(
-        Api::<Lean<PersistentVolumeClaim>>::all(client.clone()),
+        client.clone(),
         watcher::Config::default(),
         as_decoded,
         &mut watches,
     );
     let pvs = Informer::spawn(
-        Api::<Lean<PersistentVolume>>::all(client.clone()),
+        client.clone(),
         watcher::Config::default(),
         as_decoded,
         &mut watches,
     );
     let vas = Informer::spawn(
-        Api::<Lean<VolumeAttachment>>::all(client.clone()),
+        client.clone(),
         watcher::Config::default(),
         as_decoded,
         &mut watches,
@@ -261,7 +257,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         ));
         // Its own Node: the volume manager mounts only what `status.volumesAttached` lists.
         let node = Informer::spawn(
-            Api::<Lean<Node>>::all(client.clone()),
+            client.clone(),
             watcher::Config::default().fields(&format!("metadata.name={}", args.node_name)),
             as_decoded,
             &mut watches,

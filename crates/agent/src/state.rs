@@ -116,7 +116,7 @@ pub struct Desired {
 }
 
 /// Lookups into the caches, as closures so tests can feed maps.
-pub struct View<'a> {
+pub struct Lookups<'a> {
     pub pvc: &'a dyn Fn(&str, &str) -> Option<Arc<PersistentVolumeClaim>>,
     pub pv: &'a dyn Fn(&str) -> Option<Arc<PersistentVolume>>,
     /// The VolumeAttachment of (PV name, volume handle) on this node.
@@ -216,9 +216,14 @@ fn attachment_of(va: Option<&VolumeAttachment>) -> Attachment {
 type Resolved = (Arc<PersistentVolumeClaim>, Arc<PersistentVolume>, bool);
 
 /// The volume a claim of a pod leads to, or why it leads nowhere. `Ok(None)`: not our driver.
-fn resolve(info: &PodInfo, pod: &Pod, pod_claim: &PodClaim, view: &View) -> Result<Option<Resolved>, String> {
+fn resolve(
+    info: &PodInfo,
+    pod: &Pod,
+    pod_claim: &PodClaim,
+    lookups: &Lookups,
+) -> Result<Option<Resolved>, String> {
     let claim_name = &pod_claim.claim;
-    let pvc = (view.pvc)(&info.namespace, claim_name)
+    let pvc = (lookups.pvc)(&info.namespace, claim_name)
         .ok_or_else(|| format!("persistentvolumeclaim \"{claim_name}\" not found"))?;
     if !pod_claim.usable(pod, &pvc.metadata) {
         return Err(format!(
@@ -231,7 +236,7 @@ fn resolve(info: &PodInfo, pod: &Pod, pod_claim: &PodClaim, view: &View) -> Resu
         .and_then(|s| s.volume_name.clone())
         .filter(|n| !n.is_empty())
         .ok_or_else(|| format!("persistentvolumeclaim \"{claim_name}\" is not bound to a volume yet"))?;
-    let pv = (view.pv)(&pv_name)
+    let pv = (lookups.pv)(&pv_name)
         .ok_or_else(|| format!("persistentvolume \"{pv_name}\" of claim \"{claim_name}\" not found"))?;
     let spec = pv.spec.as_ref();
     match spec.and_then(|s| s.csi.as_ref()) {
@@ -268,11 +273,11 @@ pub fn only_read_only_many(spec: &k8s_openapi::api::core::v1::PersistentVolumeSp
 }
 
 /// Desired state from the pods of this node.
-pub fn desired<'p>(pods: impl IntoIterator<Item = &'p Pod>, view: &View) -> Desired {
+pub fn desired<'p>(pods: impl IntoIterator<Item = &'p Pod>, lookups: &Lookups) -> Desired {
     let mut d = Desired::default();
     for pod in pods {
         let Some(info) = pod_info(pod) else { continue };
-        if !pod_is_live(pod, view.now) {
+        if !pod_is_live(pod, lookups.now) {
             continue;
         }
         d.live_pods.insert(info.uid.clone());
@@ -291,7 +296,7 @@ pub fn desired<'p>(pods: impl IntoIterator<Item = &'p Pod>, view: &View) -> Desi
                 reason: "FailedMount",
                 message,
             };
-            let (pvc, pv, pod_ro) = match resolve(&info, pod, &pod_claim, view) {
+            let (pvc, pv, pod_ro) = match resolve(&info, pod, &pod_claim, lookups) {
                 Ok(Some(x)) => x,
                 Ok(None) => continue,
                 Err(m) => {
@@ -318,7 +323,7 @@ pub fn desired<'p>(pods: impl IntoIterator<Item = &'p Pod>, view: &View) -> Desi
             let resize_to = node_resize_pending(&pvc)
                 .then(|| {
                     let st = pvc.status.as_ref()?;
-                    let already = pvc.metadata.uid.as_ref().and_then(|u| view.expanded.get(u));
+                    let already = pvc.metadata.uid.as_ref().and_then(|u| lookups.expanded.get(u));
                     if let Some(rv) = already
                         && !stowage_common::store::informer::is_newer(
                             pvc.metadata.resource_version.as_deref(),
@@ -343,9 +348,9 @@ pub fn desired<'p>(pods: impl IntoIterator<Item = &'p Pod>, view: &View) -> Desi
                     .and_then(|a| a.get("pv.beta.kubernetes.io/gid"))
                     .and_then(|g| g.parse().ok());
                 DesiredVolume {
-                    attachment: attachment_of((view.va)(&pv_name, &handle).as_deref()),
-                    reported_in_use: view.reported.contains(&unique_name(&handle)),
-                    listed_attached: view.attached.contains(&unique_name(&handle)),
+                    attachment: attachment_of((lookups.va)(&pv_name, &handle).as_deref()),
+                    reported_in_use: lookups.reported.contains(&unique_name(&handle)),
+                    listed_attached: lookups.attached.contains(&unique_name(&handle)),
                     pv: pv_name.clone(),
                     handle,
                     block,
@@ -540,7 +545,7 @@ mod tests {
             .collect();
         let reported = BTreeSet::new();
         let expanded = BTreeMap::new();
-        let view = View {
+        let lookups = Lookups {
             pvc: &|_, n| pvcs.get(n).cloned(),
             pv: &|n| pvs.get(n).cloned(),
             va: &|_, _| None,
@@ -549,7 +554,7 @@ mod tests {
             expanded: &expanded,
             now: Timestamp::UNIX_EPOCH,
         };
-        desired(pods, &view)
+        desired(pods, &lookups)
     }
 
     #[test]

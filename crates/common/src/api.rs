@@ -1,5 +1,6 @@
 //! The apiserver client: transport, rate limits, client metrics, write helpers.
 
+pub mod attachments;
 pub mod client;
 pub mod clientmetrics;
 pub mod ratelimit;

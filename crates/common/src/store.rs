@@ -1,11 +1,18 @@
-//! The shared informers and the objects they keep (the read model).
+//! The shared informers and the read model: the forms in which controllers see stored objects
+//! (`model`). How those are held is private to this module.
 
-pub mod attachment;
+mod attachment;
 pub mod informer;
 pub mod informers;
-pub mod lean;
+pub(crate) mod lean;
+pub mod model;
 pub mod objects;
-pub mod packed;
+mod packed;
 pub mod pv;
 pub mod quantity;
-pub mod slim;
+mod slim;
+
+pub use model::{
+    Attachment, AttachmentSource, AttachmentSpec, AttachmentStatus, BoundClaim, ClaimBinding, CsiSource,
+    IntoStored, PodRead, PodVolume, Storable, Stored, StoredClaim, StoredPod, StoredVolume, VolumeSource,
+};

@@ -1,11 +1,11 @@
 use k8s_openapi::api::core::v1::{self as v1, PersistentVolume, PersistentVolumeSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use proptest::prelude::*;
-use stowage_common::store::packed::Packed;
+use stowage_common::store::StoredVolume;
 
 use super::*;
 
-fn view(labels: &[(&str, &str)], spec: PersistentVolumeSpec) -> PvSpecView {
+fn view(labels: &[(&str, &str)], spec: PersistentVolumeSpec) -> VolumeSource {
     let pv = PersistentVolume {
         metadata: ObjectMeta {
             name: Some("pv".into()),
@@ -20,7 +20,7 @@ fn view(labels: &[(&str, &str)], spec: PersistentVolumeSpec) -> PvSpecView {
         spec: Some(spec),
         ..Default::default()
     };
-    PvSpecView::of(&Packed::new(pv)).expect("reads back")
+    StoredVolume::new(pv).source().expect("reads back")
 }
 
 fn target(labels: &[(&str, &str)], spec: PersistentVolumeSpec) -> Target {
@@ -187,7 +187,7 @@ fn iscsi_and_fc_are_named_as_their_plugins_name_them() {
     assert_eq!(pv_target("pv", &nfs), Ok(None));
 }
 
-fn inline(json: serde_json::Value) -> slim::Volume {
+fn inline(json: serde_json::Value) -> PodVolume {
     serde_json::from_value(json).expect("a pod volume")
 }
 

@@ -158,18 +158,18 @@ fn start_with_hidden_attachments(client: &Client) -> Controller {
     let mut tasks = JoinSet::new();
     let cfg = watcher::Config::default;
     let cluster = Arc::new(Informers {
-        pvs: Informer::spawn(Api::all(client.clone()), cfg(), as_decoded, &mut tasks),
-        pvcs: Informer::spawn(Api::all(client.clone()), cfg(), as_decoded, &mut tasks),
-        pods: Informer::spawn(Api::all(client.clone()), cfg(), as_decoded, &mut tasks),
-        nodes: Informer::spawn(Api::all(client.clone()), cfg(), as_decoded, &mut tasks),
+        pvs: Informer::spawn(client.clone(), cfg(), as_decoded, &mut tasks),
+        pvcs: Informer::spawn(client.clone(), cfg(), as_decoded, &mut tasks),
+        pods: Informer::spawn(client.clone(), cfg(), as_decoded, &mut tasks),
+        nodes: Informer::spawn(client.clone(), cfg(), as_decoded, &mut tasks),
         attachments: Informer::spawn(
-            Api::all(client.clone()),
+            client.clone(),
             cfg().labels(&format!("!{HIDDEN}")),
             as_decoded,
             &mut tasks,
         ),
-        classes: Informer::spawn(Api::all(client.clone()), cfg(), as_decoded, &mut tasks),
-        csi_drivers: Informer::spawn(Api::all(client.clone()), cfg(), as_decoded, &mut tasks),
+        classes: Informer::spawn(client.clone(), cfg(), as_decoded, &mut tasks),
+        csi_drivers: Informer::spawn(client.clone(), cfg(), as_decoded, &mut tasks),
         client: client.clone(),
         registry: registry.clone(),
     });

@@ -69,7 +69,7 @@ pub(super) fn sync_claim_phase(claim: &PersistentVolumeClaim, cache: &Cache, env
                 "Bound claim has lost reference to its PersistentVolume; data on the volume is lost!",
             );
         }
-        let Some(pv) = cache.pv(vol) else {
+        let Some(pv) = cache.decode_pv(vol) else {
             return lost(&format!(
                 "Bound claim has lost its PersistentVolume {vol:?}; data on the volume is lost!"
             ));
@@ -102,7 +102,7 @@ pub(super) fn sync_claim_phase(claim: &PersistentVolumeClaim, cache: &Cache, env
 
     if !vol.is_empty() {
         // A2: the user asked for a volume by name.
-        let Some(pv) = cache.pv(vol) else {
+        let Some(pv) = cache.decode_pv(vol) else {
             out.extend(claim_phase_action(claim, "Pending"));
             out.push(ev(
                 target,
@@ -361,7 +361,7 @@ pub fn loop_refusal(claim: &PersistentVolumeClaim, cache: &Cache) -> Option<Stri
         ));
     }
     let name = crate::loopdev::provisioned_name(claim)?;
-    let pv = cache.pv(&name)?;
+    let pv = cache.decode_pv(&name)?;
     if has_ann(pv.as_ref(), ANN_IMAGE_PENDING) && pv_phase(&pv) == "Failed" {
         let msg = pv
             .status

@@ -140,7 +140,7 @@ pub fn find_best(claim: &PersistentVolumeClaim, cache: &Cache, delay: bool) -> F
         .index
         .prebound_to(&key)
         .filter(|n| !cache.reserved_for_other(n, &key))
-        .filter_map(|n| cache.pv(n))
+        .filter_map(|n| cache.decode_pv(n))
         .filter(|pv| refers_to(pv, claim))
         .filter(|pv| check(pv, claim, Scope::Prebound).is_ok())
         .collect();
@@ -159,7 +159,7 @@ pub fn find_best(claim: &PersistentVolumeClaim, cache: &Cache, delay: bool) -> F
             if cache.reserved_for_other(name, &key) {
                 continue;
             }
-            let Some(pv) = cache.pv(name) else { continue };
+            let Some(pv) = cache.decode_pv(name) else { continue };
             if check(&pv, claim, Scope::Any).is_ok() {
                 return Found::Volume(pv);
             }
@@ -191,7 +191,7 @@ pub fn explain(claim: &PersistentVolumeClaim, cache: &Cache) -> String {
             let why = if cache.reserved_for_other(name, &key) {
                 Mismatch::Reserved
             } else {
-                check(cache.pv(name)?.as_ref(), claim, Scope::Any).err()?
+                check(cache.decode_pv(name)?.as_ref(), claim, Scope::Any).err()?
             };
             Some((size.abs_diff(want), name, why))
         })

@@ -13,7 +13,7 @@ use k8s_openapi::api::storage::v1::StorageClass;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::ResourceExt;
 use stowage_common::store::informer::is_newer;
-use stowage_common::store::packed::{IntoPacked, Packed};
+use stowage_common::store::{IntoStored, StoredClaim, StoredVolume};
 
 use crate::index::VolumeIndex;
 use crate::objects::*;
@@ -32,14 +32,15 @@ pub use writes::*;
 /// The controller's own view: the newest version it has seen or written of every PV and claim,
 /// the index over the PVs, and volumes promised to claims whose bind is in flight.
 ///
-/// PVs and claims are held packed (shared with the informers' stores when they came from
-/// there): the cache holds every one of the cluster's, and a sync reads only a few, so each
-/// read decodes the object it asks for (`pv`, `claim`). The maps are private so that every
-/// reader goes through those accessors or the metadata ones, which need no decoding.
+/// PVs and claims are held as the read model stores them (shared with the informers' stores
+/// when they came from there): the cache holds every one of the cluster's, and a sync reads
+/// only a few, so each read decodes the object it asks for (`decode_pv`, `decode_claim`: named
+/// for what they cost). The maps are private so that every reader goes through those or the
+/// metadata readers, which need no decoding.
 #[derive(Debug, Default, Clone)]
 pub struct Cache {
-    pvs: HashMap<String, Arc<Packed<PersistentVolume>>>,
-    claims: HashMap<String, Arc<Packed<PersistentVolumeClaim>>>,
+    pvs: HashMap<String, Arc<StoredVolume>>,
+    claims: HashMap<String, Arc<StoredClaim>>,
     pub index: VolumeIndex,
     /// PV name → claim key holding it for an in-flight bind.
     pub reserved: HashMap<String, String>,
@@ -49,19 +50,19 @@ pub struct Cache {
 }
 
 impl Cache {
-    /// The newest version of PV `name`, decoded.
-    pub fn pv(&self, name: &str) -> Option<Arc<PersistentVolume>> {
-        self.pvs.get(name).map(|p| Arc::new(p.unpack()))
+    /// The newest version of PV `name`, decoded whole (a full decode per call).
+    pub fn decode_pv(&self, name: &str) -> Option<Arc<PersistentVolume>> {
+        self.pvs.get(name).map(|p| Arc::new(p.decode()))
     }
 
-    /// The newest version of claim `namespace/name`, decoded.
-    pub fn claim(&self, key: &str) -> Option<Arc<PersistentVolumeClaim>> {
-        self.claims.get(key).map(|c| Arc::new(c.unpack()))
+    /// The newest version of claim `namespace/name`, decoded whole (a full decode per call).
+    pub fn decode_claim(&self, key: &str) -> Option<Arc<PersistentVolumeClaim>> {
+        self.claims.get(key).map(|c| Arc::new(c.decode()))
     }
 
     /// A claim's metadata (no decoding).
     pub fn claim_meta(&self, key: &str) -> Option<&ObjectMeta> {
-        self.claims.get(key).map(|c| &c.metadata)
+        self.claims.get(key).map(|c| c.meta())
     }
 
     pub fn has_pv(&self, name: &str) -> bool {
@@ -87,17 +88,17 @@ impl Cache {
     /// decoded, or `None` when it kept the version it had: a newer one, or this very object (a
     /// resync hands back the store's objects, which the cache already shares; nothing to decode
     /// or re-index).
-    pub fn put_pv(&mut self, pv: impl IntoPacked<PersistentVolume>) -> Option<PvPut> {
-        let pv = pv.into_packed();
+    pub fn put_pv(&mut self, pv: impl IntoStored<PersistentVolume>) -> Option<PvPut> {
+        let pv = pv.into_stored();
         let name = pv.name_any();
         if let Some(old) = self.pvs.get(&name)
-            && (Arc::ptr_eq(old, &pv) || is_newer_version(&old.metadata, &pv.metadata))
+            && (Arc::ptr_eq(old, &pv) || is_newer_version(old.meta(), pv.meta()))
         {
             return None;
         }
-        let new = pv.unpack();
+        let new = pv.decode();
         self.index.upsert(&new);
-        let old = self.pvs.insert(name.clone(), pv).map(|p| p.unpack());
+        let old = self.pvs.insert(name.clone(), pv).map(|p| p.decode());
         if let Some(old) = &old {
             self.forget_handle(&name, old);
         }
@@ -129,11 +130,11 @@ impl Cache {
 
     /// Stores claim `c` as `put_pv` stores a PV; returns whether it did (not when the cache
     /// holds a newer version or this very object).
-    pub fn put_claim(&mut self, c: impl IntoPacked<PersistentVolumeClaim>) -> bool {
-        let c = c.into_packed();
+    pub fn put_claim(&mut self, c: impl IntoStored<PersistentVolumeClaim>) -> bool {
+        let c = c.into_stored();
         let key = claim_key(c.as_ref());
         if let Some(old) = self.claims.get(&key)
-            && (Arc::ptr_eq(old, &c) || is_newer_version(&old.metadata, &c.metadata))
+            && (Arc::ptr_eq(old, &c) || is_newer_version(old.meta(), c.meta()))
         {
             return false;
         }
@@ -143,13 +144,13 @@ impl Cache {
 
     pub fn remove_pv(&mut self, name: &str) -> Option<Arc<PersistentVolume>> {
         self.index.remove(name);
-        let old = self.pvs.remove(name)?.unpack();
+        let old = self.pvs.remove(name)?.decode();
         self.forget_handle(name, &old);
         Some(Arc::new(old))
     }
 
     pub fn remove_claim(&mut self, key: &str) -> Option<Arc<PersistentVolumeClaim>> {
-        self.claims.remove(key).map(|c| Arc::new(c.unpack()))
+        self.claims.remove(key).map(|c| Arc::new(c.decode()))
     }
 
     fn reserved_for_other(&self, pv: &str, claim: &str) -> bool {
@@ -302,6 +303,7 @@ fn is_wffc(class: &StorageClass) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use stowage_common::store::Stored;
     use stowage_testkit::builders::{pv, pvc};
 
     #[test]
@@ -314,7 +316,7 @@ mod tests {
             phase: Some("Available".into()),
             ..Default::default()
         });
-        let shared = Arc::new(Packed::new(v.clone()));
+        let shared = Arc::new(Stored::new(v.clone()));
         let put = cache.put_pv(shared.clone()).expect("a new volume is stored");
         assert!(put.old.is_none());
         assert_eq!(put.new, v);
@@ -328,15 +330,15 @@ mod tests {
         assert!(cache.put_pv(older).is_none());
         let again = cache.put_pv(v.clone()).expect("an equal version passes");
         assert_eq!(again.old.as_ref(), Some(&v));
-        assert_eq!(cache.pv("v1").as_deref(), Some(&v));
+        assert_eq!(cache.decode_pv("v1").as_deref(), Some(&v));
 
         let mut c = pvc("ns", "c1").build();
         c.metadata.uid = Some("u2".into());
         c.metadata.resource_version = Some("7".into());
-        let shared = Arc::new(Packed::new(c.clone()));
+        let shared = Arc::new(Stored::new(c.clone()));
         assert!(cache.put_claim(shared.clone()));
         assert!(!cache.put_claim(shared));
         assert!(cache.put_claim(c.clone()));
-        assert_eq!(cache.claim("ns/c1").as_deref(), Some(&c));
+        assert_eq!(cache.decode_claim("ns/c1").as_deref(), Some(&c));
     }
 }

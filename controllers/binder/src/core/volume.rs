@@ -156,7 +156,7 @@ pub(super) fn sync_volume_phase(pv: &PersistentVolume, cache: &Cache, env: &Env)
     let claim = cache
         .claim_meta(&key)
         .filter(|m| m.uid.as_deref() == Some(uid))
-        .and_then(|_| cache.claim(&key));
+        .and_then(|_| cache.decode_claim(&key));
     let Some(claim) = claim else {
         if phase != "Released" && phase != "Failed" {
             out.push(Action::Release { pv: name });

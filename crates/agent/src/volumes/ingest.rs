@@ -16,7 +16,7 @@ use crate::error::Error;
 use crate::mountinfo::{self, MountEntry};
 use crate::paths::Place;
 use crate::probe::{self, Answer, Health, Prober};
-use crate::state::{Actual, Desired, Mounted, PodMount, View, desired};
+use crate::state::{Actual, Desired, Lookups, Mounted, PodMount, desired};
 use crate::sys;
 
 pub(crate) async fn observe_and_decide(
@@ -36,7 +36,7 @@ pub(crate) async fn observe_and_decide(
         .unwrap_or_default();
     let pods = ctx.pods.store().state();
     let d = {
-        let view = View {
+        let lookups = Lookups {
             pvc: &|ns, n| ctx.pvc(ns, n),
             pv: &|n| ctx.pv(n),
             va: &|pv, h| ctx.va_for(pv, h),
@@ -45,7 +45,7 @@ pub(crate) async fn observe_and_decide(
             expanded,
             now: Timestamp::now(),
         };
-        desired(pods.iter().map(|p| p.as_ref()), &view)
+        desired(pods.iter().map(|p| p.as_ref()), &lookups)
     };
     Ok((d, a))
 }

@@ -1,4 +1,4 @@
-//! The VolumeAttachment as the controllers hold it: every field of the API type, with the
+//! The VolumeAttachment as the controllers hold it (`Attachment`): every field of the API type, with the
 //! inline PV spec boxed.
 //!
 //! k8s-openapi's `VolumeAttachment` holds `spec.source.inlineVolumeSpec` by value: a whole
@@ -7,9 +7,9 @@
 //! stowage never creates. An attachment is moved by value many times between the wire and the
 //! store (decoding, the watcher's event types, the informer, a create's result on its way back
 //! to the controller): boxing it cut the bytes the controller copies per attach to about a third
-//! and lowered its peak RSS (docs/benchmarks-history.md, "Attachments by pointer"). Boxed, the field costs a pointer, and every move copies a few hundred bytes.
+//! and lowered its peak RSS (docs/benchmarks-history.md, "Attachments by pointer").
 //!
-//! Unlike `slim::Pod` this type is lossless: it decodes and encodes the same JSON as the API
+//! This type is lossless: it decodes and encodes the same JSON as the API
 //! type (the round trip is tested), so it is also what attach/detach creates.
 
 use k8s_openapi::api::core::v1::PersistentVolumeSpec;
@@ -17,27 +17,27 @@ use k8s_openapi::api::storage::v1 as api;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde::{Deserialize, Serialize, Serializer};
 
-pub use k8s_openapi::api::storage::v1::VolumeAttachmentStatus;
+pub use k8s_openapi::api::storage::v1::VolumeAttachmentStatus as AttachmentStatus;
 
 #[derive(Clone, Debug, Default, PartialEq, Deserialize)]
-pub struct VolumeAttachment {
+pub struct Attachment {
     #[serde(default)]
     pub metadata: ObjectMeta,
-    pub spec: VolumeAttachmentSpec,
-    pub status: Option<VolumeAttachmentStatus>,
+    pub spec: AttachmentSpec,
+    pub status: Option<AttachmentStatus>,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
-pub struct VolumeAttachmentSpec {
+pub struct AttachmentSpec {
     pub attacher: String,
     pub node_name: String,
-    pub source: VolumeAttachmentSource,
+    pub source: AttachmentSource,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
-pub struct VolumeAttachmentSource {
+pub struct AttachmentSource {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub persistent_volume_name: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -45,7 +45,7 @@ pub struct VolumeAttachmentSource {
 }
 
 /// The API type's encoding: `apiVersion` and `kind` first, no `status` when there is none.
-impl Serialize for VolumeAttachment {
+impl Serialize for Attachment {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         #[derive(Serialize)]
         #[serde(rename_all = "camelCase")]
@@ -53,9 +53,9 @@ impl Serialize for VolumeAttachment {
             api_version: &'static str,
             kind: &'static str,
             metadata: &'a ObjectMeta,
-            spec: &'a VolumeAttachmentSpec,
+            spec: &'a AttachmentSpec,
             #[serde(skip_serializing_if = "Option::is_none")]
-            status: &'a Option<VolumeAttachmentStatus>,
+            status: &'a Option<AttachmentStatus>,
         }
         Wire {
             api_version: <Self as k8s_openapi::Resource>::API_VERSION,
@@ -68,7 +68,7 @@ impl Serialize for VolumeAttachment {
     }
 }
 
-impl k8s_openapi::Resource for VolumeAttachment {
+impl k8s_openapi::Resource for Attachment {
     const API_VERSION: &'static str = <api::VolumeAttachment as k8s_openapi::Resource>::API_VERSION;
     const GROUP: &'static str = <api::VolumeAttachment as k8s_openapi::Resource>::GROUP;
     const KIND: &'static str = <api::VolumeAttachment as k8s_openapi::Resource>::KIND;
@@ -77,7 +77,7 @@ impl k8s_openapi::Resource for VolumeAttachment {
     type Scope = k8s_openapi::ClusterResourceScope;
 }
 
-impl k8s_openapi::Metadata for VolumeAttachment {
+impl k8s_openapi::Metadata for Attachment {
     type Ty = ObjectMeta;
 
     fn metadata(&self) -> &ObjectMeta {
@@ -96,14 +96,14 @@ mod tests {
     use serde_json::json;
 
     // Conversions to compare with the API type: nothing outside these tests converts.
-    impl From<api::VolumeAttachment> for VolumeAttachment {
+    impl From<api::VolumeAttachment> for Attachment {
         fn from(va: api::VolumeAttachment) -> Self {
             Self {
                 metadata: va.metadata,
-                spec: VolumeAttachmentSpec {
+                spec: AttachmentSpec {
                     attacher: va.spec.attacher,
                     node_name: va.spec.node_name,
-                    source: VolumeAttachmentSource {
+                    source: AttachmentSource {
                         persistent_volume_name: va.spec.source.persistent_volume_name,
                         inline_volume_spec: va.spec.source.inline_volume_spec.map(Box::new),
                     },
@@ -113,8 +113,8 @@ mod tests {
         }
     }
 
-    impl From<VolumeAttachment> for api::VolumeAttachment {
-        fn from(va: VolumeAttachment) -> Self {
+    impl From<Attachment> for api::VolumeAttachment {
+        fn from(va: Attachment) -> Self {
             Self {
                 metadata: va.metadata,
                 spec: api::VolumeAttachmentSpec {
@@ -165,8 +165,8 @@ mod tests {
     #[test]
     fn it_reads_and_writes_what_the_api_type_does() {
         let api: api::VolumeAttachment = serde_json::from_value(full()).unwrap();
-        let ours: VolumeAttachment = serde_json::from_value(full()).unwrap();
-        assert_eq!(VolumeAttachment::from(api.clone()), ours);
+        let ours: Attachment = serde_json::from_value(full()).unwrap();
+        assert_eq!(Attachment::from(api.clone()), ours);
         assert_eq!(api::VolumeAttachment::from(ours.clone()), api);
         assert_eq!(
             serde_json::to_value(&ours).unwrap(),
@@ -186,7 +186,7 @@ mod tests {
     /// The point of the type: a move copies a fraction of the API type's bytes.
     #[test]
     fn it_is_a_fraction_of_the_api_types_size() {
-        let ours = std::mem::size_of::<VolumeAttachment>();
+        let ours = std::mem::size_of::<Attachment>();
         let theirs = std::mem::size_of::<api::VolumeAttachment>();
         assert!(ours * 3 < theirs, "{ours} bytes against the API type's {theirs}");
     }
@@ -196,7 +196,7 @@ mod tests {
     fn it_decodes_lean() {
         let mut v = full();
         v["metadata"]["managedFields"] = json!([{"manager": "x", "fieldsV1": {"f:spec": {}}}]);
-        let lean: Lean<VolumeAttachment> = serde_json::from_value(v).unwrap();
+        let lean: Lean<Attachment> = serde_json::from_value(v).unwrap();
         assert!(lean.0.metadata.managed_fields.is_none());
         assert_eq!(lean.0.spec.source.persistent_volume_name.as_deref(), Some("pv-1"));
     }

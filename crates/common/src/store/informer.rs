@@ -13,7 +13,7 @@ use futures::StreamExt;
 use kube::runtime::WatchStreamExt;
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::watcher::{self, Event};
-use kube::{Api, Resource};
+use kube::{Api, Client, Resource};
 use serde::de::DeserializeOwned;
 use tokio::sync::broadcast;
 use tokio::task::JoinSet;
@@ -56,11 +56,11 @@ where
     K: Resource<DynamicType = ()> + Clone + Debug + DeserializeOwned + Send + Sync + 'static,
     K::DynamicType: Eq + Hash + Clone,
 {
-    /// Starts the watch on `tasks`. Objects are decoded without their managed fields (`Lean`);
-    /// `strip` trims each one further before it is stored, to keep memory proportional to what
-    /// controllers read.
+    /// Starts the cluster-wide watch on `tasks` (narrowed by `config`'s selectors). Objects are
+    /// decoded without their managed fields (`Lean`); `strip` trims each one further before it
+    /// is stored, to keep memory proportional to what controllers read.
     pub fn spawn(
-        api: Api<Lean<K>>,
+        client: Client,
         config: watcher::Config,
         strip: fn(&mut K),
         tasks: &mut JoinSet<()>,
@@ -70,6 +70,7 @@ where
         let (tx, _) = broadcast::channel(FEED_CAPACITY);
         let feed = tx.clone();
         let kind = K::kind(&()).to_string();
+        let api = Api::<Lean<K>>::all(client);
         tasks.spawn(async move {
             let mut stream = watcher::watcher(api, config)
                 .default_backoff()

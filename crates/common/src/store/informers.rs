@@ -4,32 +4,29 @@
 use std::sync::Arc;
 
 use crate::observe::metrics::Registry;
-use k8s_openapi::api::core::v1::{Node, PersistentVolume, PersistentVolumeClaim};
+use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::storage::v1::{CSIDriver, StorageClass};
+use kube::Client;
 use kube::runtime::watcher;
-use kube::{Api, Client};
 use tokio::task::JoinSet;
 
-use crate::store::attachment::VolumeAttachment;
 use crate::store::informer::{Informer, as_decoded};
-use crate::store::packed::Packed;
-use crate::store::slim;
+use crate::store::model::{Attachment, StoredClaim, StoredPod, StoredVolume};
 
 pub struct Informers {
     /// The rate-limited client of this process.
     pub client: Client,
     /// Where controllers register their metric families.
     pub registry: Registry,
-    /// Packed (`packed::Packed`): metadata decoded, the rest kept as JSON until read. Every PV
-    /// and claim of the cluster is held for as long as the process runs.
-    pub pvs: Informer<Packed<PersistentVolume>>,
-    pub pvcs: Informer<Packed<PersistentVolumeClaim>>,
-    /// Decoded into `slim::Pod` (only what the controllers read) and trimmed further before
-    /// they are stored: read-only, never written back.
-    pub pods: Informer<slim::Pod>,
+    /// Stored (`model::Stored`): metadata decoded, the rest read through named readers. Every
+    /// PV and claim of the cluster is held for as long as the process runs.
+    pub pvs: Informer<StoredVolume>,
+    pub pvcs: Informer<StoredClaim>,
+    /// Only what the controllers read of a pod: read-only, never written back.
+    pub pods: Informer<StoredPod>,
     pub nodes: Informer<Node>,
-    /// `attachment::VolumeAttachment`: the API type with its inline PV spec boxed.
-    pub attachments: Informer<VolumeAttachment>,
+    /// The API type with its inline PV spec boxed.
+    pub attachments: Informer<Attachment>,
     pub classes: Informer<StorageClass>,
     pub csi_drivers: Informer<CSIDriver>,
 }
@@ -39,13 +36,13 @@ impl Informers {
     pub fn start(client: Client, registry: Registry, tasks: &mut JoinSet<()>) -> Arc<Self> {
         let cfg = watcher::Config::default;
         Arc::new(Self {
-            pvs: Informer::spawn(Api::all(client.clone()), cfg(), as_decoded, tasks),
-            pvcs: Informer::spawn(Api::all(client.clone()), cfg(), as_decoded, tasks),
-            pods: Informer::spawn(Api::all(client.clone()), cfg(), slim::Pod::trim, tasks),
-            nodes: Informer::spawn(Api::all(client.clone()), cfg(), as_decoded, tasks),
-            attachments: Informer::spawn(Api::all(client.clone()), cfg(), as_decoded, tasks),
-            classes: Informer::spawn(Api::all(client.clone()), cfg(), as_decoded, tasks),
-            csi_drivers: Informer::spawn(Api::all(client.clone()), cfg(), as_decoded, tasks),
+            pvs: Informer::spawn(client.clone(), cfg(), as_decoded, tasks),
+            pvcs: Informer::spawn(client.clone(), cfg(), as_decoded, tasks),
+            pods: Informer::spawn(client.clone(), cfg(), StoredPod::trim, tasks),
+            nodes: Informer::spawn(client.clone(), cfg(), as_decoded, tasks),
+            attachments: Informer::spawn(client.clone(), cfg(), as_decoded, tasks),
+            classes: Informer::spawn(client.clone(), cfg(), as_decoded, tasks),
+            csi_drivers: Informer::spawn(client.clone(), cfg(), as_decoded, tasks),
             client,
             registry,
         })
@@ -67,8 +64,9 @@ impl Informers {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+
     use crate::store::objects::{pod_claims, pod_terminated};
+    use crate::store::slim;
     use k8s_openapi::api::core::v1::{
         Container, ContainerState, ContainerStateRunning, ContainerStateTerminated, ContainerStatus,
         EphemeralVolumeSource, PersistentVolumeClaimVolumeSource, Pod, PodSpec, PodStatus,

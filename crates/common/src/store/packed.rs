@@ -8,18 +8,16 @@
 //!
 //! Nothing is dropped: the JSON is the full object as decoded (less `managedFields`, which no
 //! controller reads), so unpacking gives back exactly what a stored API object held, and a PV or
-//! claim written back from it loses no field. Unlike `slim::Pod`, this type is safe for objects
-//! the controllers PUT back whole.
+//! claim written back from it loses no field. Controllers see it as `model::Stored`.
 //!
 //! The metadata stays decoded so that names, versions, annotations, finalizers and deletion
 //! state (read on every event, and by kube's store) cost no decoding.
 
 use std::fmt;
-use std::sync::Arc;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use serde::Serialize;
 use serde::de::DeserializeOwned;
-use serde::{Deserialize, Deserializer, Serialize};
 
 /// An API object whose metadata is decoded and whose other fields are kept as JSON.
 pub struct Packed<K> {
@@ -90,7 +88,8 @@ impl<K: Packable> Packed<K> {
     }
 
     /// Bytes of JSON held beside the decoded metadata (0 when kept whole).
-    pub fn packed_len(&self) -> usize {
+    #[cfg(test)]
+    fn packed_len(&self) -> usize {
         match &self.rest {
             Rest::Json(json) => json.len(),
             Rest::Whole(_) => 0,
@@ -122,62 +121,11 @@ impl<K: fmt::Debug> fmt::Debug for Packed<K> {
     }
 }
 
-/// Whatever a cache can store as a shared packed object: one already packed (shared with the
-/// store, not copied) or a full object (packed here).
-pub trait IntoPacked<K> {
-    fn into_packed(self) -> Arc<Packed<K>>;
-}
-
-impl<K> IntoPacked<K> for Arc<Packed<K>> {
-    fn into_packed(self) -> Arc<Packed<K>> {
-        self
-    }
-}
-
-impl<K: Packable> IntoPacked<K> for Arc<K> {
-    fn into_packed(self) -> Arc<Packed<K>> {
-        Arc::new(Packed::new(Arc::unwrap_or_clone(self)))
-    }
-}
-
-impl<K: Packable> IntoPacked<K> for K {
-    fn into_packed(self) -> Arc<Packed<K>> {
-        Arc::new(Packed::new(self))
-    }
-}
-
-/// Decodes the full object, then packs it: the watch and list responses carry `K`'s JSON.
-impl<'de, K: Packable> Deserialize<'de> for Packed<K> {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        K::deserialize(d).map(Self::new)
-    }
-}
-
-impl<K: Packable> k8s_openapi::Resource for Packed<K> {
-    const API_VERSION: &'static str = K::API_VERSION;
-    const GROUP: &'static str = K::GROUP;
-    const KIND: &'static str = K::KIND;
-    const VERSION: &'static str = K::VERSION;
-    const URL_PATH_SEGMENT: &'static str = K::URL_PATH_SEGMENT;
-    type Scope = K::Scope;
-}
-
-impl<K: Packable> k8s_openapi::Metadata for Packed<K> {
-    type Ty = ObjectMeta;
-
-    fn metadata(&self) -> &ObjectMeta {
-        &self.metadata
-    }
-
-    fn metadata_mut(&mut self) -> &mut ObjectMeta {
-        &mut self.metadata
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
+    use serde::Deserialize;
 
     fn pv_json() -> serde_json::Value {
         serde_json::json!({
@@ -214,7 +162,7 @@ mod tests {
     #[test]
     fn a_packed_volume_unpacks_to_the_object_it_was_less_managed_fields() {
         let full: PersistentVolume = serde_json::from_value(pv_json()).unwrap();
-        let packed: Packed<PersistentVolume> = serde_json::from_value(pv_json()).unwrap();
+        let packed = Packed::new(serde_json::from_value::<PersistentVolume>(pv_json()).unwrap());
         let mut want = full.clone();
         want.metadata.managed_fields = None;
         assert_eq!(packed.unpack(), want);
@@ -246,11 +194,11 @@ mod tests {
             "status": {"phase": "Bound", "accessModes": ["ReadWriteOnce"], "capacity": {"storage": "1Gi"}}
         });
         let full: PersistentVolumeClaim = serde_json::from_value(claim.clone()).unwrap();
-        let packed: Packed<PersistentVolumeClaim> = serde_json::from_value(claim).unwrap();
+        let packed = Packed::new(serde_json::from_value::<PersistentVolumeClaim>(claim).unwrap());
         assert_eq!(packed.unpack(), full);
         // What a stored volume or claim costs besides its metadata: the struct and its JSON,
         // against the API type's struct alone (its maps and strings come on top).
-        let pv: Packed<PersistentVolume> = serde_json::from_value(pv_json()).unwrap();
+        let pv = Packed::new(serde_json::from_value::<PersistentVolume>(pv_json()).unwrap());
         let packed_pv = std::mem::size_of::<Packed<PersistentVolume>>() + pv.packed_len();
         assert!(
             packed_pv * 3 < std::mem::size_of::<PersistentVolume>(),
@@ -282,7 +230,7 @@ mod tests {
             spec: Spec,
             status: Option<serde_json::Value>,
         }
-        let packed: Packed<PersistentVolume> = serde_json::from_value(pv_json()).unwrap();
+        let packed = Packed::new(serde_json::from_value::<PersistentVolume>(pv_json()).unwrap());
         let want = View {
             spec: Spec {
                 csi: Some(Csi {

@@ -46,7 +46,7 @@ pub fn migrated_driver(in_tree: &str) -> Option<&'static str> {
     })
 }
 
-/// `namespace/name` of a claim (API type or packed: only the metadata is read).
+/// `namespace/name` of a claim (API type or stored: only the metadata is read).
 pub fn claim_key<K: ResourceExt>(c: &K) -> String {
     format!("{}/{}", c.namespace().unwrap_or_default(), c.name_any())
 }

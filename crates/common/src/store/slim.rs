@@ -96,28 +96,6 @@ pub struct ContainerState {
     pub running: Option<Present>,
 }
 
-impl k8s_openapi::Resource for Pod {
-    const API_VERSION: &'static str = <k8s_openapi::api::core::v1::Pod as k8s_openapi::Resource>::API_VERSION;
-    const GROUP: &'static str = <k8s_openapi::api::core::v1::Pod as k8s_openapi::Resource>::GROUP;
-    const KIND: &'static str = <k8s_openapi::api::core::v1::Pod as k8s_openapi::Resource>::KIND;
-    const VERSION: &'static str = <k8s_openapi::api::core::v1::Pod as k8s_openapi::Resource>::VERSION;
-    const URL_PATH_SEGMENT: &'static str =
-        <k8s_openapi::api::core::v1::Pod as k8s_openapi::Resource>::URL_PATH_SEGMENT;
-    type Scope = k8s_openapi::NamespaceResourceScope;
-}
-
-impl k8s_openapi::Metadata for Pod {
-    type Ty = ObjectMeta;
-
-    fn metadata(&self) -> &ObjectMeta {
-        &self.metadata
-    }
-
-    fn metadata_mut(&mut self) -> &mut ObjectMeta {
-        &mut self.metadata
-    }
-}
-
 impl Pod {
     /// Drops what decoding still keeps but nothing reads: annotations, volumes that name no
     /// claim and are not attachable inline, and the statuses of containers that no longer run (the informer decodes it without
