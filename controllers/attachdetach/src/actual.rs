@@ -7,7 +7,7 @@ use tokio::time::Instant;
 
 use stowage_common::runtime::backoff::Backoff;
 
-use crate::objects::VaState;
+use crate::read::VaState;
 use crate::vecmap::VecMap;
 
 /// An API operation in flight for one (volume, node).

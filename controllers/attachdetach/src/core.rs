@@ -11,7 +11,7 @@ use crate::Config;
 use crate::actual::{Actual, Attachment, Op};
 pub use crate::desired::Kind;
 use crate::desired::{Desired, DesiredVolume, PodRef, VolumeSpec};
-use crate::objects::{LOOP_DRIVER, LOOP_SINGLE_NODE_RULE, NodeInfo, attachment_name};
+use crate::read::{LOOP_DRIVER, LOOP_SINGLE_NODE_RULE, NodeInfo, attachment_name};
 use crate::translate::is_managed_name;
 
 pub type Nodes = BTreeMap<String, NodeInfo>;

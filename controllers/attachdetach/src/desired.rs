@@ -56,7 +56,7 @@ pub struct PodRef {
 impl PodRef {
     /// The pod as the object an event is about.
     pub fn reference(&self) -> k8s_openapi::api::core::v1::ObjectReference {
-        stowage_common::store::objects::pod_reference(&self.namespace, &self.name, Some(&self.uid))
+        stowage_common::store::pods::pod_reference(&self.namespace, &self.name, Some(&self.uid))
     }
 
     pub fn of(pod: &StoredPod) -> Self {
@@ -300,7 +300,7 @@ pub fn resolve_pod(pod: &StoredPod, lookup: &impl Lookup) -> PodVolumes {
     let mut out = PodVolumes::default();
     // persistentVolumeClaim volumes and generic ephemeral ones (`<pod>-<volume>`, only when the
     // pod controls that claim), as upstream's desired-state populator resolves them.
-    for pc in stowage_common::store::objects::pod_claims(pod) {
+    for pc in stowage_common::store::pods::pod_claims(pod) {
         let resolved = match lookup.claim(&ns, &pc.claim) {
             None => Err("the claim does not exist".to_string()),
             Some(claim) if !pc.usable(pod, claim.meta()) => {

@@ -35,7 +35,7 @@ use crate::controller::Controller;
 use crate::core::{Action, ForceReason, Kind};
 use crate::error::Error;
 use crate::metrics::{Metrics, Snapshot};
-use crate::objects::{is_loop, pv_finalizer_change};
+use crate::read::{is_loop, pv_finalizer_change};
 use crate::results::Outcome;
 
 /// A write task's debt: the `Outcome`s it owes its loop (`stowage_common::runtime::owed`).
@@ -240,7 +240,7 @@ impl Controller {
                     .with_label_values(&["attach", "success"])
                     .inc();
                 self.pod_events(&volume, &node, false, "SuccessfulAttachVolume", |pv| {
-                    crate::objects::attach_succeeded_note(pv)
+                    crate::read::attach_succeeded_note(pv)
                 });
                 self.touch();
                 return;
@@ -323,11 +323,11 @@ impl Controller {
                 .finalizers
                 .iter()
                 .flatten()
-                .filter(|f| *f != stowage_common::store::objects::LOOP_ATTACHER_FINALIZER)
+                .filter(|f| *f != stowage_common::store::pv::LOOP_ATTACHER_FINALIZER)
                 .cloned()
                 .collect();
             if add {
-                fins.push(stowage_common::store::objects::LOOP_ATTACHER_FINALIZER.into());
+                fins.push(stowage_common::store::pv::LOOP_ATTACHER_FINALIZER.into());
             }
             let patch = serde_json::json!({
                 "metadata": { "finalizers": fins, "resourceVersion": pv.meta().resource_version }
@@ -375,7 +375,7 @@ impl Controller {
             .map(|va| {
                 va.finalizers()
                     .iter()
-                    .filter(|f| !stowage_common::store::objects::is_loop_attacher_finalizer(f))
+                    .filter(|f| !stowage_common::store::pv::is_loop_attacher_finalizer(f))
                     .cloned()
                     .collect()
             })
@@ -574,7 +574,7 @@ pub(crate) fn release_is_safe(node: &str, live: &Result<Option<Node>, String>) -
                 .spec
                 .as_ref()
                 .and_then(|s| s.taints.as_ref())
-                .is_some_and(|t| t.iter().any(|t| t.key == crate::objects::TAINT_OUT_OF_SERVICE));
+                .is_some_and(|t| t.iter().any(|t| t.key == crate::read::TAINT_OUT_OF_SERVICE));
             if out_of_service {
                 Ok(())
             } else {
@@ -681,7 +681,7 @@ mod live_check_tests {
         let tainted = Node {
             spec: Some(NodeSpec {
                 taints: Some(vec![Taint {
-                    key: crate::objects::TAINT_OUT_OF_SERVICE.into(),
+                    key: crate::read::TAINT_OUT_OF_SERVICE.into(),
                     effect: "NoExecute".into(),
                     ..Default::default()
                 }]),

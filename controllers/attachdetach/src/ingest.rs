@@ -22,7 +22,7 @@ use crate::controller::Controller;
 use crate::core::pass_unaffected;
 use crate::desired::{Kind, Lookup, PodRef, driver_attachable, kept_note, resolve_pod};
 use crate::metrics::observe_attempt;
-use crate::objects::{
+use crate::read::{
     NodeInfo, VaState, is_loop, pod_claims, pod_is_active, pod_node, pv_finalizer_change,
     split_unique_volume_name, unique_volume_name,
 };
@@ -460,7 +460,7 @@ impl Controller {
         if !self.quiet {
             if newly_attached {
                 self.pod_events(&volume, &node, false, "SuccessfulAttachVolume", |pv| {
-                    crate::objects::attach_succeeded_note(pv)
+                    crate::read::attach_succeeded_note(pv)
                 });
             }
             if let Some(msg) = new_error {
@@ -496,7 +496,7 @@ impl Controller {
             return false;
         }
         let attached = self.pv_attachments.contains_key(name);
-        let is_loop = driver == crate::objects::LOOP_DRIVER;
+        let is_loop = driver == crate::read::LOOP_DRIVER;
         let settled = self
             .cluster
             .pvs

@@ -15,7 +15,7 @@ pub mod error;
 pub mod exec;
 pub mod ingest;
 pub mod metrics;
-pub mod objects;
+pub mod read;
 pub mod results;
 pub mod translate;
 pub mod vecmap;

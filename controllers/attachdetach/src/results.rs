@@ -12,7 +12,7 @@ use crate::controller::{Controller, STATUS_RETRY};
 use crate::core::{ForceReason, pass_unaffected};
 use crate::error::Error;
 use crate::metrics::observe_attempt;
-use crate::objects::VaState;
+use crate::read::VaState;
 use stowage_common::errors::MetricLabel;
 use stowage_common::observe::storageops::{VOLUME_ATTACH, VOLUME_DETACH};
 

@@ -13,7 +13,7 @@ use k8s_openapi::api::core::v1::{
 };
 use stowage_common::store::{PodVolume, VolumeSource};
 
-use crate::objects::{CSI_PLUGIN, pv_multi_attach_allowed};
+use crate::read::{CSI_PLUGIN, pv_multi_attach_allowed};
 
 /// The in-tree iSCSI plugin (still built into kube-controller-manager v1.36).
 pub const ISCSI_PLUGIN: &str = "kubernetes.io/iscsi";
@@ -60,7 +60,7 @@ impl Target {
     pub fn unique_name(&self) -> String {
         match self.kind {
             Kind::InTree => format!("{}/{}", self.driver, self.handle),
-            _ => crate::objects::unique_volume_name(&self.driver, &self.handle),
+            _ => crate::read::unique_volume_name(&self.driver, &self.handle),
         }
     }
 }
@@ -69,7 +69,7 @@ impl Target {
 /// node's `status.volumesAttached` (an old in-tree plugin's entry, another writer's) is kept as
 /// it is: upstream cannot detach a volume whose plugin it does not have, so its entry stays.
 pub fn is_managed_name(name: &str) -> bool {
-    split_in_tree_name(name).is_some() || crate::objects::split_unique_volume_name(name).is_some()
+    split_in_tree_name(name).is_some() || crate::read::split_unique_volume_name(name).is_some()
 }
 
 /// `(plugin, volume name)` of an iSCSI or FC unique name.

@@ -28,7 +28,7 @@ use crate::error::Error;
 use crate::exec::{Executor, Snapshot};
 use crate::ingest::PodIndex;
 use crate::metrics::Metrics;
-use crate::objects::*;
+use crate::pv::*;
 use crate::results::Outcome;
 use stowage_common::runtime::queue::WorkQueue;
 

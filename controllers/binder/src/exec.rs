@@ -16,7 +16,7 @@ use crate::core::{self, Action, Cache, Event, Target};
 use crate::error::Error;
 use crate::loopdev;
 use crate::metrics::Metrics;
-use crate::objects::*;
+use crate::pv::*;
 use crate::results::Outcome;
 use stowage_common::api::writes::Writes;
 

@@ -82,7 +82,7 @@ mod sync {
     use stowage_testkit::builders::{pv, pvc, storage_class};
 
     use crate::core::{Action, Cache, Env, PodUse, Target, sync_claim, sync_volume};
-    use crate::objects::*;
+    use crate::pv::*;
 
     fn classes(name: &str) -> Option<Arc<StorageClass>> {
         Some(Arc::new(match name {

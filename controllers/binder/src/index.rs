@@ -8,7 +8,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use k8s_openapi::api::core::v1::PersistentVolume;
 use kube::ResourceExt;
 
-use crate::objects::{being_deleted, claim_ref, pv_capacity, pv_class, pv_modes, pv_phase};
+use crate::pv::{being_deleted, claim_ref, pv_capacity, pv_class, pv_modes, pv_phase};
 
 pub type ModeSet = BTreeSet<String>;
 

@@ -11,7 +11,7 @@ use stowage_common::store::{StoredClaim, StoredVolume};
 
 use crate::controller::{Controller, Key, subject};
 use crate::core::{PodUse, Target};
-use crate::objects::*;
+use crate::pv::*;
 
 impl Controller {
     /// Reloads the cache from the stores (keeping newer objects we wrote) and queues everything.
@@ -207,10 +207,10 @@ impl PodIndex {
         let name = pod.name_any();
         let pod_key = format!("{ns}/{name}");
         let scheduled = pod.node_name().is_some();
-        let now: Vec<String> = if gone || stowage_common::store::objects::pod_terminated(pod) {
+        let now: Vec<String> = if gone || stowage_common::store::pods::pod_terminated(pod) {
             vec![]
         } else {
-            stowage_common::store::objects::pod_claims(pod)
+            stowage_common::store::pods::pod_claims(pod)
                 .into_iter()
                 .map(|c| format!("{ns}/{}", c.claim))
                 .collect()

@@ -16,7 +16,7 @@ pub mod results;
 // The PV/PVC readers and quantities are shared with the other controllers.
 pub use stowage_common::store::quantity;
 pub mod metrics;
-pub mod objects;
+pub mod pv;
 
 pub mod selector;
 

@@ -13,7 +13,7 @@ use kube::ResourceExt;
 use kube::api::ObjectMeta;
 
 use crate::core::reference_to;
-use crate::objects::*;
+use crate::pv::*;
 
 pub use stowage_loopdriver::{ImageError, ImageStore};
 

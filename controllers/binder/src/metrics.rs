@@ -12,7 +12,7 @@ use prometheus::{Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGauge
 use stowage_common::observe::metrics::{Registry, register};
 use stowage_common::store::{StoredClaim, StoredVolume};
 
-use crate::objects::{claim_class, claim_phase, claim_vac, pv_block, pv_class, pv_phase};
+use crate::pv::{claim_class, claim_phase, claim_vac, pv_block, pv_class, pv_phase};
 use kube::ResourceExt;
 
 /// The stores of the current leadership term, read at scrape time.

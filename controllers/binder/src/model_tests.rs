@@ -12,7 +12,7 @@ use stowage_testkit::builders::{pv, pvc};
 
 use crate::core::{self, Action, Cache, Env};
 use crate::index::VolumeIndex;
-use crate::objects::*;
+use crate::pv::*;
 
 #[derive(Debug, Clone)]
 struct World {

@@ -12,7 +12,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use stowage_testkit::builders::{pv, pvc, storage_class};
 
 use crate::core::{self, Action, Cache, DELETE_REFUSED, Env};
-use crate::objects::*;
+use crate::pv::*;
 use crate::results::failure_backoff;
 
 fn loop_class(name: &str) -> Option<Arc<StorageClass>> {

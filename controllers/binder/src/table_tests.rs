@@ -19,7 +19,7 @@ use kube::ResourceExt;
 use stowage_testkit::builders::{pv, pvc, storage_class};
 
 use crate::core::{Action, Cache, Env, PodUse, sync_claim, sync_volume};
-use crate::objects::*;
+use crate::pv::*;
 
 const NS: &str = "ns";
 /// The claim every row's claim-side sync is about.

@@ -4,7 +4,7 @@
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use stowage_common::store::StoredPod;
-use stowage_common::store::objects::pod_claims;
+use stowage_common::store::pods::pod_claims;
 
 /// Put on every claim by the apiserver's StorageObjectInUseProtection admission.
 pub const PVC_FINALIZER: &str = "kubernetes.io/pvc-protection";
@@ -97,7 +97,7 @@ pub fn pod_is_shut_down(pod: &StoredPod) -> bool {
 
 /// The names of the claims a pod refers to, in its own namespace: plain claim volumes and the
 /// `<pod>-<volume>` claims of generic ephemeral volumes (the shared reader,
-/// `stowage_common::store::objects::pod_claims`). Used to index pods by claim.
+/// `stowage_common::store::pods::pod_claims`). Used to index pods by claim.
 pub fn claim_names(pod: &StoredPod) -> Vec<String> {
     let mut out: Vec<String> = pod_claims(pod).into_iter().map(|c| c.claim).collect();
     out.sort();

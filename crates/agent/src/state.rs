@@ -14,7 +14,7 @@ use k8s_openapi::jiff::Timestamp;
 use crate::mountinfo::DevNo;
 use crate::paths::{DRIVER, plain_component, unique_name};
 pub use crate::probe::Health;
-use stowage_common::store::objects::{PodClaim, pod_claims};
+use stowage_common::store::pods::{PodClaim, pod_claims};
 
 /// The pod annotation-free facts the agent needs to talk about a pod.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -27,7 +27,7 @@ pub struct PodInfo {
 
 impl PodInfo {
     pub fn reference(&self) -> k8s_openapi::api::core::v1::ObjectReference {
-        stowage_common::store::objects::pod_reference(&self.namespace, &self.name, Some(&self.uid))
+        stowage_common::store::pods::pod_reference(&self.namespace, &self.name, Some(&self.uid))
     }
 }
 

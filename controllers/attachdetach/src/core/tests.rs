@@ -10,7 +10,7 @@ use proptest::prelude::*;
 use super::*;
 use crate::actual::Attachment;
 use crate::desired::VolumeSpec;
-use crate::objects::VaState;
+use crate::read::VaState;
 
 const NS: &str = "ns";
 

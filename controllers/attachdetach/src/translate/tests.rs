@@ -255,7 +255,7 @@ proptest! {
         let in_tree = split_in_tree_name(&name).is_some();
         prop_assert!(!(csi && in_tree));
         if !csi && !in_tree {
-            prop_assert!(!is_managed_name(&name) || crate::objects::split_unique_volume_name(&name).is_some());
+            prop_assert!(!is_managed_name(&name) || crate::read::split_unique_volume_name(&name).is_some());
         }
     }
 }
@@ -314,7 +314,7 @@ proptest! {
             _ => {
                 prop_assert!(is_csi_name(&name));
                 prop_assert_eq!(
-                    crate::objects::split_unique_volume_name(&name),
+                    crate::read::split_unique_volume_name(&name),
                     Some((t.driver.as_str(), t.handle.as_str()))
                 );
             }

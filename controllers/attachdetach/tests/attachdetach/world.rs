@@ -12,7 +12,7 @@ pub(crate) use k8s_openapi::api::storage::v1::VolumeAttachment;
 pub(crate) use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
 pub(crate) use kube::{Api, Client, ResourceExt};
 pub(crate) use serde_json::json;
-pub(crate) use stowage_attachdetach::objects::{attachment_name, unique_volume_name};
+pub(crate) use stowage_attachdetach::read::{attachment_name, unique_volume_name};
 pub(crate) use stowage_attachdetach::{Config, Metrics, run};
 pub(crate) use stowage_common::observe::metrics::Registry;
 pub(crate) use stowage_common::store::informers::Informers;

@@ -16,7 +16,7 @@ use stowage_common::store::informer::is_newer;
 use stowage_common::store::{IntoStored, StoredClaim, StoredVolume};
 
 use crate::index::VolumeIndex;
-use crate::objects::*;
+use crate::pv::*;
 use crate::selector;
 
 mod claim;

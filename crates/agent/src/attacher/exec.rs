@@ -14,7 +14,7 @@ use crate::ctx::Ctx;
 use crate::mountinfo;
 use crate::paths::{DRIVER, VA_FINALIZER};
 use crate::sys;
-use stowage_common::store::objects::is_loop_attacher_finalizer;
+use stowage_common::store::pv::is_loop_attacher_finalizer;
 use stowage_loopdriver::fence;
 
 /// For an attached VA: does the device in its status still back its image?

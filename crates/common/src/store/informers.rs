@@ -65,7 +65,7 @@ impl Informers {
 #[cfg(test)]
 mod tests {
 
-    use crate::store::objects::{pod_claims, pod_terminated};
+    use crate::store::pods::{pod_claims, pod_terminated};
     use crate::store::slim;
     use k8s_openapi::api::core::v1::{
         Container, ContainerState, ContainerStateRunning, ContainerStateTerminated, ContainerStatus,

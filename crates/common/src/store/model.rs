@@ -469,8 +469,8 @@ mod tests {
         assert_eq!(stored.volumes()[0].name, "data");
         assert_eq!(stored.meta().annotations, None, "annotations are not kept");
         assert_eq!(
-            crate::store::objects::pod_claims(&stored),
-            crate::store::objects::pod_claims(&p)
+            crate::store::pods::pod_claims(&stored),
+            crate::store::pods::pod_claims(&p)
         );
         let mut unscheduled = p.clone();
         unscheduled.spec.as_mut().unwrap().node_name = Some(String::new());

@@ -31,6 +31,20 @@ pub const FINALIZER_IN_TREE_PROTECTION: &str = "kubernetes.io/pv-controller";
 /// external-provisioner's deletion guard; not for volumes of an in-tree plugin.
 pub const FINALIZER_EXTERNAL_PROTECTION: &str = "external-provisioner.volume.kubernetes.io/finalizer";
 
+/// The finalizer the built-in driver's attacher (the agent) puts on its VolumeAttachments, in
+/// external-attacher's convention (`external-attacher/` + the driver name with `.` and `/` as `-`),
+/// so tools that know that convention recognise it.
+pub const LOOP_ATTACHER_FINALIZER: &str = "external-attacher/loop-stowage-dev";
+
+/// The finalizer older versions of the agent used; still honoured (and replaced) so no
+/// VolumeAttachment made before an upgrade is stranded.
+pub const LEGACY_LOOP_ATTACHER_FINALIZER: &str = "loop.stowage.dev/attached";
+
+/// Is `f` the built-in attacher's finalizer, current or legacy?
+pub fn is_loop_attacher_finalizer(f: &str) -> bool {
+    f == LOOP_ATTACHER_FINALIZER || f == LEGACY_LOOP_ATTACHER_FINALIZER
+}
+
 /// The CSI driver that serves an in-tree plugin's volumes since CSI migration went GA (the
 /// table of csi-translation-lib; every entry is migrated unconditionally in v1.36).
 pub fn migrated_driver(in_tree: &str) -> Option<&'static str> {

@@ -15,7 +15,7 @@ use kube::{Api, Client, Resource};
 use prometheus::{IntCounterVec, IntGauge, IntGaugeVec, Opts};
 use stowage_common::observe::events::{Events, Occurrence, Repeat};
 use stowage_common::observe::metrics::{Registry, register};
-use stowage_common::store::objects::pod_reference;
+use stowage_common::store::pods::pod_reference;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinSet;
 use tokio::time::Instant;

@@ -58,7 +58,7 @@ pub fn pod_node(pod: &StoredPod) -> Option<&str> {
 /// Names of the claims a pod mounts: persistentVolumeClaim and generic ephemeral volumes (the
 /// index claim → pods; whether an ephemeral claim is really the pod's is checked on resolve).
 pub fn pod_claims(pod: &StoredPod) -> Vec<String> {
-    stowage_common::store::objects::pod_claims(pod)
+    stowage_common::store::pods::pod_claims(pod)
         .into_iter()
         .map(|c| c.claim)
         .collect()
@@ -86,7 +86,7 @@ pub fn pv_finalizer_change(meta: &ObjectMeta, is_loop: bool, attached: bool) -> 
         .finalizers
         .iter()
         .flatten()
-        .any(|f| f == stowage_common::store::objects::LOOP_ATTACHER_FINALIZER);
+        .any(|f| f == stowage_common::store::pv::LOOP_ATTACHER_FINALIZER);
     match (is_loop && attached, has) {
         (true, false) if meta.deletion_timestamp.is_none() => Some(true),
         (false, true) => Some(false),
@@ -204,7 +204,7 @@ impl VaState {
             loop_finalizer: va
                 .finalizers()
                 .iter()
-                .any(|f| stowage_common::store::objects::is_loop_attacher_finalizer(f)),
+                .any(|f| stowage_common::store::pv::is_loop_attacher_finalizer(f)),
         }
     }
 }
@@ -315,9 +315,7 @@ mod access_mode_tests {
         let mut v = pv(LOOP_DRIVER, &["ReadWriteOnce"]);
         assert_eq!(change(&v, true), Some(true));
         assert_eq!(change(&v, false), None);
-        v.metadata.finalizers = Some(vec![
-            stowage_common::store::objects::LOOP_ATTACHER_FINALIZER.into(),
-        ]);
+        v.metadata.finalizers = Some(vec![stowage_common::store::pv::LOOP_ATTACHER_FINALIZER.into()]);
         assert_eq!(change(&v, true), None);
         assert_eq!(change(&v, false), Some(false));
         // Being deleted: released when nothing names it, never added.

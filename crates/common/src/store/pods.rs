@@ -1,4 +1,4 @@
-//! Reading Kubernetes objects the same way in every controller and the agent. One reader of
+//! Reading pods the same way in every controller and the agent. One reader of
 //! "which claims does a pod use", so persistentVolumeClaim and generic ephemeral volumes are
 //! resolved alike everywhere (upstream: `pkg/volume/util` and `component-helpers/storage/ephemeral`).
 
@@ -6,16 +6,6 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
 use crate::store::slim::PodRead;
 
-/// The finalizer the built-in driver's attacher (the agent) puts on its VolumeAttachments, in
-/// external-attacher's convention (`external-attacher/` + the driver name with `.` and `/` as `-`),
-/// so tools that know that convention recognise it.
-pub const LOOP_ATTACHER_FINALIZER: &str = "external-attacher/loop-stowage-dev";
-
-/// The finalizer older versions of the agent used; still honoured (and replaced) so no
-/// VolumeAttachment made before an upgrade is stranded.
-pub const LEGACY_LOOP_ATTACHER_FINALIZER: &str = "loop.stowage.dev/attached";
-
-/// Is `f` the built-in attacher's finalizer, current or legacy?
 /// A pod as the object an event is about.
 pub fn pod_reference(
     namespace: &str,
@@ -30,10 +20,6 @@ pub fn pod_reference(
         uid: uid.map(Into::into),
         ..Default::default()
     }
-}
-
-pub fn is_loop_attacher_finalizer(f: &str) -> bool {
-    f == LOOP_ATTACHER_FINALIZER || f == LEGACY_LOOP_ATTACHER_FINALIZER
 }
 
 /// A claim one pod volume names.
