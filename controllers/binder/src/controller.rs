@@ -128,7 +128,7 @@ pub async fn run(cluster: Arc<Informers>, metrics: Metrics, config: Config) -> a
     let inputs = Inputs::new()
         .feed(pv_feed, Input::Volume)
         .feed(pvc_feed, Input::Claim)
-        .feed(pod_feed, Input::StoredPod)
+        .feed(pod_feed, Input::Pod)
         .feed(class_feed, |_| Input::Class)
         .every(Instant::now() + config.resync, config.resync, || Input::Resync)
         // First check at once: the gauge is right from the start of the term.
@@ -141,7 +141,7 @@ pub async fn run(cluster: Arc<Informers>, metrics: Metrics, config: Config) -> a
 pub(crate) enum Input {
     Volume(Change<StoredVolume>),
     Claim(Change<StoredClaim>),
-    StoredPod(Change<StoredPod>),
+    Pod(Change<StoredPod>),
     /// A new or changed class can unblock claims waiting for it.
     Class,
     Resync,
@@ -169,9 +169,9 @@ impl Reconciler for Controller {
             Input::Claim(Change::Applied(c)) => self.claim_seen(c),
             Input::Claim(Change::Deleted(c)) => self.claim_gone(&c.decode()),
             Input::Volume(Change::Resynced) | Input::Claim(Change::Resynced) | Input::Resync => self.resync(),
-            Input::StoredPod(Change::Applied(p)) => self.pod_seen(&p, false),
-            Input::StoredPod(Change::Deleted(p)) => self.pod_seen(&p, true),
-            Input::StoredPod(Change::Resynced) => self.pods_resync(),
+            Input::Pod(Change::Applied(p)) => self.pod_seen(&p, false),
+            Input::Pod(Change::Deleted(p)) => self.pod_seen(&p, true),
+            Input::Pod(Change::Resynced) => self.pods_resync(),
             Input::Class => self.wake_pending_claims(),
             Input::StoreCheck => self.executor.check_store(),
         }

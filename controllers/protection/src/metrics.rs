@@ -1,7 +1,15 @@
 //! Metrics of both protection controllers, prefix `stowage_protection_`. See docs/protection.md.
 
+use std::fmt::Debug;
+use std::hash::Hash;
+
 use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts};
+use stowage_common::errors::MetricLabel;
 use stowage_common::observe::metrics::{Registry, register};
+use stowage_common::runtime::queue::WorkQueue;
+use tokio::time::Instant;
+
+use crate::error::Error;
 
 /// Label values of `kind`.
 pub const PVC: &str = "PersistentVolumeClaim";
@@ -121,6 +129,25 @@ impl Metrics {
     /// Counts a failed sync of `controller`.
     pub fn failed(&self, controller: &str, error: &str) {
         self.errors.with_label_values(&[controller, error]).inc();
+    }
+
+    /// A failed sync of `controller` (both controllers' error policy): counted, and its key
+    /// retried after the queue's backoff.
+    pub fn retry<K: Clone + Eq + Hash + Ord + Debug>(
+        &self,
+        controller: &str,
+        queue: &mut WorkQueue<K>,
+        key: K,
+        error: &Error,
+    ) {
+        self.failed(controller, error.metric_label());
+        let delay = queue.retry(key.clone(), Instant::now());
+        tracing::debug!(controller, ?key, %error, ?delay, "sync failed, retrying");
+    }
+
+    /// The depth of `controller`'s queue, set before its loop waits.
+    pub fn depth(&self, controller: &str, len: usize) {
+        self.queue_depth.with_label_values(&[controller]).set(len as i64);
     }
 }
 

@@ -11,13 +11,12 @@ use kube::runtime::reflector::ObjectRef;
 use stowage_common::store::StoredVolume;
 use stowage_common::store::informer::Change;
 use stowage_common::store::informers::Informers;
-use tokio::time::Instant;
 
 use crate::core::{Action, PV_FINALIZER, decide_pv, decide_pv_of};
 use crate::error::Error;
 use crate::exec as write;
 use crate::metrics::{self, Metrics};
-use stowage_common::errors::{MetricLabel, PANIC};
+use stowage_common::errors::PANIC;
 use stowage_common::runtime::driver::{self, Inputs, Next, Pace, Reconciler};
 use stowage_common::runtime::queue::WorkQueue;
 
@@ -75,9 +74,8 @@ impl Reconciler for Controller {
     }
 
     fn error_policy(&mut self, name: String, e: Error) {
-        self.metrics.failed(metrics::PV_CONTROLLER, e.metric_label());
-        let delay = self.queue.retry(name.clone(), Instant::now());
-        tracing::debug!(volume = %name, error = %e, ?delay, "sync failed, retrying");
+        self.metrics
+            .retry(metrics::PV_CONTROLLER, &mut self.queue, name, &e);
     }
 
     fn panicked(&mut self, _: &String) {
@@ -85,10 +83,7 @@ impl Reconciler for Controller {
     }
 
     fn before_wait(&mut self) {
-        self.metrics
-            .queue_depth
-            .with_label_values(&[metrics::PV_CONTROLLER])
-            .set(self.queue.len() as i64);
+        self.metrics.depth(metrics::PV_CONTROLLER, self.queue.len());
     }
 }
 

@@ -14,14 +14,13 @@ use stowage_common::store::StoredClaim;
 use stowage_common::store::StoredPod;
 use stowage_common::store::informer::Change;
 use stowage_common::store::informers::Informers;
-use tokio::time::Instant;
 
 use crate::core::{Action, PVC_FINALIZER, PodRef, decide_pvc, pvc_needs_sync, users, waiting_note};
 use crate::error::Error;
 use crate::exec as write;
 use crate::index::{Key, PodsByClaim, key_of};
 use crate::metrics::{self, Metrics};
-use stowage_common::errors::{ERROR, MetricLabel, PANIC, SUCCESS};
+use stowage_common::errors::{ERROR, PANIC, SUCCESS};
 use stowage_common::runtime::driver::{self, Inputs, Next, Pace, Reconciler};
 use stowage_common::runtime::queue::WorkQueue;
 
@@ -64,15 +63,13 @@ pub async fn run_pvc_protection(cluster: Arc<Informers>, metrics: Metrics) -> an
     c.resync_claims();
     tracing::info!("pvc-protection started");
     // One sync at a time, each on the newest view (upstream's single worker).
-    let inputs = Inputs::new()
-        .feed(claims, Input::Claim)
-        .feed(pods, Input::StoredPod);
+    let inputs = Inputs::new().feed(claims, Input::Claim).feed(pods, Input::Pod);
     driver::run(c, inputs, Pace { batch: 1 }).await
 }
 
 enum Input {
     Claim(Change<StoredClaim>),
-    StoredPod(Change<StoredPod>),
+    Pod(Change<StoredPod>),
 }
 
 impl Reconciler for Controller {
@@ -88,7 +85,7 @@ impl Reconciler for Controller {
     fn input(&mut self, input: Input) {
         match input {
             Input::Claim(f) => self.on_claim(f),
-            Input::StoredPod(f) => self.on_pod(f),
+            Input::Pod(f) => self.on_pod(f),
         }
     }
 
@@ -98,9 +95,8 @@ impl Reconciler for Controller {
     }
 
     fn error_policy(&mut self, key: Key, e: Error) {
-        self.metrics.failed(metrics::PVC_CONTROLLER, e.metric_label());
-        let delay = self.queue.retry(key.clone(), Instant::now());
-        tracing::debug!(claim = %format!("{}/{}", key.0, key.1), error = %e, ?delay, "sync failed, retrying");
+        self.metrics
+            .retry(metrics::PVC_CONTROLLER, &mut self.queue, key, &e);
     }
 
     fn panicked(&mut self, _: &Key) {
@@ -108,10 +104,7 @@ impl Reconciler for Controller {
     }
 
     fn before_wait(&mut self) {
-        self.metrics
-            .queue_depth
-            .with_label_values(&[metrics::PVC_CONTROLLER])
-            .set(self.queue.len() as i64);
+        self.metrics.depth(metrics::PVC_CONTROLLER, self.queue.len());
     }
 }
 

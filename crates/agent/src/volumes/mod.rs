@@ -89,7 +89,7 @@ pub async fn run(ctx: Arc<Ctx>, mut link: NodeLink, mut stop: watch::Receiver<bo
                 if !blind.is_empty() {
                     tracing::info!("the node can be observed again, resuming");
                     for reason in blind.drain() {
-                        ctx.events.forget(&format!("node {reason}"));
+                        ctx.events.forget(&blind_subject(reason));
                     }
                 }
                 pass(
@@ -132,7 +132,7 @@ pub async fn run(ctx: Arc<Ctx>, mut link: NodeLink, mut stop: watch::Receiver<bo
                     action: "Observe",
                     note,
                 };
-                ctx.events.report(&format!("node {}", e.reason), REPEAT, &node, e);
+                ctx.events.report(&blind_subject(e.reason), REPEAT, &node, e);
             }
         }
 
@@ -308,4 +308,10 @@ async fn pass(ctx: &Arc<Ctx>, link: &NodeLink, p: Pass<'_>) {
     }
     known_pods
         .retain(|uid, _| d.live_pods.contains(uid) || a.volumes.values().any(|v| v.pods.contains_key(uid)));
+}
+
+/// The events gate's subject of "the node cannot be observed" for one reason: reported while it
+/// lasts, forgotten when the node can be observed again.
+fn blind_subject(reason: &str) -> String {
+    format!("node {reason}")
 }

@@ -68,26 +68,7 @@ impl Serialize for Attachment {
     }
 }
 
-impl k8s_openapi::Resource for Attachment {
-    const API_VERSION: &'static str = <api::VolumeAttachment as k8s_openapi::Resource>::API_VERSION;
-    const GROUP: &'static str = <api::VolumeAttachment as k8s_openapi::Resource>::GROUP;
-    const KIND: &'static str = <api::VolumeAttachment as k8s_openapi::Resource>::KIND;
-    const VERSION: &'static str = <api::VolumeAttachment as k8s_openapi::Resource>::VERSION;
-    const URL_PATH_SEGMENT: &'static str = <api::VolumeAttachment as k8s_openapi::Resource>::URL_PATH_SEGMENT;
-    type Scope = k8s_openapi::ClusterResourceScope;
-}
-
-impl k8s_openapi::Metadata for Attachment {
-    type Ty = ObjectMeta;
-
-    fn metadata(&self) -> &ObjectMeta {
-        &self.metadata
-    }
-
-    fn metadata_mut(&mut self) -> &mut ObjectMeta {
-        &mut self.metadata
-    }
-}
+addressed_as!(Attachment, api::VolumeAttachment, metadata);
 
 #[cfg(test)]
 mod tests {

@@ -335,26 +335,7 @@ impl PodRead for StoredPod {
     }
 }
 
-impl k8s_openapi::Resource for StoredPod {
-    const API_VERSION: &'static str = <v1::Pod as k8s_openapi::Resource>::API_VERSION;
-    const GROUP: &'static str = <v1::Pod as k8s_openapi::Resource>::GROUP;
-    const KIND: &'static str = <v1::Pod as k8s_openapi::Resource>::KIND;
-    const VERSION: &'static str = <v1::Pod as k8s_openapi::Resource>::VERSION;
-    const URL_PATH_SEGMENT: &'static str = <v1::Pod as k8s_openapi::Resource>::URL_PATH_SEGMENT;
-    type Scope = k8s_openapi::NamespaceResourceScope;
-}
-
-impl k8s_openapi::Metadata for StoredPod {
-    type Ty = ObjectMeta;
-
-    fn metadata(&self) -> &ObjectMeta {
-        &self.0.metadata
-    }
-
-    fn metadata_mut(&mut self) -> &mut ObjectMeta {
-        &mut self.0.metadata
-    }
-}
+addressed_as!(StoredPod, v1::Pod, 0.metadata);
 
 #[cfg(test)]
 mod tests {
