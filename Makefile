@@ -66,12 +66,19 @@ test: deps controlplane csi-sanity promtool storage-e2e-suite sidecars ## Run un
 # The other minors the chart's kubeVersion claims (v1.36 is make test's); e2e/versions/1.33 is
 # there to show where the range stops (K8S_VERSIONS=1.33: VolumeAttributesClass is off there).
 K8S_VERSIONS ?= 1.37 1.35 1.34
+# The minors whose kubelet is pinned too (e2e/versions/<minor>/go.mod names cmd/kubelet).
+K8S_REALNODE_VERSIONS ?= 1.37 1.35
 
 .PHONY: test-versions
 test-versions: deps controlplane ## The controllers' apiserver integration tests against other Kubernetes minors (K8S_VERSIONS, default 1.37 1.35 1.34)
 	@# Each minor's kube-apiserver, kube-controller-manager and kubectl are built once and cached
 	@# (e2e/scripts/build-controlplane-version.sh); logs in e2e/results/versions/.
 	CARGO=$(CARGO) ./e2e/scripts/test-versions.sh $(K8S_VERSIONS)
+
+.PHONY: test-versions-realnode
+test-versions-realnode: deps controlplane ## The real-node scenarios with another minor's kubelet, scheduler and control plane (K8S_REALNODE_VERSIONS, default 1.37 1.35)
+	@# Each minor's five binaries are built once and cached; logs in e2e/results/versions/.
+	CARGO=$(CARGO) ./e2e/scripts/test-versions-realnode.sh $(K8S_REALNODE_VERSIONS)
 
 .PHONY: image
 image: deps ## Build the OCI image archive target/image/stowage-<version>.oci.tar offline (Debian packages + release binaries)

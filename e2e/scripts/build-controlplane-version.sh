@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Builds kube-apiserver, kube-controller-manager and kubectl of an older Kubernetes minor for the
-# version matrix (make test-versions): build-controlplane-version.sh 1.35 builds from the module
+# Builds kube-apiserver, kube-controller-manager and kubectl of another Kubernetes minor for the
+# version matrix (make test-versions), and kube-scheduler and kubelet too where that minor's
+# go.mod names them (the real-node scenarios, make test-versions-realnode):
+# build-controlplane-version.sh 1.35 builds from the module
 # pinned in e2e/versions/1.35 into ${cache}/controlplane-1.35/<hash of its module files>, links
 # e2e/versions/1.35/bin to it, and links the main control plane's etcd beside them (etcd 3.6 serves
 # every apiserver of the matrix, so it is not built again). A warm cache makes this a no-op.
@@ -19,6 +21,8 @@ key=$(cat go.mod go.sum "$here/scripts/build-controlplane-version.sh" "$here/scr
 cache_root=${STOWAGE_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/stowage}
 out="$cache_root/controlplane-$minor/$key"
 bins=(kube-apiserver kube-controller-manager kubectl)
+# A real node of this minor needs its scheduler and kubelet as well.
+if grep -q 'k8s.io/kubernetes/cmd/kubelet$' go.mod; then bins+=(kube-scheduler kubelet); fi
 
 complete=1
 for b in "${bins[@]}"; do [ -x "$out/$b" ] || complete=0; done
