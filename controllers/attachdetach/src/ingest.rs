@@ -23,8 +23,8 @@ use crate::core::pass_unaffected;
 use crate::desired::{Kind, Lookup, PodRef, driver_attachable, kept_note, resolve_pod};
 use crate::metrics::observe_attempt;
 use crate::read::{
-    NodeInfo, VaState, is_loop, pod_claims, pod_is_active, pod_node, pv_finalizer_change,
-    split_unique_volume_name, unique_volume_name,
+    NodeInfo, VaState, is_loop, pod_claims, pod_is_active, pv_finalizer_change, split_unique_volume_name,
+    unique_volume_name,
 };
 use crate::translate::{is_csi_name, pv_target, split_in_tree_name};
 
@@ -293,7 +293,7 @@ impl Controller {
         let seen = self.pod_seen.remove(&key);
         let Some(pod) = pod else { return };
         let uid = pod.uid().unwrap_or_default();
-        let node = pod_node(&pod).unwrap_or_default().to_string();
+        let node = pod.node_name().unwrap_or_default().to_string();
         let claims = pod_claims(&pod);
         for c in &claims {
             self.claim_pods

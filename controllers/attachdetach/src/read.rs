@@ -51,10 +51,6 @@ pub fn pod_is_active(pod: &StoredPod) -> bool {
     pod.node_name().is_some() && !matches!(pod.phase(), Some("Succeeded" | "Failed"))
 }
 
-pub fn pod_node(pod: &StoredPod) -> Option<&str> {
-    pod.node_name()
-}
-
 /// Names of the claims a pod mounts: persistentVolumeClaim and generic ephemeral volumes (the
 /// index claim → pods; whether an ephemeral claim is really the pod's is checked on resolve).
 pub fn pod_claims(pod: &StoredPod) -> Vec<String> {

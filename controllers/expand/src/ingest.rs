@@ -134,7 +134,7 @@ impl Controller {
         // The few fields this reads are decoded, not each whole claim.
         for stored in self.cluster.pvcs.store().state() {
             let Ok(binding) = stored.binding() else { continue };
-            if stored.class(&binding) == Some(class) && !binding.volume_name.is_empty() {
+            if binding.class.as_deref() == Some(class) && !binding.volume_name.is_empty() {
                 self.queue.add(claim_key(stored.as_ref()));
             }
         }

@@ -18,6 +18,7 @@ use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::{self as v1, PersistentVolume, PersistentVolumeClaim};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Deserializer};
 
 use crate::store::packed::{Packable, Packed};
@@ -28,6 +29,7 @@ pub use crate::store::packed::Packable as Storable;
 pub use crate::store::slim::{PodRead, Present, Volume as PodVolume};
 
 /// A PV or claim as the stores keep it: metadata decoded, the rest packed until read.
+#[derive(Clone, Debug)]
 pub struct Stored<K>(Packed<K>);
 
 /// A PersistentVolume as stored.
@@ -51,17 +53,13 @@ impl<K: Packable> Stored<K> {
     pub fn decode(&self) -> K {
         self.0.unpack()
     }
-}
 
-impl<K: Clone> Clone for Stored<K> {
-    fn clone(&self) -> Self {
-        Self(self.0.clone())
-    }
-}
-
-impl<K: std::fmt::Debug> std::fmt::Debug for Stored<K> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        self.0.fmt(f)
+    /// Decodes the fields `V` names (serde steps over the rest). An error cannot happen short of
+    /// a bug (the JSON decoded as a `K` when stored), so it is logged here, once for every reader.
+    fn read<V: DeserializeOwned>(&self) -> Result<V, serde_json::Error> {
+        self.0.view::<V>().inspect_err(|e| {
+            tracing::error!(kind = K::KIND, name = ?self.meta().name, error = %e, "stored object does not read back");
+        })
     }
 }
 
@@ -174,13 +172,7 @@ impl StoredVolume {
         struct Wire {
             status: Option<PhaseOnly>,
         }
-        match self.0.view::<Wire>() {
-            Ok(w) => w.status.and_then(|s| s.phase),
-            Err(e) => {
-                tracing::error!(pv = ?self.meta().name, error = %e, "stored volume does not read back");
-                None
-            }
-        }
+        self.read::<Wire>().ok()?.status?.phase
     }
 
     /// Decodes the spec fields of [`VolumeSource`] only (serde steps over the rest). `None` if
@@ -192,23 +184,15 @@ impl StoredVolume {
             #[serde(default)]
             spec: Option<VolumeSource>,
         }
-        match self.0.view::<Wire>() {
-            Ok(w) => {
-                let mut spec = w.spec.unwrap_or_default();
-                let meta = self.meta();
-                if spec.gce_persistent_disk.is_some() {
-                    spec.labels = meta.labels.clone().unwrap_or_default();
-                }
-                if spec.azure_file.is_some() {
-                    spec.annotations = meta.annotations.clone().unwrap_or_default();
-                }
-                Some(spec)
-            }
-            Err(e) => {
-                tracing::error!(pv = ?self.meta().name, error = %e, "stored volume does not read back");
-                None
-            }
+        let mut spec = self.read::<Wire>().ok()?.spec.unwrap_or_default();
+        let meta = self.meta();
+        if spec.gce_persistent_disk.is_some() {
+            spec.labels = meta.labels.clone().unwrap_or_default();
         }
+        if spec.azure_file.is_some() {
+            spec.annotations = meta.annotations.clone().unwrap_or_default();
+        }
+        Some(spec)
     }
 }
 
@@ -217,9 +201,9 @@ impl StoredVolume {
 pub struct ClaimBinding {
     /// `spec.volumeName`, empty when unset.
     pub volume_name: String,
-    /// `spec.storageClassName` (the beta annotation, which wins over it, is in the metadata:
-    /// `pv::claim_class` reads both on a decoded claim, [`StoredClaim::class`] here).
-    pub class_name: Option<String>,
+    /// The claim's class as `pv::claim_class` reads it on a decoded claim: the beta annotation
+    /// `volume.beta.kubernetes.io/storage-class` if set, else `spec.storageClassName`.
+    pub class: Option<String>,
     /// `status.phase`.
     pub phase: Option<String>,
 }
@@ -240,31 +224,19 @@ impl StoredClaim {
             volume_name: Option<String>,
             storage_class_name: Option<String>,
         }
-        match self.0.view::<Wire>() {
-            Ok(w) => {
-                let spec = w.spec.unwrap_or_default();
-                Ok(ClaimBinding {
-                    volume_name: spec.volume_name.unwrap_or_default(),
-                    class_name: spec.storage_class_name,
-                    phase: w.status.and_then(|s| s.phase),
-                })
-            }
-            Err(e) => {
-                tracing::error!(claim = ?self.meta().name, error = %e, "stored claim does not read back");
-                Err(e)
-            }
-        }
-    }
-
-    /// The claim's class as `pv::claim_class` reads it (the beta annotation wins over the
-    /// field), from a binding this claim's [`binding`](Self::binding) returned.
-    pub fn class<'a>(&'a self, binding: &'a ClaimBinding) -> Option<&'a str> {
-        self.meta()
+        let w = self.read::<Wire>()?;
+        let spec = w.spec.unwrap_or_default();
+        let annotated = self
+            .meta()
             .annotations
             .as_ref()
             .and_then(|a| a.get(crate::store::pv::ANN_BETA_CLASS))
-            .map(String::as_str)
-            .or(binding.class_name.as_deref())
+            .cloned();
+        Ok(ClaimBinding {
+            volume_name: spec.volume_name.unwrap_or_default(),
+            class: annotated.or(spec.storage_class_name),
+            phase: w.status.and_then(|s| s.phase),
+        })
     }
 }
 
@@ -410,19 +382,17 @@ mod tests {
             stored.binding().unwrap(),
             ClaimBinding {
                 volume_name: "pv-1".into(),
-                class_name: Some("fast".into()),
+                class: Some("fast".into()),
                 phase: Some("Bound".into())
             }
         );
-        let binding = stored.binding().unwrap();
-        assert_eq!(stored.class(&binding), crate::store::pv::claim_class(&c));
+        // The beta annotation wins over the field, as on the decoded claim.
         let mut beta = c.clone();
         beta.metadata.annotations =
             Some([(crate::store::pv::ANN_BETA_CLASS.to_string(), "old".to_string())].into());
-        let stored_beta = StoredClaim::new(beta.clone());
-        let binding = stored_beta.binding().unwrap();
-        assert_eq!(stored_beta.class(&binding), Some("old"));
-        assert_eq!(stored_beta.class(&binding), crate::store::pv::claim_class(&beta));
+        let binding = StoredClaim::new(beta.clone()).binding().unwrap();
+        assert_eq!(binding.class.as_deref(), Some("old"));
+        assert_eq!(binding.class.as_deref(), crate::store::pv::claim_class(&beta));
         assert_eq!(stored.decode(), c);
         assert_eq!(
             StoredClaim::new(PersistentVolumeClaim::default())
