@@ -188,6 +188,11 @@ impl Reconciler for Controller {
     }
 
     fn panicked(&mut self, key: &Key) {
+        // A sync that panicked between reserving a volume and starting its writes leaves a
+        // reservation no report will free; a running task's own is freed when it lands.
+        if !self.window.is_running(key) {
+            self.release_reservations(key);
+        }
         self.executor
             .metrics
             .errors

@@ -68,6 +68,21 @@ impl Controller {
         }
     }
 
+    /// Frees the volumes reserved for `key`'s bind, when no report of it will come back to (a
+    /// task or a sync that panicked).
+    pub(crate) fn release_reservations(&mut self, key: &Key) {
+        match key {
+            Key::Claim(k) => {
+                let window = &self.window;
+                self.cache
+                    .release_claim(k, |pv| window.is_running(&Key::Volume(pv.to_string())))
+            }
+            Key::Volume(n) => {
+                self.cache.reserved.remove(n);
+            }
+        }
+    }
+
     /// Takes a batch's results: newest objects into the cache, reservation released, and the
     /// key requeued — at once if it changed meanwhile, with backoff if the batch failed.
     pub(crate) fn finish(&mut self, landed: Landed<Key, Outcome>) {
@@ -75,12 +90,7 @@ impl Controller {
         self.executor.metrics.in_flight.set(self.window.len() as i64);
         let done = landed.result.unwrap_or_else(|| {
             // The task died with its report: free what it may have reserved and retry the key.
-            match &landed.key {
-                Key::Claim(k) => self.cache.reserved.retain(|_, c| c != k),
-                Key::Volume(n) => {
-                    self.cache.reserved.remove(n);
-                }
-            }
+            self.release_reservations(&landed.key);
             Outcome {
                 error: Some(Error::Panic),
                 ..Outcome::empty(landed.key.clone(), None)

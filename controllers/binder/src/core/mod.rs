@@ -156,6 +156,12 @@ impl Cache {
     fn reserved_for_other(&self, pv: &str, claim: &str) -> bool {
         self.reserved.get(pv).is_some_and(|c| c != claim)
     }
+
+    /// Frees what a claim's bind reserved, when no report of it will come back (its task or its
+    /// sync panicked); `held(pv)` keeps a reservation whose volume's own bind is still running.
+    pub fn release_claim(&mut self, claim: &str, held: impl Fn(&str) -> bool) {
+        self.reserved.retain(|pv, c| c != claim || held(pv));
+    }
 }
 
 /// A PV the cache stored, and the version it replaced (both decoded once, for the caller's
@@ -305,6 +311,18 @@ mod tests {
     use super::*;
     use stowage_common::store::Stored;
     use stowage_testkit::builders::{pv, pvc};
+
+    #[test]
+    fn a_claims_lost_bind_frees_its_reservations_but_not_a_running_volume_bind() {
+        let mut cache = Cache::default();
+        for (pv, claim) in [("a", "ns/x"), ("b", "ns/x"), ("c", "ns/y")] {
+            cache.reserved.insert(pv.into(), claim.into());
+        }
+        // `b` is reserved for the same claim by its volume's bind, still running.
+        cache.release_claim("ns/x", |pv| pv == "b");
+        let left: BTreeSet<_> = cache.reserved.keys().map(String::as_str).collect();
+        assert_eq!(left, BTreeSet::from(["b", "c"]));
+    }
 
     #[test]
     fn the_cache_skips_the_very_object_it_holds_and_older_versions() {
