@@ -3,7 +3,8 @@
 # whose e2e/versions/<minor>/go.mod names the kubelet), its kube-apiserver, kube-controller-manager,
 # kube-scheduler and kubelet (build-controlplane-version.sh) run the one-node scenarios of
 # crates/chart-tests/tests/realnode.rs (helm install of the image, pods on loop volumes, online
-# grow, Delete and Retain) and, with REALNODE_TWO=1, the two-node ones (realnode2.rs). Needs
+# grow, Delete and Retain) and, with REALNODE_TWO=1, the two-node ones (realnode2.rs);
+# REALNODE_TESTS names the test files to run instead (e.g. REALNODE_TESTS=realnode2). Needs
 # root, containerd and what `make test` installs. Logs in e2e/results/versions/realnode-<minor>.log;
 # a table closes the output. Exits non-zero if any minor failed.
 set -uo pipefail
@@ -16,7 +17,7 @@ if [ ${#minors[@]} = 0 ]; then
     grep -q 'k8s.io/kubernetes/cmd/kubelet$' "$d/go.mod" && minors+=("$(basename "$d")")
   done
 fi
-tests=(realnode)
+read -r -a tests <<<"${REALNODE_TESTS:-realnode}"
 [ "${REALNODE_TWO:-0}" = 1 ] && tests+=(realnode2)
 mkdir -p e2e/results/versions
 # What the scenarios install: the image of the debug binaries and the pods' images (as make test).

@@ -148,10 +148,10 @@ impl ControlPlane {
             "--profiling=false".into(),
             "--v=0".into(),
         ];
-        // From v1.37 the lease endpoint reconciler refuses a loopback advertise address. Only
-        // the version matrix runs v1.37, without real nodes: no pod reads the endpoints of the
-        // `kubernetes` Service it would keep.
-        if node_host == "127.0.0.1" && apiserver_minor(&apiserver_bin) >= 37 {
+        // From v1.37 the lease endpoint reconciler refuses a loopback advertise address. Nothing
+        // here reads the endpoints of the `kubernetes` Service it would keep: the real nodes'
+        // pods reach the apiserver at the address the chart is given (`apiServer.host`).
+        if apiserver_minor(&apiserver_bin) >= 37 {
             apiserver_cmd.push("--endpoint-reconciler-type=none".into());
         }
         write_kubeconfig(&dir, port)?;
