@@ -107,6 +107,33 @@ wait_for() { # wait_for <what> <seconds> <command...>
   k get events -A --sort-by=.lastTimestamp >&2 | tail -n 20 || true
   exit 1
 }
+# The YAML of a pod of the real node's busybox image in <namespace>, running `sh -c <command>`
+# (no single quotes in it) with each <claim>:<path> mounted.
+busybox_pod() { # busybox_pod <namespace> <name> <command> <claim>:<path>...
+  local ns=$1 name=$2 cmd=$3 i=0 m mounts="" volumes=""
+  shift 3
+  for m in "$@"; do
+    mounts+="    - {name: v$i, mountPath: ${m#*:}}"$'\n'
+    volumes+="  - {name: v$i, persistentVolumeClaim: {claimName: ${m%%:*}}}"$'\n'
+    i=$((i + 1))
+  done
+  cat <<YAML
+apiVersion: v1
+kind: Pod
+metadata: {name: $name, namespace: $ns}
+spec:
+  terminationGracePeriodSeconds: 1
+  containers:
+  - name: c
+    image: localhost/busybox:stowage
+    imagePullPolicy: Never
+    command: [sh, -c, '$cmd']
+    volumeMounts:
+${mounts%$'\n'}
+  volumes:
+${volumes%$'\n'}
+YAML
+}
 phase_is() { [ "$(k get "$1" -o jsonpath='{.status.phase}' ${2:+-n "$2"})" = "$3" ]; }
 
 # The product as a user meets it: helm-installed stowage on a real kubelet, a claim and a pod
@@ -117,25 +144,16 @@ demo() {
   trap 'stop_prometheus; down' EXIT
   say "a claim (class loop, WaitForFirstConsumer) and a pod writing to it"
   k create namespace demo >/dev/null
-  k apply -n demo -f - <<'YAML'
+  {
+    cat <<'YAML'
 apiVersion: v1
 kind: PersistentVolumeClaim
-metadata: {name: data}
+metadata: {name: data, namespace: demo}
 spec: {accessModes: [ReadWriteOnce], resources: {requests: {storage: 64Mi}}}
 ---
-apiVersion: v1
-kind: Pod
-metadata: {name: app}
-spec:
-  terminationGracePeriodSeconds: 1
-  containers:
-  - name: c
-    image: localhost/busybox:stowage
-    imagePullPolicy: Never
-    command: [sh, -c, 'echo hello from stowage > /data/hello; sleep 3600']
-    volumeMounts: [{name: v, mountPath: /data}]
-  volumes: [{name: v, persistentVolumeClaim: {claimName: data}}]
 YAML
+    busybox_pod demo app 'echo hello from stowage > /data/hello; sleep 3600' data:/data
+  } | k apply -f -
   start_prometheus
   k wait -n demo --for=condition=Ready pod/app --timeout=180s
   k get pv,pvc,volumeattachment,pod -A
@@ -153,20 +171,7 @@ YAML
     k get pvc -n demo data -o jsonpath='{range .status.conditions[*]}{.type}: {.message}{"\n"}{end}'
     echo "demo: online growth refused on this machine; starting the pod again, the file system grows as it is staged"
     k delete pod -n demo app --wait=true >/dev/null
-    k apply -f - <<'YAML'
-apiVersion: v1
-kind: Pod
-metadata: {name: app, namespace: demo}
-spec:
-  terminationGracePeriodSeconds: 1
-  containers:
-  - name: c
-    image: localhost/busybox:stowage
-    imagePullPolicy: Never
-    command: [sh, -c, 'cat /data/hello; sleep 3600']
-    volumeMounts: [{name: v, mountPath: /data}]
-  volumes: [{name: v, persistentVolumeClaim: {claimName: data}}]
-YAML
+    busybox_pod demo app 'cat /data/hello; sleep 3600' data:/data | k apply -f -
     k wait -n demo --for=condition=Ready pod/app --timeout=180s
   fi
   wait_for "the claim to reach 128Mi" 180 grown
@@ -175,7 +180,8 @@ YAML
   echo "in the pod: $(k exec -n demo app -- cat /data/hello)"
 
   say "Delete vs Retain: one claim of each class, written by one pod, then pod and claims deleted"
-  k apply -f - <<'YAML'
+  {
+    cat <<'YAML'
 apiVersion: storage.k8s.io/v1
 kind: StorageClass
 metadata: {name: loop-retain}
@@ -194,21 +200,9 @@ kind: PersistentVolumeClaim
 metadata: {name: keep, namespace: demo}
 spec: {storageClassName: loop-retain, accessModes: [ReadWriteOnce], resources: {requests: {storage: 32Mi}}}
 ---
-apiVersion: v1
-kind: Pod
-metadata: {name: writer, namespace: demo}
-spec:
-  terminationGracePeriodSeconds: 1
-  containers:
-  - name: c
-    image: localhost/busybox:stowage
-    imagePullPolicy: Never
-    command: [sh, -c, 'date > /scratch/at; date > /keep/at; sync; sleep 3600']
-    volumeMounts: [{name: s, mountPath: /scratch}, {name: k, mountPath: /keep}]
-  volumes:
-  - {name: s, persistentVolumeClaim: {claimName: scratch}}
-  - {name: k, persistentVolumeClaim: {claimName: keep}}
 YAML
+    busybox_pod demo writer 'date > /scratch/at; date > /keep/at; sync; sleep 3600' scratch:/scratch keep:/keep
+  } | k apply -f -
   k wait -n demo --for=condition=Ready pod/writer --timeout=180s
   scratch_pv=$(k get pvc -n demo scratch -o jsonpath='{.spec.volumeName}')
   keep_pv=$(k get pvc -n demo keep -o jsonpath='{.spec.volumeName}')
