@@ -20,6 +20,10 @@ controlplane: ## Build etcd, kube-apiserver, kube-controller-manager, kubectl (c
 csi-sanity: ## Build csi-sanity from the csi-test module pinned in e2e/csi (cached by go.mod/go.sum)
 	@./e2e/scripts/build-csi-sanity.sh
 
+.PHONY: kubeadm
+kubeadm: ## Build kubeadm of the pinned release from e2e/kubeadm (cached by go.mod/go.sum); the distributions guide's test renders with it
+	@./e2e/scripts/build-kubeadm.sh
+
 .PHONY: promtool
 promtool: ## Build promtool from the Prometheus module pinned in e2e/promtool (cached by go.mod/go.sum)
 	@./e2e/scripts/build-promtool.sh
@@ -37,7 +41,7 @@ build: ## Build both binaries
 	$(CARGO) build --workspace --bins
 
 .PHONY: test
-test: deps controlplane csi-sanity promtool storage-e2e-suite sidecars ## Run unit, property and integration tests (real control plane, csi-sanity, promtool, real nodes, a subset of Kubernetes' storage e2e suite)
+test: deps controlplane csi-sanity promtool kubeadm storage-e2e-suite sidecars ## Run unit, property and integration tests (real control plane, csi-sanity, promtool, real nodes, a subset of Kubernetes' storage e2e suite)
 	$(CARGO) build --workspace --bins
 	@# The image tests unpack an archive of the binaries under test; debug ones cost no second build.
 	STOWAGE_IMAGE_BIN_DIR=$(TARGET_DIR)/debug ./e2e/scripts/image.sh

@@ -13,6 +13,7 @@ use k8s_openapi::api::storage::v1::VolumeAttachment;
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::{Api, ResourceExt};
 use serde_json::json;
+use stowage_controller::rival;
 use stowage_testkit::binary::Running;
 use stowage_testkit::builders::{node, pod, pv, pvc};
 use stowage_testkit::controlplane::Kcm;
@@ -375,6 +376,43 @@ async fn rival_gone(kcm: Kcm, pods: &Api<Pod>, stowage: &Running) {
     until_gauge(stowage, "stowage_controllers_paused", &[], |v| v == 0.0).await;
 }
 
+/// k3s runs kube-controller-manager inside its own process, and there is no pod to read its flags
+/// from: its writes are the only evidence, recorded under the field manager `k3s`. The real
+/// kube-controller-manager, run under that process name, binds a pair; what it wrote reads as a
+/// rival binder's write.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_embedded_controller_manager_in_k3s_is_seen_by_its_writes() {
+    let cp = tokio::task::spawn_blocking(ControlPlane::start)
+        .await
+        .unwrap()
+        .unwrap();
+    let client = cp.client().await;
+    // managedFields times are whole seconds: a write in this second may read as its start.
+    let since = k8s_openapi::jiff::Timestamp::now()
+        .checked_sub(Duration::from_secs(1))
+        .unwrap();
+    let _kcm = cp.start_kcm_as(
+        "k3s",
+        "persistentvolume-binder-controller",
+        &["--pvclaimbinder-sync-period=1s"],
+    );
+    static_pair(&client, "k3s-1", "claim-k3s").await;
+    let pvs: Api<PersistentVolume> = Api::all(client.clone());
+    eventually(LIMIT, || async {
+        let v = pvs.get("k3s-1").await.map_err(|e| e.to_string())?;
+        let managers = claim_ref_managers(&v);
+        if managers != ["k3s"] {
+            return Err(format!("spec.claimRef of k3s-1 owned by {managers:?}"));
+        }
+        let object: rival::Object = serde_json::from_value(serde_json::to_value(&v).unwrap()).unwrap();
+        match rival::rival_write(rival::Kind::PersistentVolume, &object.metadata, since) {
+            Some(w) if w.manager == "k3s" => Ok(()),
+            other => Err(format!("not read as k3s's write: {other:?}")),
+        }
+    })
+    .await;
+}
+
 /// The value docs/distributions.md gives kube-controller-manager, read from the guide itself.
 fn documented_value() -> String {
     let guide = std::fs::read_to_string(concat!(
@@ -395,45 +433,149 @@ fn documented_value() -> String {
         .to_string()
 }
 
-/// The guide's kubeadm step, run as written: its `sed` on kubeadm's manifest line, then the real
-/// kube-controller-manager started with the result beside stowage. Nothing of KCM's touches the
-/// storage objects, stowage reports no conflict, and stowage binds.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_documented_kcm_flag_leaves_the_storage_controllers_to_stowage() {
+/// kubeadm v1.36.3 (`e2e/kubeadm`, built by `make kubeadm`), as the guide's clusters run it.
+fn kubeadm() -> std::path::PathBuf {
+    let bin = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../e2e/kubeadm/bin/kubeadm");
+    assert!(bin.exists(), "{} is missing: run `make kubeadm`", bin.display());
+    bin
+}
+
+/// The kube-controller-manager static pod manifest that the real kubeadm writes for `config` (a
+/// kubeadm configuration; `kubernetesVersion` is added, as `kubeadm init` would take it from
+/// the cluster), in a directory of its own.
+fn kubeadm_manifest(config: &str) -> (tempfile::TempDir, std::path::PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("kubeadm.yaml");
+    std::fs::write(
+        &file,
+        format!("{}\nkubernetesVersion: v1.36.3\n", config.trim_end()),
+    )
+    .unwrap();
+    let out = std::process::Command::new(kubeadm())
+        .args([
+            "init",
+            "phase",
+            "control-plane",
+            "controller-manager",
+            "--dry-run",
+            "--config",
+        ])
+        .arg(&file)
+        .env("KUBEADM_INIT_DRYRUN_DIR", dir.path())
+        .output()
+        .unwrap();
+    let manifest = dir.path().join("kube-controller-manager.yaml");
+    assert!(
+        out.status.success() && manifest.exists(),
+        "kubeadm wrote no manifest for\n{config}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (dir, manifest)
+}
+
+/// The `--controllers` flag kubeadm gives kube-controller-manager for `config`.
+fn kubeadm_controllers(config: &str) -> String {
+    let (_dir, path) = kubeadm_manifest(config);
+    let manifest = std::fs::read_to_string(path).unwrap();
+    let flags: Vec<&str> = manifest
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("- --controllers="))
+        .collect();
+    assert_eq!(flags.len(), 1, "one --controllers flag in\n{manifest}");
+    flags[0].to_string()
+}
+
+/// The guide's yaml block that starts with `first`, as written (indentation kept).
+fn guide_block(guide: &str, first: &str) -> String {
+    let mut lines = guide.lines().skip_while(|l| l.trim() != first);
+    let head = lines
+        .next()
+        .unwrap_or_else(|| panic!("no block starting `{first}` in the guide"));
+    let indent = head.len() - head.trim_start().len();
+    std::iter::once(head)
+        .chain(lines.take_while(|l| l.trim() != "```"))
+        .map(|l| l.get(indent..).unwrap_or(""))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// Every kubeadm-based path in docs/distributions.md, rendered by the real kubeadm: the guide's
+/// `sed` on the manifest kubeadm writes by default, its `ClusterConfiguration` for
+/// `kubeadm-config`, and the kubeadm patch of its kind cluster configuration (kind applies it to
+/// the `ClusterConfiguration` it generates). Each gives kube-controller-manager the one value the
+/// guide documents, which the test below runs the real kube-controller-manager with.
+#[test]
+fn kubeadm_renders_the_guides_flag_for_kubeadm_and_kind() {
     let guide = std::fs::read_to_string(concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/../../docs/distributions.md"
     ))
     .unwrap();
-    let sed_script = guide
+    let value = documented_value();
+    let bare = "apiVersion: kubeadm.k8s.io/v1beta4\nkind: ClusterConfiguration";
+    assert_eq!(
+        kubeadm_controllers(bare),
+        "*,bootstrapsigner,tokencleaner",
+        "kubeadm's default, which the guide's sed expects"
+    );
+
+    // Step 1: the sed, on the manifest kubeadm writes.
+    let (_dir, manifest) = kubeadm_manifest(bare);
+    let ok = std::process::Command::new("sed")
+        .args(["-i", &guide_sed_script(&guide)])
+        .arg(&manifest)
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "the guide's sed");
+    let edited = std::fs::read_to_string(&manifest).unwrap();
+    assert!(
+        edited.contains(&format!("    - --controllers={value}\n")),
+        "the guide's sed on kubeadm's manifest:\n{edited}"
+    );
+
+    // Step 2: kubeadm-config's ClusterConfiguration (v1beta4, extraArgs a list).
+    let cluster_configuration = format!("{bare}\n{}", guide_block(&guide, "controllerManager:"));
+    assert_eq!(
+        kubeadm_controllers(&cluster_configuration),
+        value,
+        "kubeadm-config"
+    );
+
+    // kind: its kubeadmConfigPatches entry is a ClusterConfiguration of the same version.
+    let kind_config = guide_block(&guide, "kind: Cluster");
+    let patch: String = kind_config
+        .lines()
+        .skip_while(|l| l.trim() != "- |")
+        .skip(1)
+        .take_while(|l| l.starts_with("  "))
+        .map(|l| format!("{}\n", &l[2..]))
+        .collect();
+    assert!(
+        patch.contains("kind: ClusterConfiguration"),
+        "kind's patch:\n{kind_config}"
+    );
+    assert_eq!(kubeadm_controllers(&patch), value, "kind's patch:\n{patch}");
+}
+
+/// The guide's `sed` script (step 1 of kubeadm), as written.
+fn guide_sed_script(guide: &str) -> String {
+    guide
         .lines()
         .find_map(|l| {
             l.trim()
                 .strip_prefix("sudo sed -i '")
                 .map(|s| s.split('\'').next().unwrap().to_string())
         })
-        .expect("the guide's sed command");
-    let dir = tempfile::tempdir().unwrap();
-    let manifest = dir.path().join("kube-controller-manager.yaml");
-    std::fs::write(
-        &manifest,
-        "spec:\n  containers:\n  - command:\n    - kube-controller-manager\n    - --controllers=*,bootstrapsigner,tokencleaner\n    - --leader-elect=true\n",
-    )
-    .unwrap();
-    let ok = std::process::Command::new("sed")
-        .args(["-i", &sed_script])
-        .arg(&manifest)
-        .status()
-        .unwrap()
-        .success();
-    assert!(ok, "sed {sed_script}");
-    let edited = std::fs::read_to_string(&manifest).unwrap();
-    let value = documented_value();
-    assert!(
-        edited.contains(&format!("    - --controllers={value}\n")),
-        "the sed step and the configuration value differ:\n{edited}"
-    );
+        .expect("the guide's sed command")
+}
 
+/// The guide's kube-controller-manager flag on the real kube-controller-manager, beside stowage.
+/// Nothing of KCM's touches the storage objects, stowage reports no conflict, and stowage binds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_documented_kcm_flag_leaves_the_storage_controllers_to_stowage() {
+    // The value every path of the guide gives KCM (the test above renders each with kubeadm).
+    let value = documented_value();
     let cp = tokio::task::spawn_blocking(ControlPlane::start)
         .await
         .unwrap()

@@ -300,7 +300,16 @@ impl ControlPlane {
     /// the side-by-side tests run it as the oracle; `extra` flags follow. Killed when the guard
     /// drops, so a failing test leaves no controller writing into the next one's objects.
     pub fn start_kcm(&self, controllers: &str, extra: &[&str]) -> Kcm {
+        self.start_kcm_as("kube-controller-manager", controllers, extra)
+    }
+
+    /// [`start_kcm`](Self::start_kcm) with `argv0` as the process's name. Its clients' user
+    /// agents start with that name, and so does the field manager the apiserver records for its
+    /// writes: k3s, which runs kube-controller-manager inside its own process, writes as `k3s`.
+    pub fn start_kcm_as(&self, argv0: &str, controllers: &str, extra: &[&str]) -> Kcm {
+        use std::os::unix::process::CommandExt;
         let child = std::process::Command::new(bin_dir().join("kube-controller-manager"))
+            .arg0(argv0)
             .arg(format!("--kubeconfig={}", self.kubeconfig().display()))
             .args([
                 "--leader-elect=false",

@@ -20,7 +20,7 @@ use tokio::sync::{mpsc, watch};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
-use super::{Kind, Object, Seen, kcm_storage_controllers, rival_write};
+use super::{Kind, Object, RivalWrite, Seen, kcm_storage_controllers, rival_write};
 
 /// How often kube-controller-manager's pods are listed.
 const POD_PERIOD: Duration = Duration::from_secs(30);
@@ -113,8 +113,7 @@ enum Finding {
         name: String,
         namespace: Option<String>,
         uid: Option<String>,
-        fields: &'static str,
-        at: Timestamp,
+        write: RivalWrite,
     },
     Pods(Vec<(String, Option<String>, Vec<&'static str>)>),
     Error(&'static str),
@@ -228,7 +227,7 @@ async fn watch_kind(client: Client, kind: Kind, since: Timestamp, tx: mpsc::Send
                 }
             };
             version = object.metadata.resource_version.clone();
-            let Some((at, fields)) = rival_write(kind, &object.metadata, since) else {
+            let Some(write) = rival_write(kind, &object.metadata, since) else {
                 continue;
             };
             let key = object
@@ -236,21 +235,20 @@ async fn watch_kind(client: Client, kind: Kind, since: Timestamp, tx: mpsc::Send
                 .uid
                 .clone()
                 .unwrap_or_else(|| object.metadata.name.clone());
-            if reported.get(&key).is_some_and(|t| *t >= at) {
+            if reported.get(&key).is_some_and(|t| *t >= write.at) {
                 continue;
             }
             if reported.len() >= REMEMBERED {
                 reported.clear();
             }
-            reported.insert(key, at);
+            reported.insert(key, write.at);
             let meta = object.metadata;
             let finding = Finding::Write {
                 kind,
                 name: meta.name,
                 namespace: meta.namespace,
                 uid: meta.uid,
-                fields,
-                at,
+                write,
             };
             if tx.send(finding).await.is_err() {
                 return;
@@ -356,7 +354,13 @@ async fn report(
         tokio::select! {
             f = rx.recv() => match f {
                 None => return,
-                Some(Finding::Write { kind, name, namespace, uid, fields, at }) => {
+                Some(Finding::Write { kind, name, namespace, uid, write }) => {
+                    let RivalWrite { at, fields, manager } = write;
+                    // k3s's embedded kube-controller-manager writes as `k3s`: say which.
+                    let who = match manager {
+                        "kube-controller-manager" => manager.to_string(),
+                        other => format!("kube-controller-manager (field manager {other})"),
+                    };
                     let owner = kind.owner();
                     metrics.writes.with_label_values(&[kind.as_str(), owner]).inc();
                     seen.last_write = Some(started.elapsed());
@@ -370,7 +374,7 @@ async fn report(
                             reason: "ConflictingController",
                             action: "DetectConflict",
                             note: format!(
-                                "kube-controller-manager wrote {fields} of this {} at {at}, as stowage's {owner} controller does: both controllers are running. Turn one off: add {} to kube-controller-manager's --controllers, or leave {owner} out of stowage-controller's",
+                                "{who} wrote {fields} of this {} at {at}, as stowage's {owner} controller does: both controllers are running. Turn one off: add {} to kube-controller-manager's --controllers, or leave {owner} out of stowage-controller's",
                                 kind.as_str(),
                                 kcm_off(&[owner]),
                             ),
@@ -382,7 +386,7 @@ async fn report(
                             None => name.clone(),
                         };
                         tracing::warn!(
-                            kind = kind.as_str(), object = %target, %fields, at = %at, controller = owner,
+                            kind = kind.as_str(), object = %target, %fields, at = %at, controller = owner, manager,
                             "kube-controller-manager wrote what stowage's {owner} controller writes: two controllers are acting on the same objects"
                         );
                     }

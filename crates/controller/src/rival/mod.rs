@@ -2,8 +2,8 @@
 //! controller still runs beside stowage's, both write the same PVs, claims, VolumeAttachments and
 //! Node statuses, and each undoes what the other decided. Two kinds of evidence are read:
 //!
-//! - **writes**: managedFields entries of the manager `kube-controller-manager` (the apiserver
-//!   names a manager by its client's user agent) that own a storage field (`footprint.rs`) and
+//! - **writes**: managedFields entries of the manager `kube-controller-manager` (or `k3s`: the
+//!   apiserver names a manager by its client's user agent) that own a storage field (`footprint.rs`) and
 //!   were written while stowage runs, seen on a metadata-only watch of each kind;
 //! - **flags**: a kube-controller-manager pod in `kube-system` (kubeadm's and kind's static pods
 //!   carry `component=kube-controller-manager`) whose `--controllers` turns on a controller
@@ -24,8 +24,12 @@ use serde::Deserialize;
 pub use exec::{Metrics, spawn};
 pub use footprint::Footprint;
 
-/// The field manager kube-controller-manager's writes are recorded under.
-pub const KCM_MANAGER: &str = "kube-controller-manager";
+/// The field managers kube-controller-manager's writes are recorded under. The apiserver names
+/// a manager by the first segment of the client's user agent, which client-go builds from the
+/// process's name: `kube-controller-manager` for its own binary (kubeadm, kind, most
+/// distributions), `k3s` where k3s runs it inside its server process. Nothing else k3s's process
+/// runs writes the storage fields these entries are checked for.
+pub const KCM_MANAGERS: [&str; 2] = ["kube-controller-manager", "k3s"];
 
 /// The kinds whose writes are watched, with the stowage controller that owns their storage fields.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -98,17 +102,28 @@ pub struct Object {
     pub metadata: Meta,
 }
 
-/// What kube-controller-manager wrote to one object that stowage's `kind.owner()` writes too:
-/// the fields and when, or `None`.
-pub fn rival_write(kind: Kind, meta: &Meta, since: Timestamp) -> Option<(Timestamp, &'static str)> {
+/// A write of kube-controller-manager's to a storage field.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RivalWrite {
+    pub at: Timestamp,
+    /// The storage fields, named for the Event.
+    pub fields: &'static str,
+    /// The field manager it was recorded under (one of [`KCM_MANAGERS`]).
+    pub manager: &'static str,
+}
+
+/// The latest write of kube-controller-manager's to one object since `since`, to fields that
+/// stowage's `kind.owner()` writes too, or `None`.
+pub fn rival_write(kind: Kind, meta: &Meta, since: Timestamp) -> Option<RivalWrite> {
     meta.managed_fields
         .iter()
-        .filter(|e| e.manager == KCM_MANAGER)
         .filter_map(|e| {
+            let manager = *KCM_MANAGERS.iter().find(|m| **m == e.manager)?;
             let at: Timestamp = e.time.as_deref()?.parse().ok()?;
-            (at >= since).then_some((at, storage_fields(kind, &e.subresource, e.fields)?))
+            let fields = storage_fields(kind, &e.subresource, e.fields)?;
+            (at >= since).then_some(RivalWrite { at, fields, manager })
         })
-        .max_by_key(|(at, _)| *at)
+        .max_by_key(|w| w.at)
 }
 
 /// Which storage fields an entry of `kind` owns, named for the Event, or `None`.
@@ -210,12 +225,25 @@ mod tests {
         ]));
         let since: Timestamp = "2026-11-27T18:00:00Z".parse().unwrap();
         assert_eq!(
-            rival_write(Kind::PersistentVolume, &m, since).map(|(_, f)| f),
+            rival_write(Kind::PersistentVolume, &m, since).map(|w| w.fields),
             Some("status.phase")
         );
         // Written before stowage began watching: history, not a conflict now.
         let later: Timestamp = "2026-11-27T18:00:06Z".parse().unwrap();
         assert_eq!(rival_write(Kind::PersistentVolume, &m, later), None);
+    }
+
+    #[test]
+    fn k3s_embedded_controller_manager_is_a_rival() {
+        let m = meta(json!([
+            {"manager": "k3s", "operation": "Update", "time": "2026-11-27T18:00:05Z",
+             "fieldsV1": {"f:spec": {"f:claimRef": {}}}},
+        ]));
+        let since: Timestamp = "2026-11-27T18:00:00Z".parse().unwrap();
+        assert_eq!(
+            rival_write(Kind::PersistentVolume, &m, since).map(|w| w.fields),
+            Some("spec.claimRef")
+        );
     }
 
     #[test]
