@@ -86,7 +86,7 @@ test-versions-realnode: deps controlplane ## The real-node scenarios with anothe
 
 .PHONY: test-matrix
 test-matrix: test-versions ## The whole version matrix: test-versions, then the one- and two-node real-node scenarios on K8S_REALNODE_VERSIONS
-	REALNODE_TWO=1 CARGO=$(CARGO) ./e2e/scripts/test-versions-realnode.sh $(K8S_REALNODE_VERSIONS)
+	REALNODE_TESTS="realnode realnode2" CARGO=$(CARGO) ./e2e/scripts/test-versions-realnode.sh $(K8S_REALNODE_VERSIONS)
 
 .PHONY: image
 image: deps ## Build the OCI image archive target/image/stowage-<version>.oci.tar offline (Debian packages + release binaries)

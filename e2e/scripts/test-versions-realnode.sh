@@ -3,10 +3,10 @@
 # whose e2e/versions/<minor>/go.mod names the kubelet), its kube-apiserver, kube-controller-manager,
 # kube-scheduler and kubelet (build-controlplane-version.sh) run the one-node scenarios of
 # crates/chart-tests/tests/realnode.rs (helm install of the image, pods on loop volumes, online
-# grow, Delete and Retain) and, with REALNODE_TWO=1, the two-node ones (realnode2.rs);
-# REALNODE_TESTS names the test files to run instead (e.g. REALNODE_TESTS=realnode2). Needs
-# root, containerd and what `make test` installs. Logs in e2e/results/versions/realnode-<minor>.log;
-# a table closes the output. Exits non-zero if any minor failed.
+# grow, Delete and Retain); REALNODE_TESTS names the test files to run instead, e.g.
+# REALNODE_TESTS="realnode realnode2" adds the two-node ones. Needs root, containerd and what
+# `make test` installs. Logs in e2e/results/versions/<test>-<minor>.log; a table closes the
+# output. Exits non-zero if any minor failed.
 set -uo pipefail
 here=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$here"
@@ -18,7 +18,6 @@ if [ ${#minors[@]} = 0 ]; then
   done
 fi
 read -r -a tests <<<"${REALNODE_TESTS:-realnode}"
-[ "${REALNODE_TWO:-0}" = 1 ] && tests+=(realnode2)
 mkdir -p e2e/results/versions
 # What the scenarios install: the image of the debug binaries and the pods' images (as make test).
 "$cargo" build --workspace --bins || exit 1

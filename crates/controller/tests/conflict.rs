@@ -413,13 +413,18 @@ async fn an_embedded_controller_manager_in_k3s_is_seen_by_its_writes() {
     .await;
 }
 
-/// The value docs/distributions.md gives kube-controller-manager, read from the guide itself.
-fn documented_value() -> String {
-    let guide = std::fs::read_to_string(concat!(
+/// docs/distributions.md, whose steps the tests below run as written.
+fn guide() -> String {
+    std::fs::read_to_string(concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/../../docs/distributions.md"
     ))
-    .unwrap();
+    .unwrap()
+}
+
+/// The value docs/distributions.md gives kube-controller-manager, read from the guide itself.
+fn documented_value() -> String {
+    let guide = guide();
     let line = guide
         .lines()
         .find(|l| {
@@ -433,11 +438,23 @@ fn documented_value() -> String {
         .to_string()
 }
 
-/// kubeadm v1.36.3 (`e2e/kubeadm`, built by `make kubeadm`), as the guide's clusters run it.
+/// kubeadm of the pinned release (`e2e/kubeadm`, built by `make kubeadm`), as the guide's
+/// clusters run it.
 fn kubeadm() -> std::path::PathBuf {
     let bin = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../e2e/kubeadm/bin/kubeadm");
     assert!(bin.exists(), "{} is missing: run `make kubeadm`", bin.display());
     bin
+}
+
+/// The release kubeadm was built from (`kubeadm version -o short`), the cluster's version in the
+/// configurations it is given.
+fn kubeadm_version() -> String {
+    let out = std::process::Command::new(kubeadm())
+        .args(["version", "-o", "short"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "kubeadm version");
+    String::from_utf8(out.stdout).unwrap().trim().to_string()
 }
 
 /// The kube-controller-manager static pod manifest that the real kubeadm writes for `config` (a
@@ -448,7 +465,11 @@ fn kubeadm_manifest(config: &str) -> (tempfile::TempDir, std::path::PathBuf) {
     let file = dir.path().join("kubeadm.yaml");
     std::fs::write(
         &file,
-        format!("{}\nkubernetesVersion: v1.36.3\n", config.trim_end()),
+        format!(
+            "{}\nkubernetesVersion: {}\n",
+            config.trim_end(),
+            kubeadm_version()
+        ),
     )
     .unwrap();
     let out = std::process::Command::new(kubeadm())
@@ -506,11 +527,7 @@ fn guide_block(guide: &str, first: &str) -> String {
 /// guide documents, which the test below runs the real kube-controller-manager with.
 #[test]
 fn kubeadm_renders_the_guides_flag_for_kubeadm_and_kind() {
-    let guide = std::fs::read_to_string(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../docs/distributions.md"
-    ))
-    .unwrap();
+    let guide = guide();
     let value = documented_value();
     let bare = "apiVersion: kubeadm.k8s.io/v1beta4\nkind: ClusterConfiguration";
     assert_eq!(
