@@ -55,7 +55,7 @@ up() {
   cat >"$dir/values.yaml" <<VALUES
 image: {repository: localhost/stowage, tag: "$version", pullPolicy: Never}
 apiServer: {host: $host, port: "$port"}
-imageStore: {path: $dir/images}
+imageStore: {mode: shared, path: $dir/images}
 controller: {replicas: 1, hostNetwork: true}
 agent: {mode: csi, kubeletDir: $kubelet_dir, hostNetwork: true}
 storageClass: {create: true, default: true, name: loop, volumeBindingMode: WaitForFirstConsumer}

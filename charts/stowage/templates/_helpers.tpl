@@ -67,12 +67,19 @@ app.kubernetes.io/component: agent
 {{- end }}
 
 {{/* The image store volume, shared by the controller and the agents. */}}
+{{- define "stowage.imageStoreMode" -}}
+{{- if not (has .Values.imageStore.mode (list "local" "shared")) }}
+{{- fail (printf "imageStore.mode must be local or shared, not %q" .Values.imageStore.mode) }}
+{{- end }}
+{{- .Values.imageStore.mode }}
+{{- end }}
+
 {{- define "stowage.imageStoreVolume" -}}
 - name: images
 {{- if eq .Values.imageStore.type "hostPath" }}
   hostPath:
     path: {{ .Values.imageStore.path }}
-    type: {{ .Values.imageStore.hostPathType }}
+    type: {{ .Values.imageStore.hostPathType | default (ternary "DirectoryOrCreate" "Directory" (eq .Values.imageStore.mode "local")) }}
 {{- else if eq .Values.imageStore.type "pvc" }}
   persistentVolumeClaim:
     claimName: {{ required "imageStore.existingClaim is required when imageStore.type is pvc" .Values.imageStore.existingClaim }}

@@ -37,8 +37,11 @@ use stowage_common::runtime::queue::WorkQueue;
 pub struct Config {
     /// Full resync period (upstream's --pvclaimbinder-sync-period).
     pub resync: Duration,
-    /// Where the built-in driver keeps its images.
+    /// Where the built-in driver keeps its images (used in shared mode).
     pub image_dir: PathBuf,
+    /// Shared: one store this controller mounts too. Local: each node's agent makes, grows and
+    /// deletes the images of its own store.
+    pub store_mode: stowage_loopdriver::StoreMode,
     /// Objects whose writes may be in flight at once.
     pub max_in_flight: usize,
 }
@@ -48,6 +51,7 @@ impl Default for Config {
         Self {
             resync: Duration::from_secs(15),
             image_dir: PathBuf::from("/var/lib/stowage/images"),
+            store_mode: Default::default(),
             max_in_flight: 64,
         }
     }
@@ -117,6 +121,7 @@ pub async fn run(cluster: Arc<Informers>, metrics: Metrics, config: Config) -> a
             client,
             metrics,
             images: crate::loopdev::ImageStore::new(config.image_dir.clone()),
+            store_mode: config.store_mode,
             live: Default::default(),
             store_check: Default::default(),
             timestamps: Default::default(),
@@ -255,6 +260,7 @@ impl Controller {
             default_class,
             node_labels: &node_fn,
             pods_of: &pods_fn,
+            local: self.executor.store_mode.is_local(),
         };
         let timer = self
             .executor

@@ -28,8 +28,10 @@ pub(crate) struct Executor {
     pub(crate) pvs: Api<PersistentVolume>,
     pub(crate) events: Events,
     pub(crate) metrics: Metrics,
-    /// The image store, its marker check cached across write tasks.
+    /// The image store, its marker check cached across write tasks (shared mode only: in local
+    /// mode each node's agent reaches its own).
     pub(crate) images: loopdev::ImageStore,
+    pub(crate) store_mode: stowage_loopdriver::StoreMode,
     /// The newest live lists of built-in handles and of attachments (see `live_handles`).
     pub(crate) live: tokio::sync::Mutex<Option<LiveHandles>>,
     /// A periodic marker check is running (a hung store must not pile them up).
@@ -207,7 +209,8 @@ impl Executor {
     /// while nothing is provisioned or deleted, and the gauge should say so.
     pub(crate) fn check_store(&self) {
         use std::sync::atomic::Ordering;
-        if self.store_check.swap(true, Ordering::AcqRel) {
+        // Local mode: the stores are the nodes'; each agent reports its own.
+        if self.store_mode.is_local() || self.store_check.swap(true, Ordering::AcqRel) {
             return;
         }
         let (store, gauge, running) = (
@@ -411,7 +414,9 @@ impl Executor {
                 done.claims
                     .push(self.writes().replace_claim(&c, "set_default_class").await?);
             }
-            Action::ProvisionLoop { claim, class } => self.provision(snap, done, claim, class).await?,
+            Action::ProvisionLoop { claim, class, node } => {
+                self.provision(snap, done, claim, class, node.as_deref()).await?
+            }
             Action::CreateLoopImage { pv } => self.create_image(snap, done, pv).await?,
             Action::DeleteLoopVolume { pv } => self.delete_volume(snap, done, pv).await?,
             Action::SetDeleterFinalizer { pv, present } => {

@@ -128,6 +128,7 @@ mod sync {
             default_class: None,
             node_labels: &nodes,
             pods_of: pods,
+            local: false,
         }
     }
 
@@ -428,6 +429,12 @@ mod sync {
         let out = sync_claim(&c, &cache(&[], std::slice::from_ref(&c)), &with(&no_pods));
         assert!(
             events(&out).iter().any(|(_, r, _)| *r == "WaitForFirstConsumer"),
+            "{out:?}"
+        );
+        // Nor while no consumer is seen yet: a claim and its pod created together (one apply, a
+        // StatefulSet) look like this until the pod arrives, and the scheduler's PreBind follows.
+        assert!(
+            !out.iter().any(|a| matches!(a, Action::ClaimCondition { .. })),
             "{out:?}"
         );
     }

@@ -17,24 +17,10 @@ use crate::pv::*;
 
 pub use stowage_loopdriver::{ImageError, ImageStore};
 
-/// Whether the built-in provisioner makes the volume's ext4 itself when it creates the image: a
-/// Filesystem volume whose only access mode is ReadOnlyMany (and whose fsType is ext4, the one
-/// file system the driver makes). Every node stages such a volume read-only and never formats a
-/// device it cannot write, so an image left blank could never be mounted. Block volumes and
-/// volumes with a writer mode stay blank: a writer's first stage formats them on its node.
+/// Whether the built-in provisioner makes the volume's ext4 when it creates the image (a
+/// ReadOnlyMany-only Filesystem volume: `stowage_common::store::pv::formatted_at_creation`).
 pub fn formatted_at_creation(pv: &PersistentVolume) -> bool {
-    let Some(spec) = pv.spec.as_ref() else {
-        return false;
-    };
-    let modes = spec.access_modes.as_deref().unwrap_or_default();
-    let readers_only = !modes.is_empty() && modes.iter().all(|m| m == "ReadOnlyMany");
-    let filesystem = spec.volume_mode.as_deref() != Some("Block");
-    let ext4 = spec
-        .csi
-        .as_ref()
-        .and_then(|c| c.fs_type.as_deref())
-        .is_none_or(|t| t.is_empty() || t == stowage_loopdriver::csi::caps::FS_TYPE);
-    readers_only && filesystem && ext4
+    stowage_common::store::pv::formatted_at_creation(pv, stowage_loopdriver::csi::caps::FS_TYPE)
 }
 
 /// The name of the PV provisioned for a claim (one per claim UID, so retries are idempotent).
@@ -44,7 +30,15 @@ pub fn provisioned_name(claim: &PersistentVolumeClaim) -> Option<String> {
 
 /// The PV the built-in provisioner creates for `claim` of `class`: pre-bound to the claim, its
 /// image still pending, the deleter finalizer in place before any storage exists.
-pub fn provisioned_pv(claim: &PersistentVolumeClaim, class: &StorageClass) -> Option<PersistentVolume> {
+///
+/// `node`: local mode, the node whose store gets the image. The volume then requires that node
+/// (`TOPOLOGY_KEY In [node]`), the scheduler's choice already checked against the class's allowed
+/// topologies, so the class's terms add nothing.
+pub fn provisioned_pv(
+    claim: &PersistentVolumeClaim,
+    class: &StorageClass,
+    node: Option<&str>,
+) -> Option<PersistentVolume> {
     let name = provisioned_name(claim)?;
     let spec = claim.spec.as_ref()?;
     let request = spec
@@ -61,7 +55,19 @@ pub fn provisioned_pv(claim: &PersistentVolumeClaim, class: &StorageClass) -> Op
         .or_else(|| params.get("fsType"))
         .cloned()
         .unwrap_or_else(|| "ext4".into());
-    let node_affinity = class
+    let on_node = node.map(|n| VolumeNodeAffinity {
+        required: Some(NodeSelector {
+            node_selector_terms: vec![NodeSelectorTerm {
+                match_expressions: Some(vec![NodeSelectorRequirement {
+                    key: stowage_loopdriver::TOPOLOGY_KEY.into(),
+                    operator: "In".into(),
+                    values: Some(vec![n.to_string()]),
+                }]),
+                match_fields: None,
+            }],
+        }),
+    });
+    let node_affinity = on_node.or_else(|| class
         .allowed_topologies
         .as_ref()
         .filter(|t| !t.is_empty())
@@ -85,7 +91,7 @@ pub fn provisioned_pv(claim: &PersistentVolumeClaim, class: &StorageClass) -> Op
                     })
                     .collect(),
             }),
-        });
+        }));
     let annotations = BTreeMap::from([
         (ANN_PROVISIONED_BY.to_string(), LOOP_DRIVER.to_string()),
         (ANN_BOUND_BY_CONTROLLER.to_string(), "yes".to_string()),

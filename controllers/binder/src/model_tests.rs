@@ -137,6 +137,7 @@ fn env() -> Env<'static> {
         default_class: None,
         node_labels: &no_node,
         pods_of: &no_pods,
+        local: false,
     }
 }
 

@@ -21,3 +21,9 @@ pub fn loop_handle(pv: &PersistentVolume) -> Option<&str> {
         .then(|| volume_handle(pv))
         .flatten()
 }
+
+/// The node whose store holds a node-local volume's image (its node affinity on the driver's
+/// topology key); `None` for a volume in a shared store.
+pub fn loop_node(pv: &PersistentVolume) -> Option<&str> {
+    affinity_value(pv, stowage_loopdriver::TOPOLOGY_KEY)
+}

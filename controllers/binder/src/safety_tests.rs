@@ -33,6 +33,7 @@ fn env() -> Env<'static> {
         default_class: None,
         node_labels: &no_node,
         pods_of: &no_pods,
+        local: false,
     }
 }
 
@@ -175,7 +176,7 @@ fn an_unclaimed_volume_of_ours_deleted_by_an_admin_is_reclaimed() {
 
 fn provisioned(claim: &PersistentVolumeClaim) -> PersistentVolume {
     let class = storage_class("loop", LOOP_DRIVER).build();
-    crate::loopdev::provisioned_pv(claim, &class).expect("claim with a request")
+    crate::loopdev::provisioned_pv(claim, &class, None).expect("claim with a request")
 }
 
 fn claim_1ei() -> PersistentVolumeClaim {
@@ -347,7 +348,7 @@ fn only_read_only_many_filesystem_volumes_are_formatted_at_creation() {
         }
         let mut c = b.build();
         c.metadata.uid = Some("u".into());
-        let mut v = crate::loopdev::provisioned_pv(&c, &class).unwrap();
+        let mut v = crate::loopdev::provisioned_pv(&c, &class, None).unwrap();
         v.spec.as_mut().unwrap().csi.as_mut().unwrap().fs_type = fs.map(Into::into);
         crate::loopdev::formatted_at_creation(&v)
     };
@@ -364,4 +365,145 @@ fn only_read_only_many_filesystem_volumes_are_formatted_at_creation() {
     );
     assert!(!made(&["ReadWriteOnce"], false, Some("ext4")));
     assert!(!made(&["ReadWriteOncePod"], false, Some("ext4")));
+}
+
+/// Local mode (issue 47): each node has its own image store. A volume is made only for the node
+/// the scheduler chose and is pinned to it; the binder never touches its image (the node's agent
+/// makes and deletes it), and a volume whose node is gone is kept, with a Warning.
+mod local {
+    use super::*;
+    use crate::core::{Action, VOLUME_NODE_GONE};
+
+    fn wffc_class(name: &str) -> Option<Arc<StorageClass>> {
+        match name {
+            "loop" => loop_class(name),
+            "later" => Some(Arc::new(
+                storage_class("later", LOOP_DRIVER)
+                    .wait_for_first_consumer()
+                    .build(),
+            )),
+            _ => None,
+        }
+    }
+
+    fn node_a(name: &str) -> Option<BTreeMap<String, String>> {
+        (name == "node-a").then(BTreeMap::new)
+    }
+
+    fn local_env() -> Env<'static> {
+        Env {
+            class: &wffc_class,
+            node_labels: &node_a,
+            local: true,
+            ..env()
+        }
+    }
+
+    fn chosen(class: &str, node: &str) -> PersistentVolumeClaim {
+        let mut c = pvc("app", "data").request("1Gi").class(class).build();
+        c.metadata.uid = Some("u-7".into());
+        c.metadata
+            .annotations
+            .get_or_insert_with(Default::default)
+            .insert(ANN_SELECTED_NODE.into(), node.into());
+        c
+    }
+
+    fn on_node(v: PersistentVolume, node: &str) -> PersistentVolume {
+        let class = storage_class("later", LOOP_DRIVER).build();
+        let claim = chosen("later", node);
+        let pinned = crate::loopdev::provisioned_pv(&claim, &class, Some(node)).unwrap();
+        let mut v = v;
+        v.spec.as_mut().unwrap().node_affinity = pinned.spec.unwrap().node_affinity;
+        v
+    }
+
+    #[test]
+    fn a_volume_is_provisioned_for_the_selected_node_and_pinned_to_it() {
+        let c = chosen("later", "node-a");
+        let out = core::sync_claim(&c, &cache(&[], &[&c]), &local_env());
+        assert!(
+            out.contains(&Action::ProvisionLoop {
+                claim: "app/data".into(),
+                class: "later".into(),
+                node: Some("node-a".into()),
+            }),
+            "{out:?}"
+        );
+        let class = storage_class("later", LOOP_DRIVER).build();
+        let v = crate::loopdev::provisioned_pv(&c, &class, Some("node-a")).unwrap();
+        assert_eq!(loop_node(&v), Some("node-a"));
+        assert!(has_ann(&v, ANN_IMAGE_PENDING), "bound only once the node made the image");
+        // Shared mode: no node affinity of the driver's.
+        let shared = crate::loopdev::provisioned_pv(&c, &class, None).unwrap();
+        assert_eq!(loop_node(&shared), None);
+        assert!(shared.spec.unwrap().node_affinity.is_none());
+    }
+
+    #[test]
+    fn an_immediate_class_gets_no_volume_and_says_to_wait_for_the_first_consumer() {
+        let mut c = pvc("app", "now").request("1Gi").class("loop").build();
+        c.metadata.uid = Some("u-8".into());
+        let out = core::sync_claim(&c, &cache(&[], &[&c]), &local_env());
+        assert!(
+            !out.iter().any(|a| matches!(a, Action::ProvisionLoop { .. })),
+            "{out:?}"
+        );
+        let note = out
+            .iter()
+            .find_map(|a| match a {
+                Action::Event(e) if e.reason == "ProvisioningFailed" && e.warning => Some(e.note.clone()),
+                _ => None,
+            })
+            .expect("ProvisioningFailed");
+        assert!(note.contains("WaitForFirstConsumer"), "{note}");
+        // The same claim in shared mode is provisioned at once.
+        let out = core::sync_claim(&c, &cache(&[], &[&c]), &env());
+        assert!(out.iter().any(|a| matches!(a, Action::ProvisionLoop { node: None, .. })));
+    }
+
+    #[test]
+    fn the_binder_never_makes_a_node_local_image_and_reports_a_vanished_node() {
+        let c = chosen("later", "node-a");
+        let class = storage_class("later", LOOP_DRIVER).build();
+        let pending = phase(crate::loopdev::provisioned_pv(&c, &class, Some("node-a")).unwrap(), "Pending");
+        let out = core::sync_volume(&pending, &cache(&[&pending], &[&c]), &local_env());
+        assert!(
+            !out.iter().any(|a| matches!(a, Action::CreateLoopImage { .. })),
+            "the node's agent makes it: {out:?}"
+        );
+        assert!(!out.iter().any(|a| matches!(a, Action::Event(_))), "{out:?}");
+        let elsewhere = phase(crate::loopdev::provisioned_pv(&c, &class, Some("node-z")).unwrap(), "Pending");
+        let out = core::sync_volume(&elsewhere, &cache(&[&elsewhere], &[&c]), &local_env());
+        assert!(
+            out.iter()
+                .any(|a| matches!(a, Action::Event(e) if e.reason == VOLUME_NODE_GONE && e.note.contains("node-z"))),
+            "{out:?}"
+        );
+    }
+
+    #[test]
+    fn deletion_is_asked_of_the_node_once_and_never_done_without_it() {
+        let v = on_node(released("v1", "pvc-v1", true), "node-a");
+        let out = core::sync_volume(&v, &cache(&[&v], &[]), &local_env());
+        assert!(deletes(&out), "{out:?}");
+        // Asked already: the node's agent is on it.
+        let mut asked = v.clone();
+        asked
+            .metadata
+            .annotations
+            .get_or_insert_with(Default::default)
+            .insert(ANN_DELETE_IMAGE.into(), "true".into());
+        let out = core::sync_volume(&asked, &cache(&[&asked], &[]), &local_env());
+        assert!(!deletes(&out), "{out:?}");
+        // Its node is gone: the volume and its file stay, and the Warning names the node.
+        let gone = on_node(released("v2", "pvc-v2", true), "node-z");
+        let out = core::sync_volume(&gone, &cache(&[&gone], &[]), &local_env());
+        assert!(!deletes(&out), "{out:?}");
+        assert!(
+            out.iter()
+                .any(|a| matches!(a, Action::Event(e) if e.reason == VOLUME_NODE_GONE && e.warning && e.note.contains("node-z"))),
+            "{out:?}"
+        );
+    }
 }

@@ -228,6 +228,7 @@ impl Row {
             default_class: self.default_class.map(String::from),
             node_labels: &nodes,
             pods_of: &pods,
+            local: false,
         };
         let out = match self.sync {
             Sync::Claim => sync_claim(&cache.decode_claim(C).expect("row has claim ns/c"), &cache, &env),
@@ -607,6 +608,7 @@ fn rows() -> Vec<Row> {
                     Action::ProvisionLoop {
                         claim: C.into(),
                         class: "loop".into(),
+                        node: None,
                     },
                 ],
                 vec![],

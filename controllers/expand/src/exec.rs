@@ -175,15 +175,23 @@ impl Executor {
 
         let bytes = u64::try_from(size.bytes).unwrap_or(u64::MAX);
         let (dir, h) = (self.image_dir.clone(), handle.to_string());
+        // A node-local volume's image is on its node only: the new size is recorded here and the
+        // node grows the image with its file system (NodeExpandVolume, in local mode), as a CSI
+        // driver that needs only node expansion does.
+        let local = node_local(pv);
+        node_step |= local;
         // Grow only: a missing image is an error to report, never a fresh empty volume.
-        let grown = tokio::task::spawn_blocking(move || ImageStore::new(dir).grow(&h, bytes))
-            .await
-            .unwrap_or_else(|e| {
-                Err(ImageError::Io {
-                    path: PathBuf::new(),
-                    source: std::io::Error::other(e),
-                })
-            });
+        let grown = match local {
+            true => Ok(bytes),
+            false => tokio::task::spawn_blocking(move || ImageStore::new(dir).grow(&h, bytes))
+                .await
+                .unwrap_or_else(|e| {
+                    Err(ImageError::Io {
+                        path: PathBuf::new(),
+                        source: std::io::Error::other(e),
+                    })
+                }),
+        };
         if let Err(error) = grown {
             let infeasible = infeasible(&error);
             let msg = format!("failed to expand volume {} to {human}: {error}", pv.name_any());
@@ -246,4 +254,10 @@ impl Executor {
         attempt.succeeded();
         Ok(())
     }
+}
+
+/// Whether the volume's image lives in one node's own store (node affinity on the driver's
+/// topology key), where only that node can grow it.
+fn node_local(pv: &PersistentVolume) -> bool {
+    stowage_common::store::pv::affinity_value(pv, stowage_loopdriver::TOPOLOGY_KEY).is_some()
 }

@@ -22,6 +22,9 @@ pub struct Ctx {
     pub layout: Layout,
     /// `--image-dir`, canonical.
     pub images: stowage_loopdriver::ImageStore,
+    /// `--image-store-mode`: in local mode this node makes, grows and deletes the images of the
+    /// volumes pinned to it (`crate::images`).
+    pub store_mode: stowage_loopdriver::StoreMode,
     /// The mount table the volume manager observes (`/proc/self/mountinfo`; a test points it
     /// elsewhere to make the read fail).
     pub mount_table: PathBuf,

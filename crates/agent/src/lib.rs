@@ -7,6 +7,7 @@ pub mod core;
 pub mod ctx;
 pub mod error;
 pub mod fsgroup;
+pub mod images;
 pub mod metrics;
 pub mod node;
 mod panic_hook;
@@ -56,9 +57,14 @@ pub struct Args {
     /// Where global device mounts and pod volume directories live.
     #[arg(long, default_value = "/var/lib/stowage")]
     pub root_dir: PathBuf,
-    /// Directory holding the volume images `<volume-handle>.img` (shared with the controller).
+    /// Directory holding the volume images `<volume-handle>.img`.
     #[arg(long, default_value = "/var/lib/stowage/images")]
     pub image_dir: PathBuf,
+    /// `local`: the image dir is this node's own store; the node plugin reports the node as its
+    /// volumes' topology, and this agent makes, grows and deletes the images of the volumes
+    /// pinned to it. `shared`: one store every node and the controller mount.
+    #[arg(long, default_value_t = stowage_loopdriver::StoreMode::Shared)]
+    pub image_store_mode: stowage_loopdriver::StoreMode,
     /// Create the Node object if missing and keep its Ready condition and Lease fresh (for
     /// nodes without a kubelet: the demo and the end-to-end tests).
     #[arg(long)]
@@ -146,6 +152,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             node_id: args.node_name.clone(),
             state_dir: root.join("csi"),
             max_volumes: args.max_volumes,
+            local: args.image_store_mode.is_local(),
         }),
         controller: args.csi_controller,
         // Set below: only the full agent serves a metrics endpoint.
@@ -223,6 +230,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         node: args.node_name.clone(),
         layout: paths::Layout::new(root.clone()),
         images: stowage_loopdriver::ImageStore::new(image_dir.clone()),
+        store_mode: args.image_store_mode,
         mount_table: args.mount_table.clone(),
         metrics,
         pods,
@@ -246,6 +254,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let grace = std::time::Duration::from_secs(args.stale_device_grace_seconds);
     loops.spawn(attacher::run(ctx.clone(), stop_rx.clone(), grace));
     loops.spawn(store::run(ctx.clone(), stop_rx.clone()));
+    if args.image_store_mode.is_local() {
+        loops.spawn(images::run(ctx.clone(), stop_rx.clone()));
+    }
     if args.kubelet_dir.is_none() {
         // Without a kubelet the agent is the node's volume manager and reports volumesInUse.
         loops.spawn(node::run(

@@ -26,11 +26,13 @@ const LEASE_NAMESPACE: &str = "kube-node-lease";
 
 /// Creates the Node when asked to and it is missing, and sets the attach/detach annotation.
 /// Retries until it succeeds (the agent is useless without its Node).
-pub async fn prepare(client: &Client, node: &str, register: bool) {
+/// `topology`: local mode, where a kubelet would label its Node with the topology the node
+/// plugin reports; without a kubelet the agent sets that label itself.
+pub async fn prepare(client: &Client, node: &str, register: bool, topology: bool) {
     let api: Api<Node> = Api::all(client.clone());
     let mut delay = Duration::from_millis(500);
     loop {
-        match prepare_once(&api, node, register).await {
+        match prepare_once(&api, node, register, topology).await {
             Ok(()) => return,
             Err(e) => {
                 tracing::warn!(node, error = %e, "cannot prepare the Node object, retrying");
@@ -41,7 +43,7 @@ pub async fn prepare(client: &Client, node: &str, register: bool) {
     }
 }
 
-async fn prepare_once(api: &Api<Node>, node: &str, register: bool) -> anyhow::Result<()> {
+async fn prepare_once(api: &Api<Node>, node: &str, register: bool, topology: bool) -> anyhow::Result<()> {
     if register && api.get_opt(node).await?.is_none() {
         let obj = Node {
             metadata: ObjectMeta {
@@ -64,7 +66,10 @@ async fn prepare_once(api: &Api<Node>, node: &str, register: bool) -> anyhow::Re
             Err(e) => return Err(e.into()),
         }
     }
-    let patch = serde_json::json!({ "metadata": { "annotations": { CONTROLLER_MANAGED: "true" } } });
+    let mut patch = serde_json::json!({ "metadata": { "annotations": { CONTROLLER_MANAGED: "true" } } });
+    if topology {
+        patch["metadata"]["labels"] = serde_json::json!({ stowage_loopdriver::TOPOLOGY_KEY: node });
+    }
     api.patch(node, &PatchParams::default(), &Patch::Merge(&patch))
         .await?;
     if register {
@@ -195,7 +200,7 @@ pub async fn run(
     // Nothing is mounted before the Node lists the volume, so waiting here for the Node (made
     // by a kubelet, or by us with --register-node) holds back exactly what must wait.
     tokio::select! {
-        _ = prepare(&ctx.client, &ctx.node, register) => {}
+        _ = prepare(&ctx.client, &ctx.node, register, ctx.store_mode.is_local()) => {}
         _ = stop.changed() => return,
     }
     let api: Api<Node> = Api::all(ctx.client.clone());

@@ -332,7 +332,7 @@ async fn helm_install_upgrade_uninstall_on_a_real_apiserver() {
     for want in [
         format!("--leader-elect-resource-namespace={ns}"),
         "--leader-elect=true".into(),
-        "--image-dir=/var/lib/stowage/images".into(),
+        "--image-store-mode=local".into(),
         "--kube-api-max-qps=2000".into(),
     ] {
         assert!(a.contains(&want), "controller args {a:?} lack {want}");
@@ -356,12 +356,13 @@ async fn helm_install_upgrade_uninstall_on_a_real_apiserver() {
         c.resources.as_ref().and_then(|r| r.requests.as_ref()).is_some(),
         "controller has resource requests"
     );
+    // Local mode (the default): each node's agent makes its images; the controller has no store.
     assert!(
-        c.volume_mounts
+        !c.volume_mounts
             .iter()
             .flatten()
             .any(|m| m.mount_path == "/var/lib/stowage/images"),
-        "controller mounts the image store"
+        "controller mounts no image store in local mode"
     );
 
     let ds = Api::<DaemonSet>::namespaced(client.clone(), &ns)

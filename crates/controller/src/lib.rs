@@ -76,9 +76,15 @@ pub struct Args {
     /// Identity written into the Lease (default: hostname and a random suffix).
     #[arg(long)]
     pub leader_elect_identity: Option<String>,
-    /// Directory of the built-in driver's image files (shared with every agent).
+    /// Directory of the built-in driver's image files (shared mode: the store every agent mounts
+    /// too; unused in local mode).
     #[arg(long, default_value = "/var/lib/stowage/images")]
     pub image_dir: std::path::PathBuf,
+    /// `local`: each node has its own image store; volumes are provisioned for the node the
+    /// scheduler selected, pinned to it, and that node's agent makes, grows and deletes their
+    /// images (this process needs no store). `shared`: one store this process mounts as well.
+    #[arg(long, default_value_t = stowage_loopdriver::StoreMode::Shared)]
+    pub image_store_mode: stowage_loopdriver::StoreMode,
     /// Period of the binder's full resync (kube-controller-manager's --pvclaimbinder-sync-period).
     #[arg(long, default_value = "15s", value_parser = humantime::parse_duration)]
     pub pvclaimbinder_sync_period: Duration,
@@ -178,6 +184,7 @@ impl Wiring {
                 stowage_binder::Config {
                     resync: args.pvclaimbinder_sync_period,
                     image_dir: args.image_dir.clone(),
+                    store_mode: args.image_store_mode,
                     max_in_flight: match args.binder_max_in_flight {
                         0 => auto_in_flight(qps),
                         n => n,

@@ -18,3 +18,50 @@ pub const VERSION: &str = env!("CARGO_PKG_VERSION");
 /// The key under which the attacher publishes the loop device in the VolumeAttachment's
 /// `attachmentMetadata`; the kubelet hands it to NodeStageVolume as `publish_context`.
 pub const PUBLISH_DEVICE_KEY: &str = "devicePath";
+/// The topology key a node plugin in local mode reports (CSI `accessible_topology`): the kubelet
+/// labels its Node with it, and every volume provisioned there requires it in its node affinity.
+pub const TOPOLOGY_KEY: &str = "topology.loop.stowage.dev/node";
+
+/// Where the images of a cluster live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum StoreMode {
+    /// One store every node mounts (an NFS export, a claim of another driver): no topology,
+    /// volumes move between nodes, fenced with ext4 MMP. The controller creates, grows and
+    /// deletes images in its own mount of the store.
+    #[default]
+    Shared,
+    /// Each node has a store of its own: volumes are pinned to the node that holds their image
+    /// (node affinity on `TOPOLOGY_KEY`), and that node's agent creates, grows and deletes it.
+    Local,
+}
+
+impl StoreMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StoreMode::Shared => "shared",
+            StoreMode::Local => "local",
+        }
+    }
+
+    pub fn is_local(self) -> bool {
+        self == StoreMode::Local
+    }
+}
+
+impl std::str::FromStr for StoreMode {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "shared" => Ok(StoreMode::Shared),
+            "local" => Ok(StoreMode::Local),
+            other => Err(format!("image store mode {other:?}: local or shared")),
+        }
+    }
+}
+
+impl std::fmt::Display for StoreMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}

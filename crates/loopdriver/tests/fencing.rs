@@ -32,6 +32,7 @@ fn node(s: &Scratch, name: &str, repairs: OfflineRepairs) -> NodeService {
         images: ImageStore::new(s.base.join("images")),
         state_dir: s.base.join(name).join("state"),
         max_volumes: 0,
+        local: false,
         locks: VolumeLocks::default(),
         repairs,
     }

@@ -43,6 +43,7 @@ fn driver_with(name: &str, repairs: impl FnOnce(&Path) -> OfflineRepairs) -> Dri
             images: images.clone(),
             state_dir: s.base.join("state"),
             max_volumes: 0,
+            local: false,
             locks: locks.clone(),
             repairs: repairs(&s.base),
         },

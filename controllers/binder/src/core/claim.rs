@@ -32,12 +32,13 @@ pub fn sync_claim(claim: &PersistentVolumeClaim, cache: &Cache, env: &Env) -> Ve
         )),
         _ => None,
     });
-    // A claim whose pod waits for the scheduler is about to be updated by it (VolumeBinding's
-    // PreBind sets selected-node): a condition write now would make that update conflict and
-    // the pod's scheduling fail once. The Event says what it waits for; the condition keeps the
-    // reason it had.
+    // A claim waiting for its first consumer or for the scheduler is about to be updated by it
+    // (VolumeBinding's PreBind sets selected-node): a condition write now would make that update
+    // conflict and the pod's scheduling fail once. A claim and its pod created together make the
+    // first wait look like "no consumer yet" until the pod is seen, so neither wait writes; the
+    // Event says what it waits for (as kube-controller-manager, which writes nothing then).
     if let Some((reason, message)) = why
-        && reason != "WaitForPodScheduled"
+        && !matches!(reason, "WaitForPodScheduled" | "WaitForFirstConsumer")
         && pending_condition(claim) != Some((reason, message.as_str()))
     {
         out.push(Action::ClaimCondition {
@@ -262,10 +263,20 @@ pub(super) fn sync_claim_phase(claim: &PersistentVolumeClaim, cache: &Cache, env
                         add_finalizers: vec![],
                         op: "reschedule",
                     });
+                } else if env.local {
+                    match chosen_node(claim, delay) {
+                        Some(node) => out.push(Action::ProvisionLoop {
+                            claim: key,
+                            class: name.into(),
+                            node: Some(node.into()),
+                        }),
+                        None => out.push(ev(target, true, "ProvisioningFailed", immediate_in_local_mode(name))),
+                    }
                 } else {
                     out.push(Action::ProvisionLoop {
                         claim: key,
                         class: name.into(),
+                        node: None,
                     });
                 }
             } else {
@@ -288,6 +299,14 @@ pub(super) fn sync_claim_phase(claim: &PersistentVolumeClaim, cache: &Cache, env
         )),
     }
     out
+}
+
+/// Why a class that binds at once gets no volume when each node has its own store: the image can
+/// only be made on the node its pod runs on, and nothing has chosen that node yet.
+pub fn immediate_in_local_mode(class: &str) -> String {
+    format!(
+        "storage class {class:?} binds immediately, but {LOOP_DRIVER} keeps each volume in the image store of one node (local mode), and no node has been chosen for this claim; set volumeBindingMode: WaitForFirstConsumer on the class, so the volume is made on the node the scheduler picks for its pod"
+    )
 }
 
 /// Why the built-in provisioner cannot provision for the node the scheduler selected (delayed

@@ -185,6 +185,9 @@ pub struct Env<'a> {
     pub node_labels: &'a dyn Fn(&str) -> Option<BTreeMap<String, String>>,
     /// The pods (not terminated) whose volumes name claim `namespace/name`, sorted by name.
     pub pods_of: &'a dyn Fn(&str) -> Vec<PodUse>,
+    /// Images live in each node's own store (`StoreMode::Local`): the built-in provisioner
+    /// makes a volume only for the node the scheduler selected, pinned to it.
+    pub local: bool,
 }
 
 /// A pod that uses a claim (in the claim's namespace).
@@ -252,6 +255,8 @@ pub enum Action {
     ProvisionLoop {
         claim: String,
         class: String,
+        /// Local mode: the node whose store gets the image (the scheduler's choice).
+        node: Option<String>,
     },
     /// Built-in driver: create the image of a PV created with the pending annotation.
     CreateLoopImage {

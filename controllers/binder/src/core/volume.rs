@@ -117,13 +117,17 @@ pub(super) fn sync_volume_phase(pv: &PersistentVolume, cache: &Cache, env: &Env)
         if has_ann(pv, ANN_IMAGE_PENDING) && provisioned_here(pv) {
             // Never handed to a claim (binding waits for the image), so it holds no data.
             if being_deleted(pv) && want {
-                out.extend(reclaim_loop(pv, cache));
+                out.extend(reclaim_loop(pv, cache, env));
                 return out;
             }
             if claim_alive(pv, cache) {
                 // Failed = creation failed for good: the claim reports it; no more retries.
                 if pv_phase(pv) != "Failed" {
-                    out.push(Action::CreateLoopImage { pv: name });
+                    match loop_node(pv) {
+                        // Node-local: that node's agent makes the image; say so if it is gone.
+                        Some(node) => out.extend(node_gone(pv, node, env, "create")),
+                        None => out.push(Action::CreateLoopImage { pv: name }),
+                    }
                 }
                 return out;
             }
@@ -141,7 +145,7 @@ pub(super) fn sync_volume_phase(pv: &PersistentVolume, cache: &Cache, env: &Env)
     // An unclaimed volume of ours an admin deleted: nothing uses it, its policy says delete.
     let unclaimed = claim_ref(pv).is_none_or(|(_, _, uid)| uid.is_empty());
     if unclaimed && want && being_deleted(pv) {
-        out.extend(reclaim_loop(pv, cache));
+        out.extend(reclaim_loop(pv, cache, env));
         return out;
     }
     let Some((ns, cname, uid)) = claim_ref(pv) else {
@@ -211,7 +215,7 @@ pub(super) fn reclaim(pv: &PersistentVolume, cache: &Cache, env: &Env) -> Vec<Ac
     }
     match reclaim_policy(pv) {
         "Retain" => vec![],
-        "Delete" if csi_driver(pv) == Some(LOOP_DRIVER) => reclaim_loop(pv, cache),
+        "Delete" if csi_driver(pv) == Some(LOOP_DRIVER) => reclaim_loop(pv, cache, env),
         "Delete" => match deleter(pv) {
             // Other drivers' volumes are deleted by their external provisioner.
             Deleter::External => vec![],
@@ -292,6 +296,9 @@ pub const DELETE_REFUSED: &str = "VolumeDeleteRefused";
 /// image store's marker (the store may not be mounted on the leader's node).
 pub const IMAGE_STORE_NOT_READY: &str = "ImageStoreNotReady";
 
+/// Reason of the Normal event on a node-local volume whose deletion was handed to its node.
+pub const DELETE_REQUESTED: &str = "VolumeDeleteRequested";
+
 /// Reason of the Warning on a volume whose deletion waits for its VolumeAttachments to go.
 pub const DELETE_WAITS_FOR_DETACH: &str = "VolumeStillAttached";
 
@@ -317,7 +324,7 @@ pub fn still_attached(pv: &str, nodes: &[String]) -> Option<String> {
 
 /// Deletes only what this provisioner made and no other PV still names (as external-provisioner's
 /// `shouldDelete`); everything else stays Released, with a Warning saying why.
-pub(super) fn reclaim_loop(pv: &PersistentVolume, cache: &Cache) -> Vec<Action> {
+pub(super) fn reclaim_loop(pv: &PersistentVolume, cache: &Cache, env: &Env) -> Vec<Action> {
     let name = pv.name_any();
     let handle = loop_handle(pv).unwrap_or("");
     let target = Target::Volume(name.clone());
@@ -353,7 +360,37 @@ pub(super) fn reclaim_loop(pv: &PersistentVolume, cache: &Cache) -> Vec<Action> 
             ),
         )];
     }
+    if let Some(node) = loop_node(pv) {
+        // The node holding the image deletes it once asked (`ANN_DELETE_IMAGE`); a node that is
+        // gone cannot, and the volume stays, its file wherever that node's disk went.
+        if let Some(gone) = node_gone(pv, node, env, "delete") {
+            return vec![gone];
+        }
+        if has_ann(pv, ANN_DELETE_IMAGE) {
+            return vec![];
+        }
+    }
     vec![Action::DeleteLoopVolume { pv: name }]
+}
+
+/// Event reason: the node whose store holds a node-local volume's image no longer exists.
+pub const VOLUME_NODE_GONE: &str = "VolumeNodeGone";
+
+/// A Warning when `node`, which holds (or is to make) the image of node-local volume `pv`, is not
+/// a Node any more: nothing else can `what` its image, and nothing is deleted in its place.
+pub(super) fn node_gone(pv: &PersistentVolume, node: &str, env: &Env, what: &str) -> Option<Action> {
+    if (env.node_labels)(node).is_some() {
+        return None;
+    }
+    let name = pv.name_any();
+    Some(ev(
+        Target::Volume(name.clone()),
+        true,
+        VOLUME_NODE_GONE,
+        format!(
+            "the image of volume {name} is in the image store of node {node:?}, which is not a Node of this cluster any more, so nothing can {what} it; the volume is kept (its data, if any, is on that node's disk): bring the node back, or delete the volume by hand once its disk has been dealt with"
+        ),
+    ))
 }
 
 pub(super) fn failed(pv: &PersistentVolume, reason: &'static str, msg: &str) -> Vec<Action> {

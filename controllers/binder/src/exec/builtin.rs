@@ -24,6 +24,7 @@ impl Executor {
         done: &mut Outcome,
         claim: &str,
         class: &str,
+        node: Option<&str>,
     ) -> Result<(), Error> {
         let Some(c) = Self::claim(snap, done, claim) else {
             return Ok(());
@@ -37,7 +38,7 @@ impl Executor {
         let Some(sc) = snap.classes.get(class) else {
             return Ok(());
         };
-        let Some(pv) = loopdev::provisioned_pv(&c, sc) else {
+        let Some(pv) = loopdev::provisioned_pv(&c, sc, node) else {
             let note = "claim has no storage request; cannot provision".to_string();
             done.events
                 .push(claim_event(c.object_ref(&()), true, "ProvisioningFailed", note));
@@ -85,7 +86,7 @@ impl Executor {
             // system's empty mount point) would hold the volume's data on the wrong disk. Read
             // uncached: a store unmounted since the last check must not get one (a deletion or
             // an attach in that window finds no image and re-reads the marker instead).
-            store.ready_now()?;
+            let marker = store.ready_now()?;
             // A size no file offset can express is refused here, never rounded or truncated.
             let size = u64::try_from(capacity).map_err(|_| loopdev::ImageError::Io {
                 path: store.dir().join(format!("{h}.img")),
@@ -94,7 +95,7 @@ impl Executor {
                     format!("{capacity} bytes is more than a file can hold"),
                 ),
             });
-            Ok(size.and_then(|size| store.ensure(&h, size)))
+            Ok(size.and_then(|size| store.ensure(&h, size)).map(|made| (made, marker.id)))
         })
         .await
         .unwrap_or_else(|e| {
@@ -121,9 +122,16 @@ impl Executor {
         };
         // Still image-pending until this is done, so the claim cannot bind to a volume that has
         // no file system yet.
+        let mut store_id = String::new();
         let made = match made {
-            Ok((path, _)) if loopdev::formatted_at_creation(&v) => format_image(&path).await,
-            other => other.map(|_| ()),
+            Ok(((path, _), id)) => {
+                store_id = id;
+                match loopdev::formatted_at_creation(&v) {
+                    true => stowage_loopdriver::image::format_new_image(&path).await,
+                    false => Ok(()),
+                }
+            }
+            Err(e) => Err(e),
         };
         if let Err(e) = made {
             self.metrics.provisioning.with_label_values(&[ERROR]).inc();
@@ -149,6 +157,7 @@ impl Executor {
             return Err(e.into());
         }
         v.annotations_mut().remove(ANN_IMAGE_PENDING);
+        v.annotations_mut().insert(ANN_STORE_ID.into(), store_id);
         done.pvs
             .push(self.writes().replace_pv(&v, "provision_image").await?);
         attempt.succeeded();
@@ -255,6 +264,20 @@ impl Executor {
                 .push(volume_event(&v, true, core::DELETE_REFUSED, note));
             return Ok(());
         }
+        if let Some(node) = loop_node(&v) {
+            // Node-local: the node holding the image removes it, then the finalizer and the
+            // object (the agent's `images` loop). This write is the decision, made on the live
+            // object with every check above passed; the node acts on nothing less.
+            if !has_ann(&v, ANN_DELETE_IMAGE) {
+                v.annotations_mut().insert(ANN_DELETE_IMAGE.into(), "true".into());
+                done.pvs
+                    .push(self.writes().replace_pv(&v, "request_image_delete").await?);
+                let note = format!("asked node {node} to delete the image {handle}.img of volume {pv}");
+                done.events
+                    .push(volume_event(&v, false, core::DELETE_REQUESTED, note));
+            }
+            return Ok(());
+        }
         // KCM's `volume_delete`: one attempt from the image's removal to the object's.
         let attempt = Attempt::start(csi_plugin(LOOP_DRIVER), VOLUME_DELETE);
         let store = self.images.clone();
@@ -348,35 +371,5 @@ where
             Some(c) => lp = lp.continue_token(&c),
             None => return Ok(()),
         }
-    }
-}
-
-/// Makes the ext4 file system of a new ReadOnlyMany image (`loopdev::formatted_at_creation`),
-/// with the node's own step (`sys::mkfs_ext4`, same options). Only a blank image is formatted
-/// (`blkid -p`): a retry after a crash finds the ext4 it made and leaves it, and an image that
-/// holds anything else is never overwritten. Every failure is retried: a missing tool or an
-/// I/O error may pass, and a foreign file system waits for an admin.
-pub(super) async fn format_image(path: &std::path::Path) -> Result<(), loopdev::ImageError> {
-    use stowage_loopdriver::csi::caps::FS_TYPE;
-    use stowage_loopdriver::sys::{self, Probe};
-    let fail = |what: String| loopdev::ImageError::Io {
-        path: path.to_path_buf(),
-        source: std::io::Error::other(what),
-    };
-    let p = path
-        .to_str()
-        .ok_or_else(|| fail("the image path is not UTF-8".into()))?;
-    match sys::probe(p).await {
-        Ok(Probe::Blank) => {
-            tracing::info!(image = %p, "making the file system of a ReadOnlyMany volume");
-            sys::mkfs_ext4(p)
-                .await
-                .map_err(|e| fail(format!("cannot make its {FS_TYPE} file system: {e}")))
-        }
-        Ok(Probe::Found(t)) if t == FS_TYPE => Ok(()),
-        Ok(Probe::Found(t)) => Err(fail(format!(
-            "it holds {t}, not {FS_TYPE}, and is never reformatted; remove the file or delete the claim"
-        ))),
-        Err(e) => Err(fail(format!("cannot probe it for a file system: {e}"))),
     }
 }

@@ -26,6 +26,7 @@ async fn a_sharer_the_cache_has_not_seen_yet_keeps_the_image() {
         client: h.client.clone(),
         metrics: Metrics::new(&h.registry),
         images: loopdev::ImageStore::new(h.images.path()),
+        store_mode: Default::default(),
         live: Default::default(),
         store_check: Default::default(),
         timestamps: Default::default(),
@@ -71,6 +72,7 @@ fn executor(h: &InProcess) -> Executor {
         client: h.client.clone(),
         metrics: Metrics::new(&h.registry),
         images: loopdev::ImageStore::new(h.images.path()),
+        store_mode: Default::default(),
         live: Default::default(),
         store_check: Default::default(),
         timestamps: Default::default(),
@@ -229,10 +231,10 @@ async fn a_read_only_many_image_is_formatted_only_when_blank() {
     };
     let img = dir.path().join("v.img");
     std::fs::File::create(&img).unwrap().set_len(16 << 20).unwrap();
-    super::builtin::format_image(&img).await.unwrap();
+    stowage_loopdriver::image::format_new_image(&img).await.unwrap();
     let first = uuid(&img);
     assert!(!first.is_empty(), "formatted");
-    super::builtin::format_image(&img).await.unwrap();
+    stowage_loopdriver::image::format_new_image(&img).await.unwrap();
     assert_eq!(uuid(&img), first, "an image that holds ext4 is left as it is");
 
     let swap = dir.path().join("swap.img");
@@ -245,7 +247,7 @@ async fn a_read_only_many_image_is_formatted_only_when_blank() {
             .status
             .success()
     );
-    let e = super::builtin::format_image(&swap).await.unwrap_err();
+    let e = stowage_loopdriver::image::format_new_image(&swap).await.unwrap_err();
     assert!(e.to_string().contains("swap") && !e.permanent(), "{e}");
     let probe = stowage_loopdriver::sys::probe(swap.to_str().unwrap())
         .await

@@ -14,7 +14,7 @@ use crate::ctx::Ctx;
 use crate::mountinfo;
 use crate::paths::{DRIVER, VA_FINALIZER};
 use crate::sys;
-use stowage_common::store::pv::is_loop_attacher_finalizer;
+use stowage_common::store::pv::{ANN_STORE_ID, ann, is_loop_attacher_finalizer};
 use stowage_loopdriver::fence;
 
 /// For an attached VA: does the device in its status still back its image?
@@ -225,10 +225,23 @@ async fn attach(ctx: &Ctx, va: &VolumeAttachment) -> Result<(String, String), St
     // Without the marker this directory may be an empty mount point, not the store: the image
     // is not "missing", and the volume must not be attached from anywhere else.
     let store = ctx.images.clone();
-    tokio::task::spawn_blocking(move || store.ready())
+    let marker = tokio::task::spawn_blocking(move || store.ready())
         .await
         .map_err(|e| format!("image store check failed: {e}"))?
         .map_err(|e| format!("image store not ready: {e}"))?;
+    // Made in another store (another disk mounted at the path, a store initialized again): its
+    // data is not here, and a same-named file here is someone else's.
+    if let Some(want) = ann(pv.as_ref(), ANN_STORE_ID)
+        && want != marker.id
+    {
+        return Err(crate::images::store_mismatch(
+            &pv_name,
+            want,
+            &marker.id,
+            &ctx.node,
+            ctx.images.dir(),
+        ));
+    }
     match tokio::fs::metadata(&image).await {
         Ok(m) if m.is_file() => {}
         Ok(_) => return Err(format!("image {} is not a regular file", image.display())),

@@ -213,6 +213,11 @@ impl Executor {
         if mount_device {
             let started = std::time::Instant::now();
             let grow = dv.resize_to.is_some() && !read_only;
+            if grow && let Some(size) = &dv.resize_to {
+                grow_local_image(ctx, &dv.handle, size)
+                    .await
+                    .map_err(step("NodeExpandVolume"))?;
+            }
             let lazy = self.actual.device.as_ref().is_some_and(Mounted::broken);
             let r = mount_global(
                 device,
@@ -499,6 +504,7 @@ impl Executor {
                 });
             }
         }
+        grow_local_image(&self.ctx, &dv.handle, new_size).await.map_err(step(s))?;
         sys::loop_refresh(device).await.map_err(step(s))?;
         if !dv.block
             && let Err(e) = sys::resize2fs(device).await
@@ -612,4 +618,22 @@ pub(crate) async fn mount_global(
         .await
         .map_err(step(s))?;
     Ok(false)
+}
+
+/// Local mode: the image is this node's alone, so the node grows it to the claim's new size
+/// before the device is refreshed (the controller only recorded the size). A no-op in shared
+/// mode, where the controller grew it; never shrinks, never creates.
+async fn grow_local_image(ctx: &Ctx, handle: &str, size: &str) -> Result<(), String> {
+    if !ctx.store_mode.is_local() {
+        return Ok(());
+    }
+    let bytes = stowage_common::store::quantity::bytes(size)
+        .and_then(|b| u64::try_from(b).ok())
+        .ok_or_else(|| format!("cannot read size {size:?}"))?;
+    let (store, h) = (ctx.images.clone(), handle.to_string());
+    tokio::task::spawn_blocking(move || store.grow(&h, bytes))
+        .await
+        .map_err(|e| e.to_string())?
+        .map(|_| ())
+        .map_err(|e| e.to_string())
 }

@@ -131,7 +131,9 @@ impl Kubectl {
     }
 }
 
-/// `helm install` of the chart as a user installs it on the real-node cluster: the local image,
+/// `helm install` of the chart as a user installs it on the real-node cluster: the shared image
+/// store (the rig's nodes run on one machine and see one store directory; local mode's own
+/// two-node test is crates/controller/tests/local.rs), the local image,
 /// controller and agents on the host network reaching the apiserver at an address every node
 /// reaches (`cp.node_host()`), one `agent.kubeletDir` for all nodes, a WaitForFirstConsumer class,
 /// the controller's metrics on plain HTTP (the scenarios read them through the apiserver's pod
@@ -150,7 +152,7 @@ pub async fn install(
         &format!(
             r#"image: {{repository: localhost/stowage, tag: "{version}", pullPolicy: Never}}
 apiServer: {{host: {host}, port: "{port}"}}
-imageStore: {{path: {images}}}
+imageStore: {{mode: shared, path: {images}}}
 controller: {{replicas: 1, hostNetwork: true, securePort: 0}}
 agent: {{mode: csi, kubeletDir: {kubelet}, hostNetwork: true}}
 storageClass: {{create: true, name: loop, volumeBindingMode: WaitForFirstConsumer, reclaimPolicy: Delete}}

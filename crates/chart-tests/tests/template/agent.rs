@@ -86,6 +86,7 @@ async fn standalone_agent_renders_the_kubelet_less_node() {
                 "- --node-name=$(NODE_NAME)",
                 "- --root-dir=/var/lib/stowage",
                 "- --image-dir=/var/lib/stowage/images",
+                "- --image-store-mode=local",
                 "- --metrics-bind-address=0.0.0.0:8081",
                 "- --kube-api-burst=100",
                 "privileged: true",

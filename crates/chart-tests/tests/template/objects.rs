@@ -75,7 +75,7 @@ async fn defaults_render_the_core_objects_only() {
             "replicas: 2",
             "- --leader-elect=true",
             "- --leader-elect-resource-namespace=stowage-system",
-            "- --image-dir=/var/lib/stowage/images",
+            "- --image-store-mode=local",
             "- --kube-api-burst=100",
             "- --kube-api-max-qps=2000",
             "- --log-format=text",
@@ -91,10 +91,13 @@ async fn defaults_render_the_core_objects_only() {
             "- ALL",
             "type: RuntimeDefault",
             "allowPrivilegeEscalation: false",
-            "mountPath: /var/lib/stowage/images",
-            "name: image-store-permissions",
         ],
     );
+    // Local mode (the default): the nodes' agents make the images; the controller mounts no
+    // store and needs no root init container.
+    for unwanted in ["--image-dir", "image-store-permissions", "/var/lib/stowage/images"] {
+        assert!(!d.contains(unwanted), "controller Deployment has {unwanted:?}:\n{d}");
+    }
     assert!(!d.contains("prometheus.io/scrape"), "{d}");
     // No fixed rate by default: the controller's adaptive limiter applies.
     assert!(!d.contains("--kube-api-qps"), "{d}");
@@ -105,8 +108,8 @@ async fn defaults_render_the_core_objects_only() {
     // The image `make image` builds, for the controller and its init container alike (so an
     // imported image is all a node needs); tests/image.rs checks it against the archive.
     let image = format!("image: localhost/stowage:{}", env!("CARGO_PKG_VERSION"));
-    assert_eq!(d.matches(&image).count(), 2, "{d}");
-    assert_eq!(d.matches("imagePullPolicy: IfNotPresent").count(), 2, "{d}");
+    assert_eq!(d.matches(&image).count(), 1, "{d}");
+    assert_eq!(d.matches("imagePullPolicy: IfNotPresent").count(), 1, "{d}");
 
     let a = doc(&m, "DaemonSet", "st-stowage-agent");
     assert_has(
@@ -118,6 +121,7 @@ async fn defaults_render_the_core_objects_only() {
             "- --node-name=$(NODE_NAME)",
             "- --root-dir=/var/lib/stowage",
             "- --image-dir=/var/lib/stowage/images",
+            "- --image-store-mode=local",
             "path: /healthz",
             // The image's user is the controller's non-root one; losetup and mount need root.
             "runAsUser: 0",
@@ -137,14 +141,54 @@ async fn defaults_render_the_core_objects_only() {
         "dev",
         &["hostPath:", "path: /dev", "type: Directory"],
     );
+    // A store mounted after the pod started is seen: HostToContainer.
     assert_entry(
         a,
         "volumeMounts",
         "images",
-        &["mountPath: /var/lib/stowage/images"],
+        &[
+            "mountPath: /var/lib/stowage/images",
+            "mountPropagation: HostToContainer",
+        ],
     );
-    // The store is the shared file system's mount point: never created on a node that lacks it.
-    for pod in [d, a] {
+    // Local: the node's own directory, made where missing.
+    assert_entry(
+        a,
+        "volumes",
+        "images",
+        &["hostPath:", "path: /var/lib/stowage/images", "type: DirectoryOrCreate"],
+    );
+    // Local mode lets each node make and delete its volumes' images.
+    let r = doc(&m, "ClusterRole", "st-stowage-agent");
+    assert!(r.contains(r#"verbs: ["update", "delete"]"#), "{r}");
+
+    // Shared mode: one store, mounted by the controller too (after its permissions are fixed),
+    // and never created on a node that lacks the mount point.
+    let shared = render(&Helm::new(None), &["--set", "imageStore.mode=shared"])
+        .await
+        .unwrap();
+    let sd = doc(&shared, "Deployment", "st-stowage-controller");
+    assert_has(
+        sd,
+        "controller Deployment (shared)",
+        &[
+            "- --image-store-mode=shared",
+            "- --image-dir=/var/lib/stowage/images",
+            "name: image-store-permissions",
+        ],
+    );
+    assert_entry(
+        sd,
+        "volumeMounts",
+        "images",
+        &[
+            "mountPath: /var/lib/stowage/images",
+            "mountPropagation: HostToContainer",
+        ],
+    );
+    let sa = doc(&shared, "DaemonSet", "st-stowage-agent");
+    assert_has(sa, "agent DaemonSet (shared)", &["- --image-store-mode=shared"]);
+    for pod in [sd, sa] {
         assert_entry(
             pod,
             "volumes",
@@ -152,6 +196,8 @@ async fn defaults_render_the_core_objects_only() {
             &["hostPath:", "path: /var/lib/stowage/images", "type: Directory"],
         );
     }
+    let sr = doc(&shared, "ClusterRole", "st-stowage-agent");
+    assert!(!sr.contains(r#""delete""#), "shared mode: the agent deletes no volume\n{sr}");
     // Both pods use the pod network and the in-cluster apiserver address by default.
     for (what, pod) in [("controller Deployment", d), ("agent DaemonSet", a)] {
         for unwanted in ["hostNetwork", "dnsPolicy", "KUBERNETES_SERVICE_"] {
@@ -159,7 +205,6 @@ async fn defaults_render_the_core_objects_only() {
         }
     }
     // Without --register-node the agent may not create Nodes.
-    let r = doc(&m, "ClusterRole", "st-stowage-agent");
     assert!(
         r.contains(r#"verbs: ["patch"]"#) && !r.contains(r#""create", "patch""#),
         "{r}"

@@ -37,6 +37,7 @@ const CASES: &[(&[&str], bool)] = &[
         false,
     ),
     (&["agent.mode=standalone"], false),
+    (&["imageStore.mode=shared"], false),
     (&["agent.mode=standalone", "agent.registerNode=true"], false),
     (&["rbac.create=false"], true),
     (&["storageClass.create=true"], false),

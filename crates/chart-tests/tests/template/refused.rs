@@ -20,6 +20,10 @@ async fn bad_values_are_refused_with_a_reason() {
             "imageStore.type must be hostPath or pvc",
         ),
         (
+            vec!["--set", "imageStore.mode=nfs"],
+            r#"imageStore.mode must be local or shared, not "nfs""#,
+        ),
+        (
             vec!["--set", "controller.leaderElection.enabled=false"],
             "needs controller.leaderElection.enabled",
         ),
@@ -28,7 +32,10 @@ async fn bad_values_are_refused_with_a_reason() {
             "serviceAccount.controllerName is required",
         ),
         (
-            vec!["--set", "imageStore.fixPermissions.image.repository=busybox"],
+            vec![
+                "--set",
+                "imageStore.mode=shared,imageStore.fixPermissions.image.repository=busybox",
+            ],
             "imageStore.fixPermissions.image.tag is required",
         ),
         (
@@ -133,7 +140,7 @@ async fn bad_values_are_refused_with_a_reason() {
         &helm,
         &[
             "--set",
-            "imageStore.fixPermissions.image.repository=busybox,imageStore.fixPermissions.image.tag=1.37,image.repository=registry.example/stowage,image.tag=v9",
+            "imageStore.mode=shared,imageStore.fixPermissions.image.repository=busybox,imageStore.fixPermissions.image.tag=1.37,image.repository=registry.example/stowage,image.tag=v9",
         ],
     )
     .await

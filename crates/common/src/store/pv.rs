@@ -21,6 +21,13 @@ pub const ANN_BETA_DEFAULT_CLASS: &str = "storageclass.beta.kubernetes.io/is-def
 /// The built-in driver's PV is created before its image exists; the matcher leaves it alone
 /// until the image is there, so no claim binds to a volume without storage.
 pub const ANN_IMAGE_PENDING: &str = "loop.stowage.dev/image-pending";
+/// The id of the image store (its marker's) that holds a built-in volume's image, written when
+/// the image is made: a node or controller whose store has another id refuses the volume.
+pub const ANN_STORE_ID: &str = "loop.stowage.dev/store-id";
+/// Set by the binder on a built-in volume in a node-local store once it has decided the image is
+/// to go (reclaim policy Delete, claim gone, nothing attached): the node holding the image removes
+/// it, then the finalizer and the PV object.
+pub const ANN_DELETE_IMAGE: &str = "loop.stowage.dev/delete-image";
 /// Held on Delete-policy volumes of the built-in driver until their image is removed.
 pub const FINALIZER_LOOP_DELETER: &str = "loop.stowage.dev/deleter";
 
@@ -208,6 +215,45 @@ pub fn refers_to(pv: &PersistentVolume, claim: &PersistentVolumeClaim) -> bool {
 /// Access modes that let several nodes write one volume: refused for the built-in driver, whose
 /// ext4 on a loop image cannot be mounted read-write by two kernels at once.
 pub const MULTI_NODE_WRITER_MODES: &[&str] = &["ReadWriteMany"];
+
+/// Whether a volume is made with its file system at creation: a Filesystem volume whose only
+/// access mode is ReadOnlyMany, of file-system type `fs` (or none given). Every node stages such a
+/// volume read-only and never formats a device it cannot write, so an image left blank could
+/// never be mounted. Block volumes and volumes with a writer mode stay blank: a writer's first
+/// stage formats them on its node.
+pub fn formatted_at_creation(pv: &PersistentVolume, fs: &str) -> bool {
+    let Some(spec) = pv.spec.as_ref() else {
+        return false;
+    };
+    let modes = spec.access_modes.as_deref().unwrap_or_default();
+    let readers_only = !modes.is_empty() && modes.iter().all(|m| m == "ReadOnlyMany");
+    let filesystem = spec.volume_mode.as_deref() != Some("Block");
+    let of_type = spec
+        .csi
+        .as_ref()
+        .and_then(|c| c.fs_type.as_deref())
+        .is_none_or(|t| t.is_empty() || t == fs);
+    readers_only && filesystem && of_type
+}
+
+/// The one value a PV's required node affinity gives `key` (`key In [value]` in its first term
+/// that names the key): the node of a node-local volume.
+pub fn affinity_value<'a>(pv: &'a PersistentVolume, key: &str) -> Option<&'a str> {
+    pv.spec
+        .as_ref()?
+        .node_affinity
+        .as_ref()?
+        .required
+        .as_ref()?
+        .node_selector_terms
+        .iter()
+        .flat_map(|t| t.match_expressions.iter().flatten())
+        .find(|e| e.key == key && e.operator == "In")
+        .and_then(|e| match e.values.as_deref() {
+            Some([one]) => Some(one.as_str()),
+            _ => None,
+        })
+}
 
 pub fn being_deleted<K: ResourceExt>(o: &K) -> bool {
     o.meta().deletion_timestamp.is_some()

@@ -38,6 +38,10 @@ pub struct NodeService {
     pub state_dir: PathBuf,
     /// Volumes this node may hold at once (0: no limit), reported to the scheduler.
     pub max_volumes: i64,
+    /// Local mode (`StoreMode::Local`): the store is this node's alone, so NodeGetInfo reports the
+    /// node as the volume's topology, and NodeExpandVolume grows the image here (no controller
+    /// reaches it).
+    pub local: bool,
     pub locks: VolumeLocks,
     /// Offline checks and resizes stage started; each holds its volume's lock until it ends.
     pub repairs: OfflineRepairs,
@@ -159,8 +163,11 @@ impl Node for NodeService {
         Ok(Response::new(NodeGetInfoResponse {
             node_id: self.node_id.clone(),
             max_volumes_per_node: self.max_volumes,
-            // Images live in one directory every node reaches; no topology to report.
-            accessible_topology: None,
+            // Shared: one store every node reaches, no topology. Local: a volume lives on the
+            // node whose store holds its image.
+            accessible_topology: self.local.then(|| Topology {
+                segments: [(crate::TOPOLOGY_KEY.to_string(), self.node_id.clone())].into(),
+            }),
         }))
     }
 }
@@ -178,6 +185,7 @@ mod tests {
             images: ImageStore::new(dir.join("images")),
             state_dir: dir.join("state"),
             max_volumes: 7,
+            local: false,
             locks: VolumeLocks::default(),
             repairs: OfflineRepairs::default(),
         }

@@ -39,6 +39,8 @@ pub struct NodeSettings {
     pub node_id: String,
     pub state_dir: PathBuf,
     pub max_volumes: i64,
+    /// Local image store: report topology, grow images on expand (`NodeService::local`).
+    pub local: bool,
 }
 
 /// `unix:///csi/csi.sock` or `/csi/csi.sock` → the path.
@@ -93,6 +95,7 @@ pub async fn serve(endpoint: Endpoint, shutdown: impl Future<Output = ()> + Send
             images: endpoint.images.clone(),
             state_dir: n.state_dir.clone(),
             max_volumes: n.max_volumes,
+            local: n.local,
             locks: locks.clone(),
             repairs: repairs.clone(),
         }));

@@ -37,14 +37,23 @@ impl NodeService {
             None => !meta.is_dir(),
         };
         let _guard = self.lock(id)?;
-        let size = self.images.size(id).map_err(image_status)?;
-        if let Some(r) = &req.capacity_range
-            && r.required_bytes > 0
-            && r.required_bytes as u64 > size
-        {
+        let mut size = self.images.size(id).map_err(image_status)?;
+        let required = req
+            .capacity_range
+            .as_ref()
+            .map_or(0, |r| u64::try_from(r.required_bytes).unwrap_or(0));
+        if self.local && required > size {
+            // Local mode: the image is on this node only, so the controller recorded the new
+            // size and left the growing to this call (a grow never shrinks or creates).
+            let (store, h) = (self.images.clone(), id.to_string());
+            size = tokio::task::spawn_blocking(move || store.grow(&h, required))
+                .await
+                .map_err(|e| Status::internal(format!("growing the image: {e}")))?
+                .map_err(image_status)?;
+        }
+        if required > size {
             return Err(Status::out_of_range(format!(
-                "volume {id} is {size} bytes, less than the {} asked: expand it on the controller first",
-                r.required_bytes
+                "volume {id} is {size} bytes, less than the {required} asked: expand it on the controller first"
             )));
         }
         let dev = self.device_of(id, &image).await?.ok_or_else(|| {

@@ -1,0 +1,330 @@
+//! Local mode (`--image-store-mode=local`) on a real apiserver with two agents that share nothing:
+//! each node has its own image store directory, as separate machines have their own disks. A
+//! claim is provisioned on the node the scheduler selected (this test plays the scheduler's
+//! PreBind: the selected-node annotation) and pinned to it; the image is made in that node's
+//! store only; the node attaches it and grows it; a volume from another store is refused; the
+//! deletion runs on the node; a node that is gone leaves its volume and its file in place; a class
+//! that binds at once says to wait for the first consumer.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use stowage_testkit::binary::Running;
+use stowage_testkit::host::{Cleanup, mounts_under};
+use stowage_testkit::{ControlPlane, eventually};
+
+const LIMIT: Duration = Duration::from_secs(120);
+const TOPOLOGY_KEY: &str = "topology.loop.stowage.dev/node";
+
+fn agent_bin() -> PathBuf {
+    stowage_testkit::binary::sibling(
+        Path::new(env!("CARGO_BIN_EXE_stowage-controller")),
+        "stowage-agent",
+        "stowage-agent",
+    )
+}
+
+struct Kubectl(PathBuf);
+
+impl Kubectl {
+    fn run(&self, args: &[&str]) -> Result<String, String> {
+        stowage_testkit::kubectl::run(&self.0, args)
+    }
+
+    fn must(&self, args: &[&str]) -> String {
+        self.run(args).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    fn apply(&self, dir: &Path, name: &str, yaml: &str) {
+        let file = dir.join(name);
+        std::fs::write(&file, yaml).unwrap();
+        self.must(&["apply", "-f", &file.display().to_string()]);
+    }
+
+    /// Waits until `kubectl args` prints exactly `want` (trimmed).
+    async fn until(&self, args: &[&str], want: &str) {
+        eventually(LIMIT, || async {
+            let got = self.run(args)?;
+            match got.trim() == want {
+                true => Ok(()),
+                false => Err(format!("kubectl {} printed {got:?}, want {want:?}", args.join(" "))),
+            }
+        })
+        .await
+    }
+
+    /// Waits for an Event of `reason` on `kind/name` (any `kind` object for an empty name) whose
+    /// message contains `part`; returns the messages.
+    async fn event(&self, kind: &str, name: &str, reason: &str, part: &str) -> String {
+        let mut selector = format!("involvedObject.kind={kind},reason={reason}");
+        if !name.is_empty() {
+            selector.push_str(&format!(",involvedObject.name={name}"));
+        }
+        let mut found = String::new();
+        eventually(LIMIT, || {
+            let got = self.run(&[
+                "get",
+                "events",
+                "-A",
+                "--field-selector",
+                &selector,
+                "-o",
+                "jsonpath={.items[*].message}",
+            ]);
+            let ok = got.as_ref().is_ok_and(|m| m.contains(part));
+            if ok {
+                found = got.clone().unwrap();
+            }
+            async move {
+                match ok {
+                    true => Ok(()),
+                    false => Err(format!("no {reason} event on {kind}/{name} containing {part:?}: {got:?}")),
+                }
+            }
+        })
+        .await;
+        found
+    }
+}
+
+fn claim(name: &str, class: &str, node: Option<&str>) -> String {
+    let selected = node
+        .map(|n| format!("  annotations: {{volume.kubernetes.io/selected-node: {n}}}\n"))
+        .unwrap_or_default();
+    format!(
+        "apiVersion: v1\nkind: PersistentVolumeClaim\nmetadata:\n  name: {name}\n  namespace: default\n{selected}spec:\n  storageClassName: {class}\n  accessModes: [ReadWriteOnce]\n  resources: {{requests: {{storage: 64Mi}}}}\n"
+    )
+}
+
+fn pod(name: &str, node: &str, claim: &str) -> String {
+    format!(
+        r#"{{"apiVersion":"v1","kind":"Pod","metadata":{{"name":"{name}","namespace":"default"}},"spec":{{"nodeName":"{node}","containers":[{{"name":"c","image":"busybox","volumeMounts":[{{"name":"d","mountPath":"/data"}}]}}],"volumes":[{{"name":"d","persistentVolumeClaim":{{"claimName":"{claim}"}}}}]}}}}"#
+    )
+}
+
+fn marker_id(store: &Path) -> String {
+    let text = std::fs::read_to_string(store.join(".stowage-image-store")).unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix("id: "))
+        .unwrap()
+        .to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn node_local_volumes_live_and_die_on_their_node() {
+    let cp = tokio::task::spawn_blocking(ControlPlane::start)
+        .await
+        .unwrap()
+        .unwrap();
+    let base = std::env::temp_dir().join(stowage_testkit::unique("stowage-local"));
+    // One store per node, nothing shared; each agent marks its own (no install step).
+    let store = |n: &str| base.join(n).join("images");
+    for n in ["node-a", "node-b"] {
+        std::fs::create_dir_all(store(n)).unwrap();
+    }
+    // Dropped last: the loop devices over either store are released and the dirs removed.
+    let _cleanup = [
+        Cleanup {
+            base: base.join("node-a"),
+            images: store("node-a"),
+        },
+        Cleanup {
+            base: base.clone(),
+            images: store("node-b"),
+        },
+    ];
+    let kc = cp.kubeconfig();
+    let _ctl = Running::start(
+        Path::new(env!("CARGO_BIN_EXE_stowage-controller")),
+        &[
+            format!("--kubeconfig={}", kc.display()),
+            "--leader-elect-resource-namespace=default".into(),
+            "--image-store-mode=local".into(),
+            // No store for the controller: a path that does not exist proves it never looks.
+            format!("--image-dir={}", base.join("no-store").display()),
+        ],
+        &base,
+        "controller",
+    )
+    .unwrap();
+    let mut agents = Vec::new();
+    for n in ["node-a", "node-b"] {
+        agents.push(Some(
+            Running::start(
+                &agent_bin(),
+                &[
+                    format!("--kubeconfig={}", kc.display()),
+                    format!("--node-name={n}"),
+                    format!("--root-dir={}", base.join(n).display()),
+                    format!("--image-dir={}", store(n).display()),
+                    "--image-store-mode=local".into(),
+                    "--register-node".into(),
+                ],
+                &base,
+                n,
+            )
+            .unwrap(),
+        ));
+    }
+    let k = Kubectl(kc.clone());
+    // Each node is labelled with its topology, as a kubelet does from NodeGetInfo.
+    let label = "jsonpath={.items[*].metadata.labels.topology\\.loop\\.stowage\\.dev/node}";
+    k.until(&["get", "nodes", "-o", label], "node-a node-b").await;
+    k.apply(
+        &base,
+        "storage.yaml",
+        r#"apiVersion: storage.k8s.io/v1
+kind: CSIDriver
+metadata: {name: loop.stowage.dev}
+spec: {attachRequired: true, podInfoOnMount: false}
+---
+apiVersion: storage.k8s.io/v1
+kind: StorageClass
+metadata: {name: local}
+provisioner: loop.stowage.dev
+reclaimPolicy: Delete
+volumeBindingMode: WaitForFirstConsumer
+allowVolumeExpansion: true
+---
+apiVersion: storage.k8s.io/v1
+kind: StorageClass
+metadata: {name: now}
+provisioner: loop.stowage.dev
+reclaimPolicy: Delete
+---
+apiVersion: v1
+kind: ServiceAccount
+metadata: {name: default, namespace: default}
+"#,
+    );
+
+    // Provisioned on the selected node, pinned to it, its image in that node's store only.
+    k.apply(&base, "b.yaml", &claim("on-b", "local", Some("node-b")));
+    let phase = |c: &str| ["get", "pvc", c, "-o", "jsonpath={.status.phase}"].map(String::from);
+    let args = phase("on-b");
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    k.until(&args, "Bound").await;
+    let pv = k.must(&["get", "pvc", "on-b", "-o", "jsonpath={.spec.volumeName}"]);
+    let pv = pv.trim().to_string();
+    let affinity = k.must(&[
+        "get",
+        "pv",
+        &pv,
+        "-o",
+        "jsonpath={.spec.nodeAffinity.required.nodeSelectorTerms[0].matchExpressions[0].key}={.spec.nodeAffinity.required.nodeSelectorTerms[0].matchExpressions[0].values[0]}",
+    ]);
+    assert_eq!(affinity.trim(), format!("{TOPOLOGY_KEY}=node-b"));
+    let image = format!("{pv}.img");
+    assert!(store("node-b").join(&image).is_file(), "image made on node-b");
+    assert!(!store("node-a").join(&image).exists(), "nothing on node-a");
+    let recorded = k.must(&[
+        "get",
+        "pv",
+        &pv,
+        "-o",
+        "jsonpath={.metadata.annotations.loop\\.stowage\\.dev/store-id}",
+    ]);
+    assert_eq!(recorded.trim(), marker_id(&store("node-b")), "the store id is recorded");
+    k.event("PersistentVolumeClaim", "on-b", "ProvisioningSucceeded", "node-b")
+        .await;
+
+    // Attached and mounted on its node.
+    k.apply(&base, "pod-b.json", &pod("user-b", "node-b", "on-b"));
+    let attached = ["get", "volumeattachments", "-o", "jsonpath={.items[*].status.attached}"];
+    k.until(&attached, "true").await;
+    let uid = k.must(&["get", "pod", "user-b", "-o", "jsonpath={.metadata.uid}"]);
+    let dir = base.join("node-b").join("pods").join(uid.trim()).join("volumes");
+    eventually(LIMIT, || async {
+        match mounts_under(&dir).is_empty() {
+            true => Err(format!("no mount under {}", dir.display())),
+            false => Ok(()),
+        }
+    })
+    .await;
+
+    // Grown on its node: the controller records the size, node-b grows image and file system.
+    k.must(&[
+        "patch",
+        "pvc",
+        "on-b",
+        "--type=merge",
+        "-p",
+        r#"{"spec":{"resources":{"requests":{"storage":"128Mi"}}}}"#,
+    ]);
+    k.until(&["get", "pvc", "on-b", "-o", "jsonpath={.status.capacity.storage}"], "128Mi")
+        .await;
+    assert_eq!(
+        std::fs::metadata(store("node-b").join(&image)).unwrap().len(),
+        128 << 20,
+        "the image grew on node-b"
+    );
+
+    // A volume whose image was made in another store is refused, its file left alone.
+    let foreign = store("node-a").join("foreign.img");
+    std::fs::File::create(&foreign).unwrap().set_len(64 << 20).unwrap();
+    k.apply(
+        &base,
+        "foreign.yaml",
+        r#"apiVersion: v1
+kind: PersistentVolume
+metadata:
+  name: foreign
+  annotations: {loop.stowage.dev/store-id: 0123456789abcdef0123456789abcdef}
+spec:
+  capacity: {storage: 64Mi}
+  accessModes: [ReadWriteOnce]
+  persistentVolumeReclaimPolicy: Retain
+  storageClassName: ""
+  claimRef: {namespace: default, name: foreign}
+  csi: {driver: loop.stowage.dev, volumeHandle: foreign, fsType: ext4}
+---
+apiVersion: v1
+kind: PersistentVolumeClaim
+metadata: {name: foreign, namespace: default}
+spec:
+  storageClassName: ""
+  volumeName: foreign
+  accessModes: [ReadWriteOnce]
+  resources: {requests: {storage: 64Mi}}
+"#,
+    );
+    k.apply(&base, "pod-foreign.json", &pod("user-foreign", "node-a", "foreign"));
+    let va = k
+        .event("VolumeAttachment", "", "FailedAttach", "0123456789abcdef0123456789abcdef")
+        .await;
+    assert!(va.contains("nothing is attached or deleted"), "{va}");
+    assert_eq!(std::fs::metadata(&foreign).unwrap().len(), 64 << 20);
+
+    // Deletion runs on the node that holds the image.
+    k.must(&["delete", "pod", "user-b", "--grace-period=0", "--force"]);
+    k.until(&["get", "volumeattachments", "-o", &format!("jsonpath={{.items[?(@.spec.source.persistentVolumeName==\"{pv}\")].metadata.name}}")], "")
+        .await;
+    k.must(&["delete", "pvc", "on-b"]);
+    k.until(&["get", "pv", &pv, "--ignore-not-found", "-o", "name"], "").await;
+    assert!(!store("node-b").join(&image).exists(), "node-b deleted the image");
+
+    // A class that binds at once gets no volume, and says why.
+    k.apply(&base, "now.yaml", &claim("now", "now", None));
+    k.event("PersistentVolumeClaim", "now", "ProvisioningFailed", "WaitForFirstConsumer")
+        .await;
+    let args = phase("now");
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    k.until(&args, "Pending").await;
+
+    // A node that is gone: its volume stays Released with a Warning naming it, its file in place.
+    k.apply(&base, "a.yaml", &claim("on-a", "local", Some("node-a")));
+    let args = phase("on-a");
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    k.until(&args, "Bound").await;
+    let pv_a = k.must(&["get", "pvc", "on-a", "-o", "jsonpath={.spec.volumeName}"]);
+    let pv_a = pv_a.trim().to_string();
+    let image_a = store("node-a").join(format!("{pv_a}.img"));
+    assert!(image_a.is_file());
+    agents[0].take();
+    k.must(&["delete", "node", "node-a"]);
+    k.must(&["delete", "pvc", "on-a"]);
+    k.event("PersistentVolume", &pv_a, "VolumeNodeGone", "node-a").await;
+    k.until(&["get", "pv", &pv_a, "-o", "jsonpath={.status.phase}"], "Released")
+        .await;
+    assert!(image_a.is_file(), "the gone node's file is never deleted in its absence");
+}
