@@ -67,31 +67,33 @@ pub fn provisioned_pv(
             }],
         }),
     });
-    let node_affinity = on_node.or_else(|| class
-        .allowed_topologies
-        .as_ref()
-        .filter(|t| !t.is_empty())
-        .map(|terms| VolumeNodeAffinity {
-            required: Some(NodeSelector {
-                node_selector_terms: terms
-                    .iter()
-                    .map(|t| NodeSelectorTerm {
-                        match_expressions: Some(
-                            t.match_label_expressions
-                                .iter()
-                                .flatten()
-                                .map(|e| NodeSelectorRequirement {
-                                    key: e.key.clone(),
-                                    operator: "In".into(),
-                                    values: Some(e.values.clone()),
-                                })
-                                .collect(),
-                        ),
-                        match_fields: None,
-                    })
-                    .collect(),
-            }),
-        }));
+    let node_affinity = on_node.or_else(|| {
+        class
+            .allowed_topologies
+            .as_ref()
+            .filter(|t| !t.is_empty())
+            .map(|terms| VolumeNodeAffinity {
+                required: Some(NodeSelector {
+                    node_selector_terms: terms
+                        .iter()
+                        .map(|t| NodeSelectorTerm {
+                            match_expressions: Some(
+                                t.match_label_expressions
+                                    .iter()
+                                    .flatten()
+                                    .map(|e| NodeSelectorRequirement {
+                                        key: e.key.clone(),
+                                        operator: "In".into(),
+                                        values: Some(e.values.clone()),
+                                    })
+                                    .collect(),
+                            ),
+                            match_fields: None,
+                        })
+                        .collect(),
+                }),
+            })
+    });
     let annotations = BTreeMap::from([
         (ANN_PROVISIONED_BY.to_string(), LOOP_DRIVER.to_string()),
         (ANN_BOUND_BY_CONTROLLER.to_string(), "yes".to_string()),

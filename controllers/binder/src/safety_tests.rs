@@ -433,7 +433,10 @@ mod local {
         let class = storage_class("later", LOOP_DRIVER).build();
         let v = crate::loopdev::provisioned_pv(&c, &class, Some("node-a")).unwrap();
         assert_eq!(loop_node(&v), Some("node-a"));
-        assert!(has_ann(&v, ANN_IMAGE_PENDING), "bound only once the node made the image");
+        assert!(
+            has_ann(&v, ANN_IMAGE_PENDING),
+            "bound only once the node made the image"
+        );
         // Shared mode: no node affinity of the driver's.
         let shared = crate::loopdev::provisioned_pv(&c, &class, None).unwrap();
         assert_eq!(loop_node(&shared), None);
@@ -459,25 +462,35 @@ mod local {
         assert!(note.contains("WaitForFirstConsumer"), "{note}");
         // The same claim in shared mode is provisioned at once.
         let out = core::sync_claim(&c, &cache(&[], &[&c]), &env());
-        assert!(out.iter().any(|a| matches!(a, Action::ProvisionLoop { node: None, .. })));
+        assert!(
+            out.iter()
+                .any(|a| matches!(a, Action::ProvisionLoop { node: None, .. }))
+        );
     }
 
     #[test]
     fn the_binder_never_makes_a_node_local_image_and_reports_a_vanished_node() {
         let c = chosen("later", "node-a");
         let class = storage_class("later", LOOP_DRIVER).build();
-        let pending = phase(crate::loopdev::provisioned_pv(&c, &class, Some("node-a")).unwrap(), "Pending");
+        let pending = phase(
+            crate::loopdev::provisioned_pv(&c, &class, Some("node-a")).unwrap(),
+            "Pending",
+        );
         let out = core::sync_volume(&pending, &cache(&[&pending], &[&c]), &local_env());
         assert!(
             !out.iter().any(|a| matches!(a, Action::CreateLoopImage { .. })),
             "the node's agent makes it: {out:?}"
         );
         assert!(!out.iter().any(|a| matches!(a, Action::Event(_))), "{out:?}");
-        let elsewhere = phase(crate::loopdev::provisioned_pv(&c, &class, Some("node-z")).unwrap(), "Pending");
+        let elsewhere = phase(
+            crate::loopdev::provisioned_pv(&c, &class, Some("node-z")).unwrap(),
+            "Pending",
+        );
         let out = core::sync_volume(&elsewhere, &cache(&[&elsewhere], &[&c]), &local_env());
         assert!(
-            out.iter()
-                .any(|a| matches!(a, Action::Event(e) if e.reason == VOLUME_NODE_GONE && e.note.contains("node-z"))),
+            out.iter().any(
+                |a| matches!(a, Action::Event(e) if e.reason == VOLUME_NODE_GONE && e.note.contains("node-z"))
+            ),
             "{out:?}"
         );
     }

@@ -174,6 +174,7 @@ async fn start(runner: &Runner, cp: &ControlPlane, client: &Client) -> Running {
                 resync: Duration::from_secs(1),
                 image_dir: std::env::temp_dir(),
                 max_in_flight: 16,
+                store_mode: Default::default(),
             };
             let ctrl = tokio::spawn(stowage_binder::run(
                 cluster,

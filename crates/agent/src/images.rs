@@ -168,16 +168,16 @@ pub async fn run(ctx: Arc<Ctx>, mut stop: watch::Receiver<bool>) {
                         failing.remove(&name);
                     } else {
                         let n = failing.get(&name).map_or(0, |(n, _)| *n) + 1;
-                        let wait = FIRST_RETRY
-                            .saturating_mul(1 << n.min(16))
-                            .min(MAX_RETRY);
+                        let wait = FIRST_RETRY.saturating_mul(1 << n.min(16)).min(MAX_RETRY);
                         failing.insert(name, (n, Instant::now() + wait));
                     }
                 }
             }
         }
         let next_retry = failing.values().map(|(_, at)| *at).min();
-        let sleep = next_retry.map_or(PERIOD, |at| at.saturating_duration_since(Instant::now()).min(PERIOD));
+        let sleep = next_retry.map_or(PERIOD, |at| {
+            at.saturating_duration_since(Instant::now()).min(PERIOD)
+        });
         tokio::select! {
             _ = stop.wait_for(|s| *s) => return,
             r = feed.next() => if r.is_err() {
@@ -272,10 +272,15 @@ async fn fail_volume(ctx: &Ctx, pv: &PersistentVolume, msg: &str) -> Result<(), 
     status.phase = Some("Failed".into());
     status.message = Some(msg.into());
     let api: Api<PersistentVolume> = Api::all(ctx.client.clone());
-    api.replace_status(&pv.name_any(), &PostParams::default(), serde_json::to_vec(&next).unwrap_or_default())
+    api.replace_status(&pv.name_any(), &PostParams::default(), &next)
         .await
         .map(|_| ())
-        .map_err(|e| StepError::retry(PROVISION_FAILED, format!("cannot mark volume {} Failed: {e}", pv.name_any())))
+        .map_err(|e| {
+            StepError::retry(
+                PROVISION_FAILED,
+                format!("cannot mark volume {} Failed: {e}", pv.name_any()),
+            )
+        })
 }
 
 /// Removes the image (never one of another store, never one a loop device here still holds),
@@ -323,7 +328,12 @@ async fn delete(ctx: &Ctx, pv: &PersistentVolume) -> Result<Option<String>, Step
         Ok::<_, ImageError>(removed)
     })
     .await?
-    .map_err(|e| StepError::retry(DELETE_FAILED, format!("cannot delete the image of volume {name}: {e}")))?;
+    .map_err(|e| {
+        StepError::retry(
+            DELETE_FAILED,
+            format!("cannot delete the image of volume {name}: {e}"),
+        )
+    })?;
     if !removed {
         let note = format!(
             "image of volume {name} was already gone from node {}'s store; deleting the volume object",
@@ -351,7 +361,10 @@ async fn delete(ctx: &Ctx, pv: &PersistentVolume) -> Result<Option<String>, Step
     match api.delete(&name, &DeleteParams::default()).await {
         Ok(_) => Ok(None),
         Err(kube::Error::Api(s)) if s.code == 404 => Ok(None),
-        Err(e) => Err(StepError::retry(DELETE_FAILED, format!("cannot delete volume {name}: {e}"))),
+        Err(e) => Err(StepError::retry(
+            DELETE_FAILED,
+            format!("cannot delete volume {name}: {e}"),
+        )),
     }
 }
 
@@ -411,14 +424,26 @@ mod tests {
         assert_eq!(decide(&pending, "b"), None, "another node's volume");
         let mut by_hand = pending.clone();
         by_hand.annotations_mut().remove(ANN_PROVISIONED_BY);
-        assert_eq!(decide(&by_hand, "a"), None, "a volume made by hand is never touched");
+        assert_eq!(
+            decide(&by_hand, "a"),
+            None,
+            "a volume made by hand is never touched"
+        );
         let mut other = pending.clone();
         other.spec.as_mut().unwrap().csi.as_mut().unwrap().driver = "other.example.com".into();
         assert_eq!(decide(&other, "a"), None);
         let mut shared = pending.clone();
         shared.spec.as_mut().unwrap().node_affinity = None;
-        assert_eq!(decide(&shared, "a"), None, "a shared-store volume is the controller's");
-        assert_eq!(decide(&volume("a", &[]), "a"), None, "made already: nothing to do");
+        assert_eq!(
+            decide(&shared, "a"),
+            None,
+            "a shared-store volume is the controller's"
+        );
+        assert_eq!(
+            decide(&volume("a", &[]), "a"),
+            None,
+            "made already: nothing to do"
+        );
     }
 
     #[test]

@@ -123,6 +123,7 @@ async fn every_csi_call_is_counted_by_method_and_grpc_code_on_the_metrics_endpoi
                 node_id: "metrics-node".into(),
                 state_dir: base.join("root/csi"),
                 max_volumes: 0,
+                local: false,
             }),
             controller: true,
             metrics: Some(metrics.csi.clone()),

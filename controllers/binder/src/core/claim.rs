@@ -270,7 +270,12 @@ pub(super) fn sync_claim_phase(claim: &PersistentVolumeClaim, cache: &Cache, env
                             class: name.into(),
                             node: Some(node.into()),
                         }),
-                        None => out.push(ev(target, true, "ProvisioningFailed", immediate_in_local_mode(name))),
+                        None => out.push(ev(
+                            target,
+                            true,
+                            "ProvisioningFailed",
+                            immediate_in_local_mode(name),
+                        )),
                     }
                 } else {
                     out.push(Action::ProvisionLoop {

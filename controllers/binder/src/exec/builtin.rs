@@ -95,7 +95,9 @@ impl Executor {
                     format!("{capacity} bytes is more than a file can hold"),
                 ),
             });
-            Ok(size.and_then(|size| store.ensure(&h, size)).map(|made| (made, marker.id)))
+            Ok(size
+                .and_then(|size| store.ensure(&h, size))
+                .map(|made| (made, marker.id)))
         })
         .await
         .unwrap_or_else(|e| {
@@ -264,7 +266,7 @@ impl Executor {
                 .push(volume_event(&v, true, core::DELETE_REFUSED, note));
             return Ok(());
         }
-        if let Some(node) = loop_node(&v) {
+        if let Some(node) = loop_node(&v).map(str::to_string) {
             // Node-local: the node holding the image removes it, then the finalizer and the
             // object (the agent's `images` loop). This write is the decision, made on the live
             // object with every check above passed; the node acts on nothing less.

@@ -247,7 +247,9 @@ async fn a_read_only_many_image_is_formatted_only_when_blank() {
             .status
             .success()
     );
-    let e = stowage_loopdriver::image::format_new_image(&swap).await.unwrap_err();
+    let e = stowage_loopdriver::image::format_new_image(&swap)
+        .await
+        .unwrap_err();
     assert!(e.to_string().contains("swap") && !e.permanent(), "{e}");
     let probe = stowage_loopdriver::sys::probe(swap.to_str().unwrap())
         .await

@@ -27,6 +27,7 @@ impl Harness {
             resync: Duration::from_secs(15),
             image_dir: h.images.path().to_path_buf(),
             max_in_flight: 64,
+            store_mode: Default::default(),
         };
         tune(&mut config);
         h.run(stowage_binder::run(cluster, metrics, config));

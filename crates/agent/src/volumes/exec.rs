@@ -504,7 +504,9 @@ impl Executor {
                 });
             }
         }
-        grow_local_image(&self.ctx, &dv.handle, new_size).await.map_err(step(s))?;
+        grow_local_image(&self.ctx, &dv.handle, new_size)
+            .await
+            .map_err(step(s))?;
         sys::loop_refresh(device).await.map_err(step(s))?;
         if !dv.block
             && let Err(e) = sys::resize2fs(device).await

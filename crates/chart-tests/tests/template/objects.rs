@@ -95,8 +95,15 @@ async fn defaults_render_the_core_objects_only() {
     );
     // Local mode (the default): the nodes' agents make the images; the controller mounts no
     // store and needs no root init container.
-    for unwanted in ["--image-dir", "image-store-permissions", "/var/lib/stowage/images"] {
-        assert!(!d.contains(unwanted), "controller Deployment has {unwanted:?}:\n{d}");
+    for unwanted in [
+        "--image-dir",
+        "image-store-permissions",
+        "/var/lib/stowage/images",
+    ] {
+        assert!(
+            !d.contains(unwanted),
+            "controller Deployment has {unwanted:?}:\n{d}"
+        );
     }
     assert!(!d.contains("prometheus.io/scrape"), "{d}");
     // No fixed rate by default: the controller's adaptive limiter applies.
@@ -156,7 +163,11 @@ async fn defaults_render_the_core_objects_only() {
         a,
         "volumes",
         "images",
-        &["hostPath:", "path: /var/lib/stowage/images", "type: DirectoryOrCreate"],
+        &[
+            "hostPath:",
+            "path: /var/lib/stowage/images",
+            "type: DirectoryOrCreate",
+        ],
     );
     // Local mode lets each node make and delete its volumes' images.
     let r = doc(&m, "ClusterRole", "st-stowage-agent");
@@ -197,7 +208,10 @@ async fn defaults_render_the_core_objects_only() {
         );
     }
     let sr = doc(&shared, "ClusterRole", "st-stowage-agent");
-    assert!(!sr.contains(r#""delete""#), "shared mode: the agent deletes no volume\n{sr}");
+    assert!(
+        !sr.contains(r#""delete""#),
+        "shared mode: the agent deletes no volume\n{sr}"
+    );
     // Both pods use the pod network and the in-cluster apiserver address by default.
     for (what, pod) in [("controller Deployment", d), ("agent DaemonSet", a)] {
         for unwanted in ["hostNetwork", "dnsPolicy", "KUBERNETES_SERVICE_"] {
