@@ -46,7 +46,8 @@ async fn default_agent_is_the_csi_node_plugin() {
             "root-dir",
             &["hostPath:", "path: /var/lib/stowage", "type: DirectoryOrCreate"],
         );
-        assert_eq!(a.matches("mountPropagation:").count(), 1, "{a}");
+        // The kubelet's or the root dir's, and the image store's HostToContainer.
+        assert_eq!(a.matches("mountPropagation:").count(), 2, "{a}");
     }
 
     // Another kubelet root dir moves the flag, the mount and the volume together.
@@ -112,7 +113,8 @@ async fn standalone_agent_renders_the_kubelet_less_node() {
             &["hostPath:", "path: /var/lib/stowage", "type: DirectoryOrCreate"],
         );
         assert_entry(a, "volumeMounts", "dev", &["mountPath: /dev"]);
-        assert_eq!(a.matches("mountPropagation:").count(), 1, "{a}");
+        // The kubelet's or the root dir's, and the image store's HostToContainer.
+        assert_eq!(a.matches("mountPropagation:").count(), 2, "{a}");
 
         // The standalone agent watches its Node (volumesAttached) and reads it before a first
         // mount; --register-node, and only it, brings Node creation and kube-node-lease rights.
