@@ -474,9 +474,12 @@ async fn helm_install_upgrade_uninstall_on_a_real_apiserver() {
             true,
         ),
         ("create events.events.k8s.io -n any".into(), true),
-        // Denied: the agent never creates attachments, deletes volumes or reads secrets.
+        // Local mode (the default): the node deletes the volumes whose images it removed.
+        ("delete persistentvolumes".into(), true),
+        ("update persistentvolumes".into(), true),
+        // Denied: the agent never creates attachments or volumes, or reads secrets.
         ("create volumeattachments.storage.k8s.io".into(), false),
-        ("delete persistentvolumes".into(), false),
+        ("create persistentvolumes".into(), false),
         ("update persistentvolumeclaims -n any".into(), false),
         ("get secrets -n any".into(), false),
         ("delete nodes".into(), false),
