@@ -4,54 +4,17 @@
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
 
 use stowage_testkit::binary::Running;
 use stowage_testkit::host::{Cleanup, mounts_under};
 use stowage_testkit::scrape::Metrics;
 use stowage_testkit::{ControlPlane, eventually};
 
-const LIMIT: Duration = Duration::from_secs(120);
+mod support;
+use support::{Kubectl, LIMIT, agent_bin};
 
 fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
-/// The agent binary, next to this package's binary.
-fn agent_bin() -> PathBuf {
-    stowage_testkit::binary::sibling(
-        Path::new(env!("CARGO_BIN_EXE_stowage-controller")),
-        "stowage-agent",
-        "stowage-agent",
-    )
-}
-
-struct Kubectl(PathBuf);
-
-impl Kubectl {
-    fn run(&self, args: &[&str]) -> Result<String, String> {
-        stowage_testkit::kubectl::run(&self.0, args)
-    }
-
-    fn must(&self, args: &[&str]) -> String {
-        self.run(args).unwrap_or_else(|e| panic!("{e}"))
-    }
-
-    /// Waits until `kubectl args` prints exactly `want` (trimmed).
-    async fn until(&self, args: &[&str], want: &str) {
-        eventually(LIMIT, || async {
-            let got = self.run(args)?;
-            if got.trim() == want {
-                Ok(())
-            } else {
-                Err(format!(
-                    "kubectl {} printed {got:?}, want {want:?}",
-                    args.join(" ")
-                ))
-            }
-        })
-        .await
-    }
 }
 
 /// Metric family names listed in docs/metrics.md under `## <binary>`.

@@ -6,90 +6,55 @@
 //! deletion runs on the node; a node that is gone leaves its volume and its file in place; a class
 //! that binds at once says to wait for the first consumer.
 
-use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::path::Path;
 
 use stowage_testkit::binary::Running;
 use stowage_testkit::host::{Cleanup, mounts_under};
 use stowage_testkit::{ControlPlane, eventually};
 
-const LIMIT: Duration = Duration::from_secs(120);
+mod support;
+use support::{Kubectl, LIMIT, agent_bin};
 const TOPOLOGY_KEY: &str = "topology.loop.stowage.dev/node";
 
-fn agent_bin() -> PathBuf {
-    stowage_testkit::binary::sibling(
-        Path::new(env!("CARGO_BIN_EXE_stowage-controller")),
-        "stowage-agent",
-        "stowage-agent",
-    )
+fn apply(k: &Kubectl, dir: &Path, name: &str, yaml: &str) {
+    let file = dir.join(name);
+    std::fs::write(&file, yaml).unwrap();
+    k.must(&["apply", "-f", &file.display().to_string()]);
 }
 
-struct Kubectl(PathBuf);
-
-impl Kubectl {
-    fn run(&self, args: &[&str]) -> Result<String, String> {
-        stowage_testkit::kubectl::run(&self.0, args)
+/// Waits for an Event of `reason` on `kind/name` (any `kind` object for an empty name) whose
+/// message contains `part`; returns the messages.
+async fn event(k: &Kubectl, kind: &str, name: &str, reason: &str, part: &str) -> String {
+    let mut selector = format!("involvedObject.kind={kind},reason={reason}");
+    if !name.is_empty() {
+        selector.push_str(&format!(",involvedObject.name={name}"));
     }
-
-    fn must(&self, args: &[&str]) -> String {
-        self.run(args).unwrap_or_else(|e| panic!("{e}"))
-    }
-
-    fn apply(&self, dir: &Path, name: &str, yaml: &str) {
-        let file = dir.join(name);
-        std::fs::write(&file, yaml).unwrap();
-        self.must(&["apply", "-f", &file.display().to_string()]);
-    }
-
-    /// Waits until `kubectl args` prints exactly `want` (trimmed).
-    async fn until(&self, args: &[&str], want: &str) {
-        eventually(LIMIT, || async {
-            let got = self.run(args)?;
-            match got.trim() == want {
+    let mut found = String::new();
+    eventually(LIMIT, || {
+        let got = k.run(&[
+            "get",
+            "events",
+            "-A",
+            "--field-selector",
+            &selector,
+            "-o",
+            "jsonpath={.items[*].message}",
+        ]);
+        let ok = got.as_ref().is_ok_and(|m| m.contains(part));
+        if ok {
+            found = got.clone().unwrap();
+        }
+        async move {
+            match ok {
                 true => Ok(()),
                 false => Err(format!(
-                    "kubectl {} printed {got:?}, want {want:?}",
-                    args.join(" ")
+                    "no {reason} event on {kind}/{name} containing {part:?}: {got:?}"
                 )),
             }
-        })
-        .await
-    }
-
-    /// Waits for an Event of `reason` on `kind/name` (any `kind` object for an empty name) whose
-    /// message contains `part`; returns the messages.
-    async fn event(&self, kind: &str, name: &str, reason: &str, part: &str) -> String {
-        let mut selector = format!("involvedObject.kind={kind},reason={reason}");
-        if !name.is_empty() {
-            selector.push_str(&format!(",involvedObject.name={name}"));
         }
-        let mut found = String::new();
-        eventually(LIMIT, || {
-            let got = self.run(&[
-                "get",
-                "events",
-                "-A",
-                "--field-selector",
-                &selector,
-                "-o",
-                "jsonpath={.items[*].message}",
-            ]);
-            let ok = got.as_ref().is_ok_and(|m| m.contains(part));
-            if ok {
-                found = got.clone().unwrap();
-            }
-            async move {
-                match ok {
-                    true => Ok(()),
-                    false => Err(format!(
-                        "no {reason} event on {kind}/{name} containing {part:?}: {got:?}"
-                    )),
-                }
-            }
-        })
-        .await;
-        found
-    }
+    })
+    .await;
+    found
 }
 
 fn claim(name: &str, class: &str, node: Option<&str>) -> String {
@@ -175,7 +140,8 @@ async fn node_local_volumes_live_and_die_on_their_node() {
     // Each node is labelled with its topology, as a kubelet does from NodeGetInfo.
     let label = "jsonpath={.items[*].metadata.labels.topology\\.loop\\.stowage\\.dev/node}";
     k.until(&["get", "nodes", "-o", label], "node-a node-b").await;
-    k.apply(
+    apply(
+        &k,
         &base,
         "storage.yaml",
         r#"apiVersion: storage.k8s.io/v1
@@ -204,7 +170,7 @@ metadata: {name: default, namespace: default}
     );
 
     // Provisioned on the selected node, pinned to it, its image in that node's store only.
-    k.apply(&base, "b.yaml", &claim("on-b", "local", Some("node-b")));
+    apply(&k, &base, "b.yaml", &claim("on-b", "local", Some("node-b")));
     let phase = |c: &str| ["get", "pvc", c, "-o", "jsonpath={.status.phase}"].map(String::from);
     let args = phase("on-b");
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
@@ -234,8 +200,14 @@ metadata: {name: default, namespace: default}
         marker_id(&store("node-b")),
         "the store id is recorded"
     );
-    k.event("PersistentVolumeClaim", "on-b", "ProvisioningSucceeded", "node-b")
-        .await;
+    event(
+        &k,
+        "PersistentVolumeClaim",
+        "on-b",
+        "ProvisioningSucceeded",
+        "node-b",
+    )
+    .await;
 
     // Grown on its node: the controller records the size, and node-b grows the image and the
     // file system when it mounts the volume (offline: online ext4 growth is not allowed
@@ -266,7 +238,7 @@ metadata: {name: default, namespace: default}
     );
 
     // Attached, grown and mounted on its node.
-    k.apply(&base, "pod-b.json", &pod("user-b", "node-b", "on-b"));
+    apply(&k, &base, "pod-b.json", &pod("user-b", "node-b", "on-b"));
     let attached = [
         "get",
         "volumeattachments",
@@ -301,7 +273,8 @@ metadata: {name: default, namespace: default}
         .unwrap()
         .set_len(64 << 20)
         .unwrap();
-    k.apply(
+    apply(
+        &k,
         &base,
         "foreign.yaml",
         r#"apiVersion: v1
@@ -327,19 +300,20 @@ spec:
   resources: {requests: {storage: 64Mi}}
 "#,
     );
-    k.apply(
+    apply(
+        &k,
         &base,
         "pod-foreign.json",
         &pod("user-foreign", "node-a", "foreign"),
     );
-    let va = k
-        .event(
-            "VolumeAttachment",
-            "",
-            "FailedAttach",
-            "0123456789abcdef0123456789abcdef",
-        )
-        .await;
+    let va = event(
+        &k,
+        "VolumeAttachment",
+        "",
+        "FailedAttach",
+        "0123456789abcdef0123456789abcdef",
+    )
+    .await;
     assert!(va.contains("nothing is attached or deleted"), "{va}");
     assert_eq!(std::fs::metadata(&foreign).unwrap().len(), 64 << 20);
 
@@ -361,8 +335,9 @@ spec:
     assert!(!store("node-b").join(&image).exists(), "node-b deleted the image");
 
     // A class that binds at once gets no volume, and says why.
-    k.apply(&base, "now.yaml", &claim("now", "now", None));
-    k.event(
+    apply(&k, &base, "now.yaml", &claim("now", "now", None));
+    event(
+        &k,
         "PersistentVolumeClaim",
         "now",
         "ProvisioningFailed",
@@ -374,7 +349,7 @@ spec:
     k.until(&args, "Pending").await;
 
     // A node that is gone: its volume stays Released with a Warning naming it, its file in place.
-    k.apply(&base, "a.yaml", &claim("on-a", "local", Some("node-a")));
+    apply(&k, &base, "a.yaml", &claim("on-a", "local", Some("node-a")));
     let args = phase("on-a");
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     k.until(&args, "Bound").await;
@@ -385,8 +360,7 @@ spec:
     agents[0].take();
     k.must(&["delete", "node", "node-a"]);
     k.must(&["delete", "pvc", "on-a"]);
-    k.event("PersistentVolume", &pv_a, "VolumeNodeGone", "node-a")
-        .await;
+    event(&k, "PersistentVolume", &pv_a, "VolumeNodeGone", "node-a").await;
     k.until(
         &["get", "pv", &pv_a, "-o", "jsonpath={.status.phase}"],
         "Released",
