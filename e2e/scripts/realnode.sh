@@ -37,6 +37,9 @@ up() {
   for img in ${REALNODE_IMAGES:-}; do extra+=(--image "$img"); done
   [ "${REALNODE_EXTERNAL:-0}" = 1 ] && extra+=(--external-driver-images "$dir/images")
   [ "${REALNODE_KCM:-}" = storage ] && extra+=(--kcm-controllers '*')
+  # The store is a shared mount on each node, as on a real host (the chart's HostToContainer
+  # propagation needs it); one directory for all nodes: shared mode.
+  extra+=(--image-store "$dir/images")
   setsid "$top/target/debug/stowage-devcluster" --dir "$dir" --real-node --nodes "$nodes" \
     --image target/image/busybox.oci.tar --image target/image/pause.oci.tar \
     --image target/image/curl.oci.tar \
@@ -90,6 +93,8 @@ down() {
     [ -e "$img" ] || continue
     losetup -j "$img" | cut -d: -f1 | while read -r d; do losetup -d "$d"; done
   done
+  # The store's shared mount on node 1 (the host).
+  while mountpoint -q "$dir/images"; do umount -l "$dir/images"; done
   rm -rf "$dir"
   echo "realnode: down"
 }

@@ -32,6 +32,14 @@ struct Args {
     /// upstream external-provisioner and external-attacher (`make sidecars`) beside node 1.
     #[arg(long, requires = "real_node")]
     external_driver_images: Option<PathBuf>,
+    /// With --real-node: the image store path, made a shared mount on every node as on a real
+    /// host (`RealNode::image_store`), before stowage is installed.
+    #[arg(long, requires = "real_node")]
+    image_store: Option<PathBuf>,
+    /// With --image-store: every node but the first gets a directory of its own there (local
+    /// mode: nodes share no store); without it all nodes see the one directory (shared mode).
+    #[arg(long, requires = "image_store")]
+    own_image_stores: bool,
 }
 
 fn main() {
@@ -56,6 +64,12 @@ fn main() {
         let started =
             stowage_testkit::realnode::RealNode::start_cluster_with_kcm(&cp, &args.images, args.nodes, kcm)
                 .and_then(|c| {
+                    if let Some(store) = &args.image_store {
+                        for n in c.nodes() {
+                            let dir = n.image_store(store, args.own_image_stores)?;
+                            println!("node {} image store {}", n.name, dir.display());
+                        }
+                    }
                     if let Some(images) = &args.external_driver_images {
                         use stowage_testkit::realnode::external;
                         // stowage-agent is built beside this binary.

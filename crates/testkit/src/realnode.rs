@@ -258,6 +258,35 @@ impl RealNode {
         }
     }
 
+    /// Makes `path` the node's image store the way a real host has it: a shared mount (systemd
+    /// makes `/` shared; this machine's `/` is private, and containerd refuses the store's
+    /// `HostToContainer` propagation on a private mount). With `own`, a node in namespaces of its
+    /// own gets a directory of its own there (`<node dir>/images` bound at `path` in its mount
+    /// namespace, as a separate machine has its own disk); node 1, in the host's namespaces, keeps
+    /// `path` itself. Returns where this node's images are, seen from the host. Call it after the
+    /// node started and before the agents do.
+    pub fn image_store(&self, path: &Path, own: bool) -> anyhow::Result<PathBuf> {
+        std::fs::create_dir_all(path)?;
+        let (store, mount) = match (&self.isolation, own) {
+            (Some(_), true) => {
+                let backing = self.dir.join("images");
+                std::fs::create_dir_all(&backing)?;
+                (backing.clone(), backing)
+            }
+            _ => (path.to_path_buf(), path.to_path_buf()),
+        };
+        let is_mount_point = self
+            .mount_table()
+            .lines()
+            .filter_map(|l| l.split(' ').nth(4))
+            .any(|p| Path::new(p) == path);
+        if !is_mount_point || mount != path {
+            run(self.command("mount").arg("--bind").arg(&mount).arg(path))?;
+        }
+        run(self.command("mount").arg("--make-rshared").arg(path))?;
+        Ok(store)
+    }
+
     /// Node 2's network namespace (`ip netns exec <it>`), `None` on node 1.
     pub fn netns(&self) -> Option<&str> {
         self.isolation.as_ref().map(|i| i.netns.as_str())

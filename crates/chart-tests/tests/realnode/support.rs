@@ -147,12 +147,25 @@ pub async fn install(
     kubelet_dir: &Path,
     logs: impl Fn() -> String,
 ) {
+    install_mode(helm, k, cp, images, kubelet_dir, "shared", logs).await
+}
+
+/// `install` with the image store in `mode` (`local` or `shared`).
+pub async fn install_mode(
+    helm: &Helm,
+    k: &Kubectl,
+    cp: &ControlPlane,
+    images: &Path,
+    kubelet_dir: &Path,
+    mode: &str,
+    logs: impl Fn() -> String,
+) {
     let values = helm.values(
         "realnode.yaml",
         &format!(
             r#"image: {{repository: localhost/stowage, tag: "{version}", pullPolicy: Never}}
 apiServer: {{host: {host}, port: "{port}"}}
-imageStore: {{mode: shared, path: {images}}}
+imageStore: {{mode: {mode}, path: {images}}}
 controller: {{replicas: 1, hostNetwork: true, securePort: 0}}
 agent: {{mode: csi, kubeletDir: {kubelet}, hostNetwork: true}}
 storageClass: {{create: true, name: loop, volumeBindingMode: WaitForFirstConsumer, reclaimPolicy: Delete}}
@@ -218,6 +231,8 @@ pub async fn single_node() -> (ControlPlane, PathBuf, Cleanup, RealNode, Kubectl
     let archives = archives();
     let (cp, images, cleanup) = control_plane(1).await;
     let node = RealNode::start(&cp, &archives).unwrap_or_else(|e| panic!("real node: {e:#}"));
+    node.image_store(&images, false)
+        .unwrap_or_else(|e| panic!("image store: {e:#}"));
     let k = Kubectl {
         kubeconfig: cp.kubeconfig(),
     };

@@ -178,6 +178,11 @@ async fn a_kubelet_runs_pods_on_loop_volumes_across_two_nodes() {
     let (cp, images, _cleanup) = control_plane(2).await;
     let cluster = RealNode::start_cluster(&cp, &archives, 2).unwrap_or_else(|e| panic!("real nodes: {e:#}"));
     let (node1, node2) = (&cluster[0], &cluster[1]);
+    // One store both nodes see (shared mode: a volume moves between them).
+    for n in [node1, node2] {
+        n.image_store(&images, false)
+            .unwrap_or_else(|e| panic!("image store: {e:#}"));
+    }
     println!(
         "real nodes up after {:?}: {} ({}), {} ({}, netns {:?}); apiserver for nodes at {}",
         started.elapsed(),

@@ -1,0 +1,190 @@
+//! Local mode on two real nodes that share no store: `realnode` keeps the store path of the host,
+//! `realnode2` has a directory of its own bound there in its mount namespace, as two machines
+//! have two disks. stowage is installed by helm with the chart's default mode (local), the real
+//! kube-scheduler places the pods, and the kubelets learn the driver's topology from NodeGetInfo.
+//!
+//! - Claims are created together with their pods (one `kubectl apply` each, as a StatefulSet does),
+//!   several times on each node: not one FailedScheduling event (the binder writes nothing the
+//!   scheduler's PreBind could conflict with).
+//! - Each volume is made in the store of the node its pod was scheduled to, pinned there, and its
+//!   store's id recorded; a second pod of the claim, free to go anywhere, is scheduled to that
+//!   node and reads what the first wrote.
+//! - Deleting the claims deletes each image from its own node's store.
+//!
+//! Needs root and the archives `make test` builds, like the other real-node scenarios.
+
+use std::path::Path;
+use std::time::Instant;
+
+use stowage_chart_tests::Helm;
+use stowage_testkit::host::Cleanup;
+use stowage_testkit::realnode::{BUSYBOX_IMAGE, NODE_NAME, NODE2_NAME, RealNode};
+use support::{Kubectl, NS, archives, control_plane, install_mode};
+
+// The single-node scenarios' helpers; not all of them are used here.
+#[allow(dead_code)]
+#[path = "../realnode/support.rs"]
+mod support;
+
+const TOPOLOGY_KEY: &str = "topology.loop.stowage.dev/node";
+
+/// A claim of the chart's WaitForFirstConsumer class and a pod for it, in one document: the pod
+/// asks for `node` (through the scheduler), writes its name, and stays.
+fn claim_with_pod(name: &str, node: &str) -> String {
+    format!(
+        r#"apiVersion: v1
+kind: PersistentVolumeClaim
+metadata: {{name: {name}, namespace: {NS}}}
+spec:
+  accessModes: [ReadWriteOnce]
+  storageClassName: loop
+  resources: {{requests: {{storage: 64Mi}}}}
+---
+{}"#,
+        pod(name, Some(node), name)
+    )
+}
+
+fn pod(name: &str, node: Option<&str>, claim: &str) -> String {
+    let selector = node
+        .map(|n| format!("  nodeSelector: {{kubernetes.io/hostname: {n}}}\n"))
+        .unwrap_or_default();
+    format!(
+        r#"apiVersion: v1
+kind: Pod
+metadata: {{name: {name}, namespace: {NS}}}
+spec:
+  terminationGracePeriodSeconds: 1
+{selector}  containers:
+  - name: c
+    image: {BUSYBOX_IMAGE}
+    imagePullPolicy: Never
+    command: [sh, -c, 'echo "have: $(cat /data/f 2>/dev/null | tr "\n" " ")"; echo {name} >> /data/f && sync && echo "wrote {name}"; sleep 3600']
+    volumeMounts: [{{name: v, mountPath: /data}}]
+  volumes: [{{name: v, persistentVolumeClaim: {{claimName: {claim}}}}}]
+"#
+    )
+}
+
+fn marker_id(store: &Path) -> String {
+    std::fs::read_to_string(store.join(".stowage-image-store"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("id: "))
+        .unwrap_or_default()
+        .to_string()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn node_local_volumes_on_two_real_nodes() {
+    let started = Instant::now();
+    let archives = archives();
+    let (cp, images, _cleanup) = control_plane(2).await;
+    // Node 2's own store, under its node dir; its loop devices are released before the dir goes.
+    let store2 = std::fs::canonicalize(cp.dir()).unwrap().join("realnode2").join("images");
+    let _cleanup2 = Cleanup {
+        base: store2.clone(),
+        images: store2.clone(),
+    };
+    let cluster = RealNode::start_cluster(&cp, &archives, 2).unwrap_or_else(|e| panic!("real nodes: {e:#}"));
+    let (node1, node2) = (&cluster[0], &cluster[1]);
+    let stores = [
+        (NODE_NAME, node1.image_store(&images, true).unwrap()),
+        (NODE2_NAME, node2.image_store(&images, true).unwrap()),
+    ];
+    println!("real nodes up after {:?}; stores {stores:?}", started.elapsed());
+    let k = Kubectl {
+        kubeconfig: cp.kubeconfig(),
+    };
+    let helm = Helm::new(Some(&cp.kubeconfig()));
+    install_mode(&helm, &k, &cp, &images, &node1.kubelet_dir, "local", || {
+        format!("{}\n{}", node1.log_tail("kubelet"), node2.log_tail("kubelet"))
+    })
+    .await;
+    // Each kubelet registered the plugin with its topology: the key in CSINode, the label on
+    // the Node.
+    for node in [NODE_NAME, NODE2_NAME] {
+        k.wait(&["csinode", node], "{.spec.drivers[*].topologyKeys[*]}", TOPOLOGY_KEY);
+        k.wait(
+            &["node", node],
+            "{.metadata.labels.topology\\.loop\\.stowage\\.dev/node}",
+            node,
+        );
+    }
+    k.show("installed in local mode on two nodes");
+    // Each agent marked its own store: two stores, two ids.
+    let ids = [marker_id(&stores[0].1), marker_id(&stores[1].1)];
+    assert!(!ids[0].is_empty() && !ids[1].is_empty() && ids[0] != ids[1], "{ids:?}");
+
+    // Claims created with their pods, three on each node.
+    let names: Vec<(String, &str)> = (0..6)
+        .map(|i| (format!("d{i}"), if i % 2 == 0 { NODE_NAME } else { NODE2_NAME }))
+        .collect();
+    for (name, node) in &names {
+        k.apply(&claim_with_pod(name, node));
+    }
+    for (name, _) in &names {
+        k.wait(&["pod", "-n", NS, name], "{.status.phase}", "Running");
+        k.wait_logs(name, &format!("wrote {name}"));
+    }
+    k.show("six claims created with their pods");
+    let unscheduled = k.event_objects("FailedScheduling");
+    assert!(
+        unscheduled.trim().is_empty(),
+        "claims created with their pods made the scheduler fail: {unscheduled}"
+    );
+
+    for (name, node) in &names {
+        let pv = k.volume_of(name);
+        let pinned = k.must(&[
+            "get",
+            "pv",
+            &pv,
+            "-o",
+            "jsonpath={.spec.nodeAffinity.required.nodeSelectorTerms[0].matchExpressions[0].values[0]}",
+        ]);
+        assert_eq!(pinned.trim(), *node, "{pv} pinned to its pod's node");
+        let (own, other) = match *node == NODE_NAME {
+            true => (&stores[0], &stores[1]),
+            false => (&stores[1], &stores[0]),
+        };
+        let image = format!("{pv}.img");
+        assert!(own.1.join(&image).is_file(), "{image} in {}'s store", own.0);
+        assert!(!other.1.join(&image).exists(), "{image} not in {}'s store", other.0);
+        let id = k.must(&[
+            "get",
+            "pv",
+            &pv,
+            "-o",
+            "jsonpath={.metadata.annotations.loop\\.stowage\\.dev/store-id}",
+        ]);
+        assert_eq!(id.trim(), marker_id(&own.1), "{pv} records its store");
+    }
+
+    // A second pod of a claim, free to go anywhere, goes where the volume is.
+    for (claim, node) in [("d1", NODE2_NAME), ("d2", NODE_NAME)] {
+        let second = format!("{claim}-again");
+        k.apply(&pod(&second, None, claim));
+        k.wait(&["pod", "-n", NS, &second], "{.status.phase}", "Running");
+        k.wait(&["pod", "-n", NS, &second], "{.spec.nodeName}", node);
+        k.wait_logs(&second, &format!("have: {claim} "));
+        k.must(&["delete", "pod", "-n", NS, &second, "--wait=true"]);
+    }
+    k.show("second pods scheduled to their volumes' nodes");
+
+    // Deleting the claims deletes each image on its node.
+    let mut gone = vec![];
+    for (name, node) in &names {
+        let pv = k.volume_of(name);
+        k.must(&["delete", "pod", "-n", NS, name, "--wait=false"]);
+        k.must(&["delete", "pvc", "-n", NS, name, "--wait=false"]);
+        gone.push((pv, *node));
+    }
+    for (pv, node) in &gone {
+        k.wait_gone(&["pv", pv]);
+        let store = if *node == NODE_NAME { &stores[0].1 } else { &stores[1].1 };
+        assert!(!store.join(format!("{pv}.img")).exists(), "{pv}'s image deleted on {node}");
+    }
+    k.show("claims deleted; images deleted on their nodes");
+    println!("local-mode scenarios: {:?}", started.elapsed());
+}
