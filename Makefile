@@ -49,12 +49,14 @@ test: deps controlplane csi-sanity promtool kubeadm storage-e2e-suite sidecars #
 	./e2e/scripts/pod-images.sh
 	@# csi-sanity and the real-node scenarios run on their own, their output shown: CI logs keep
 	@# the csi-sanity counts and each real-node step's state.
-	$(CARGO) test --workspace --no-fail-fast -- --skip a_kubelet_runs_pods_on_loop_volumes --skip csi_sanity_passes --skip a_third_party_csi_driver --skip a_real_prometheus_scrapes --skip moving_back_to_kcm
+	$(CARGO) test --workspace --no-fail-fast -- --skip a_kubelet_runs_pods_on_loop_volumes --skip node_local_volumes_on_two_real_nodes --skip csi_sanity_passes --skip a_third_party_csi_driver --skip a_real_prometheus_scrapes --skip moving_back_to_kcm
 	$(CARGO) test -p stowage-agent --test csi_sanity -- --nocapture
 	@start=$$(date +%s); $(CARGO) test -p stowage-chart-tests --test realnode -- --nocapture && \
 	  echo "real-node scenarios: $$(( $$(date +%s) - start ))s"
 	@start=$$(date +%s); $(CARGO) test -p stowage-chart-tests --test realnode2 -- --nocapture && \
 	  echo "two-node scenarios: $$(( $$(date +%s) - start ))s"
+	@start=$$(date +%s); $(CARGO) test -p stowage-chart-tests --test realnode_local -- --nocapture && \
+	  echo "two nodes, node-local stores: $$(( $$(date +%s) - start ))s"
 	@start=$$(date +%s); $(CARGO) test -p stowage-chart-tests --test realnode_external -- --nocapture && \
 	  echo "third-party driver, KCM and stowage side by side: $$(( $$(date +%s) - start ))s"
 	@start=$$(date +%s); $(CARGO) test -p stowage-chart-tests --test realnode_prometheus -- --nocapture && \

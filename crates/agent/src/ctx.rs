@@ -25,6 +25,8 @@ pub struct Ctx {
     /// `--image-store-mode`: in local mode this node makes, grows and deletes the images of the
     /// volumes pinned to it (`crate::images`).
     pub store_mode: stowage_loopdriver::StoreMode,
+    /// Woken when this node made or deleted an image: its published capacity changed.
+    pub capacity_changed: std::sync::Arc<tokio::sync::Notify>,
     /// The mount table the volume manager observes (`/proc/self/mountinfo`; a test points it
     /// elsewhere to make the read fail).
     pub mount_table: PathBuf,

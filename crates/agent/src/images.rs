@@ -157,6 +157,7 @@ pub async fn run(ctx: Arc<Ctx>, mut stop: watch::Receiver<bool>) {
             match r {
                 Ok(rv) => {
                     failing.remove(&name);
+                    ctx.capacity_changed.notify_one();
                     if let Some(rv) = rv {
                         written.insert(name, rv);
                     }

@@ -3,6 +3,7 @@
 //! node status task (`volumesInUse`, heartbeat).
 
 pub mod attacher;
+pub mod capacity;
 pub mod core;
 pub mod ctx;
 pub mod error;
@@ -65,6 +66,10 @@ pub struct Args {
     /// pinned to it. `shared`: one store every node and the controller mount.
     #[arg(long, default_value_t = stowage_loopdriver::StoreMode::Shared)]
     pub image_store_mode: stowage_loopdriver::StoreMode,
+    /// Local mode: publish this node's free store space as CSIStorageCapacity objects in this
+    /// namespace (one per storage class of the driver), for the scheduler. Unset: none.
+    #[arg(long, env = "POD_NAMESPACE")]
+    pub capacity_namespace: Option<String>,
     /// Create the Node object if missing and keep its Ready condition and Lease fresh (for
     /// nodes without a kubelet: the demo and the end-to-end tests).
     #[arg(long)]
@@ -231,6 +236,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         layout: paths::Layout::new(root.clone()),
         images: stowage_loopdriver::ImageStore::new(image_dir.clone()),
         store_mode: args.image_store_mode,
+        capacity_changed: Default::default(),
         mount_table: args.mount_table.clone(),
         metrics,
         pods,
@@ -256,6 +262,41 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     loops.spawn(store::run(ctx.clone(), stop_rx.clone()));
     if args.image_store_mode.is_local() {
         loops.spawn(images::run(ctx.clone(), stop_rx.clone()));
+        if let Some(ns) = args.capacity_namespace.clone().filter(|n| !n.is_empty()) {
+            let classes = Informer::spawn(
+                client.clone(),
+                watcher::Config::default(),
+                as_decoded,
+                &mut watches,
+            );
+            classes.ready().await;
+            let nudge = ctx.capacity_changed.clone();
+            // A class added or removed changes what is published.
+            let mut feed = classes.feed();
+            let wake = nudge.clone();
+            let mut stop = stop_rx.clone();
+            loops.spawn(async move {
+                loop {
+                    tokio::select! {
+                        _ = stop.wait_for(|s| *s) => return,
+                        r = feed.next() => match r {
+                            Ok(_) => wake.notify_one(),
+                            Err(e) => {
+                                tracing::error!(error = %e, "storage class watch ended");
+                                return;
+                            }
+                        },
+                    }
+                }
+            });
+            loops.spawn(capacity::run(
+                ctx.clone(),
+                ns,
+                classes.store().clone(),
+                nudge,
+                stop_rx.clone(),
+            ));
+        }
     }
     if args.kubelet_dir.is_none() {
         // Without a kubelet the agent is the node's volume manager and reports volumesInUse.

@@ -417,7 +417,8 @@ async fn helm_install_upgrade_uninstall_on_a_real_apiserver() {
         Some(vec!["Persistent".to_string()])
     );
     assert_eq!(driver.spec.requires_republish, Some(false));
-    assert_eq!(driver.spec.storage_capacity, Some(false));
+    // Local mode (the default): the agents publish their stores' capacity.
+    assert_eq!(driver.spec.storage_capacity, Some(true));
 
     let class = Api::<StorageClass>::all(client.clone())
         .get("loop")

@@ -322,6 +322,24 @@ impl ImageStore {
         }
     }
 
+    /// Bytes the store's images may still take as they are written: each sparse image's size less
+    /// what it already occupies. Free space minus this is what the store can promise without
+    /// overcommitting (`promisable`). Blocking.
+    pub fn unwritten(&self) -> std::io::Result<u64> {
+        use std::os::unix::fs::MetadataExt;
+        let mut total = 0u64;
+        for entry in std::fs::read_dir(&self.dir)? {
+            let entry = entry?;
+            if entry.path().extension().is_none_or(|e| e != "img") {
+                continue;
+            }
+            // Gone between the listing and the stat (deleted meanwhile): nothing to promise.
+            let Ok(m) = entry.metadata() else { continue };
+            total = total.saturating_add(m.len().saturating_sub(m.blocks().saturating_mul(512)));
+        }
+        Ok(total)
+    }
+
     /// Removes the image; `Ok(false)` when it was already gone.
     pub fn remove(&self, handle: &str) -> Result<bool, ImageError> {
         let path = self.path(handle)?;
@@ -361,6 +379,12 @@ pub async fn format_new_image(path: &Path) -> Result<(), ImageError> {
         ))),
         Err(e) => Err(fail(format!("cannot probe it for a file system: {e}"))),
     }
+}
+
+/// What a store can still promise to new volumes: the bytes its file system has available, less
+/// what existing sparse images may still take (`ImageStore::unwritten`), never below zero.
+pub fn promisable(available: u64, unwritten: u64) -> u64 {
+    available.saturating_sub(unwritten)
 }
 
 fn parse_marker(text: &str) -> Result<Marker, String> {
@@ -443,6 +467,28 @@ mod tests {
             ImageStore::new(dir.path().join("absent")).init().is_err(),
             "init never creates the directory"
         );
+    }
+
+    #[test]
+    fn unwritten_counts_what_sparse_images_may_still_take() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = ImageStore::new(dir.path());
+        assert_eq!(s.unwritten().unwrap(), 0);
+        s.ensure("a", 8 << 20).unwrap();
+        let (p, _) = s.ensure("b", 4 << 20).unwrap();
+        std::fs::write(dir.path().join("notes.txt"), vec![0u8; 1 << 20]).unwrap();
+        assert_eq!(
+            s.unwritten().unwrap(),
+            12 << 20,
+            "two empty sparse images, other files ignored"
+        );
+        // Written data occupies blocks: it is no longer a promise but used space.
+        let mut f = std::fs::OpenOptions::new().write(true).open(&p).unwrap();
+        std::io::Write::write_all(&mut f, &vec![1u8; 1 << 20]).unwrap();
+        f.sync_all().unwrap();
+        assert_eq!(s.unwritten().unwrap(), 11 << 20);
+        assert_eq!(promisable(20 << 20, 11 << 20), 9 << 20);
+        assert_eq!(promisable(1 << 20, 11 << 20), 0, "never below zero");
     }
 
     #[test]

@@ -81,7 +81,10 @@ async fn node_local_volumes_on_two_real_nodes() {
     let archives = archives();
     let (cp, images, _cleanup) = control_plane(2).await;
     // Node 2's own store, under its node dir; its loop devices are released before the dir goes.
-    let store2 = std::fs::canonicalize(cp.dir()).unwrap().join("realnode2").join("images");
+    let store2 = std::fs::canonicalize(cp.dir())
+        .unwrap()
+        .join("realnode2")
+        .join("images");
     let _cleanup2 = Cleanup {
         base: store2.clone(),
         images: store2.clone(),
@@ -104,7 +107,11 @@ async fn node_local_volumes_on_two_real_nodes() {
     // Each kubelet registered the plugin with its topology: the key in CSINode, the label on
     // the Node.
     for node in [NODE_NAME, NODE2_NAME] {
-        k.wait(&["csinode", node], "{.spec.drivers[*].topologyKeys[*]}", TOPOLOGY_KEY);
+        k.wait(
+            &["csinode", node],
+            "{.spec.drivers[*].topologyKeys[*]}",
+            TOPOLOGY_KEY,
+        );
         k.wait(
             &["node", node],
             "{.metadata.labels.topology\\.loop\\.stowage\\.dev/node}",
@@ -114,7 +121,10 @@ async fn node_local_volumes_on_two_real_nodes() {
     k.show("installed in local mode on two nodes");
     // Each agent marked its own store: two stores, two ids.
     let ids = [marker_id(&stores[0].1), marker_id(&stores[1].1)];
-    assert!(!ids[0].is_empty() && !ids[1].is_empty() && ids[0] != ids[1], "{ids:?}");
+    assert!(
+        !ids[0].is_empty() && !ids[1].is_empty() && ids[0] != ids[1],
+        "{ids:?}"
+    );
 
     // Claims created with their pods, three on each node.
     let names: Vec<(String, &str)> = (0..6)
@@ -150,7 +160,11 @@ async fn node_local_volumes_on_two_real_nodes() {
         };
         let image = format!("{pv}.img");
         assert!(own.1.join(&image).is_file(), "{image} in {}'s store", own.0);
-        assert!(!other.1.join(&image).exists(), "{image} not in {}'s store", other.0);
+        assert!(
+            !other.1.join(&image).exists(),
+            "{image} not in {}'s store",
+            other.0
+        );
         let id = k.must(&[
             "get",
             "pv",
@@ -182,8 +196,15 @@ async fn node_local_volumes_on_two_real_nodes() {
     }
     for (pv, node) in &gone {
         k.wait_gone(&["pv", pv]);
-        let store = if *node == NODE_NAME { &stores[0].1 } else { &stores[1].1 };
-        assert!(!store.join(format!("{pv}.img")).exists(), "{pv}'s image deleted on {node}");
+        let store = if *node == NODE_NAME {
+            &stores[0].1
+        } else {
+            &stores[1].1
+        };
+        assert!(
+            !store.join(format!("{pv}.img")).exists(),
+            "{pv}'s image deleted on {node}"
+        );
     }
     k.show("claims deleted; images deleted on their nodes");
     println!("local-mode scenarios: {:?}", started.elapsed());

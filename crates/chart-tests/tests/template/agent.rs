@@ -155,11 +155,15 @@ async fn csi_driver_suits_the_kubelet() {
                 "volumeLifecycleModes:",
                 "- Persistent",
                 "requiresRepublish: false",
-                "storageCapacity: false",
+                "storageCapacity: true",
             ],
             "{set}:\n{c}"
         );
     }
+    // Shared mode: no node has more room than another.
+    let m = render(&helm, &["--set", "imageStore.mode=shared"]).await.unwrap();
+    let c = doc(&m, "CSIDriver", "loop.stowage.dev");
+    assert!(c.contains("storageCapacity: false"), "{c}");
     let m = render(&helm, &["--set", "csiDriver.create=false"]).await.unwrap();
     assert!(document(&m, "CSIDriver", "loop.stowage.dev").is_none());
 }

@@ -50,6 +50,9 @@ async fn defaults_render_the_core_objects_only() {
         "ClusterRole/st-stowage-metrics-reader",
         "Role/st-stowage-controller-leader-election",
         "RoleBinding/st-stowage-controller-leader-election",
+        // Local mode (the default): the agents publish their stores' capacity here.
+        "Role/st-stowage-agent-capacity",
+        "RoleBinding/st-stowage-agent-capacity",
         "Service/st-stowage-controller-metrics",
         "Service/st-stowage-agent-metrics",
         "Deployment/st-stowage-controller",
