@@ -9,6 +9,10 @@
 //! - Each volume is made in the store of the node its pod was scheduled to, pinned there, and its
 //!   store's id recorded; a second pod of the claim, free to go anywhere, is scheduled to that
 //!   node and reads what the first wrote.
+//! - Capacity: node 1's store is a small file system (a 512 MiB tmpfs), so a claim bigger than
+//!   what it has left is provisioned on node 2 (the scheduler reads the agents'
+//!   CSIStorageCapacity objects), and a claim no store can hold stays Pending, its pod's
+//!   FailedScheduling saying there is not enough free storage.
 //! - Deleting the claims deletes each image from its own node's store.
 //!
 //! Needs root and the archives `make test` builds, like the other real-node scenarios.
@@ -29,8 +33,8 @@ mod support;
 const TOPOLOGY_KEY: &str = "topology.loop.stowage.dev/node";
 
 /// A claim of the chart's WaitForFirstConsumer class and a pod for it, in one document: the pod
-/// asks for `node` (through the scheduler), writes its name, and stays.
-fn claim_with_pod(name: &str, node: &str) -> String {
+/// asks for `node` (through the scheduler; anywhere for `None`), writes its name, and stays.
+fn claim_with_pod(name: &str, node: Option<&str>, size: &str) -> String {
     format!(
         r#"apiVersion: v1
 kind: PersistentVolumeClaim
@@ -38,10 +42,10 @@ metadata: {{name: {name}, namespace: {NS}}}
 spec:
   accessModes: [ReadWriteOnce]
   storageClassName: loop
-  resources: {{requests: {{storage: 64Mi}}}}
+  resources: {{requests: {{storage: {size}}}}}
 ---
 {}"#,
-        pod(name, Some(node), name)
+        pod(name, node, name)
     )
 }
 
@@ -91,6 +95,13 @@ async fn node_local_volumes_on_two_real_nodes() {
     };
     let cluster = RealNode::start_cluster(&cp, &archives, 2).unwrap_or_else(|e| panic!("real nodes: {e:#}"));
     let (node1, node2) = (&cluster[0], &cluster[1]);
+    // Node 1's disk is small: a tmpfs at its store path (the guard unmounts it with the store).
+    let small = std::process::Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=512m", "tmpfs"])
+        .arg(&images)
+        .status()
+        .unwrap();
+    assert!(small.success(), "mount a tmpfs at {}", images.display());
     let stores = [
         (NODE_NAME, node1.image_store(&images, true).unwrap()),
         (NODE2_NAME, node2.image_store(&images, true).unwrap()),
@@ -131,7 +142,7 @@ async fn node_local_volumes_on_two_real_nodes() {
         .map(|i| (format!("d{i}"), if i % 2 == 0 { NODE_NAME } else { NODE2_NAME }))
         .collect();
     for (name, node) in &names {
-        k.apply(&claim_with_pod(name, node));
+        k.apply(&claim_with_pod(name, Some(node), "64Mi"));
     }
     for (name, _) in &names {
         k.wait(&["pod", "-n", NS, name], "{.status.phase}", "Running");
@@ -143,6 +154,7 @@ async fn node_local_volumes_on_two_real_nodes() {
         unscheduled.trim().is_empty(),
         "claims created with their pods made the scheduler fail: {unscheduled}"
     );
+    // (checked before the capacity step below, whose impossible claim fails on purpose)
 
     for (name, node) in &names {
         let pv = k.volume_of(name);
@@ -174,6 +186,54 @@ async fn node_local_volumes_on_two_real_nodes() {
         ]);
         assert_eq!(id.trim(), marker_id(&own.1), "{pv} records its store");
     }
+
+    // Each agent publishes its store's capacity for the chart's class, for its own node.
+    let published = "{range .items[?(@.storageClassName==\"loop\")]}{.nodeTopology.matchLabels.topology\\.loop\\.stowage\\.dev/node} {end}";
+    k.wait(&["csistoragecapacities", "-n", "stowage"], published, &format!("{NODE_NAME} {NODE2_NAME}"));
+    let room = |node: &str| -> u64 {
+        let jp = format!(
+            "{{.items[?(@.nodeTopology.matchLabels.topology\\.loop\\.stowage\\.dev/node==\"{node}\")].capacity}}"
+        );
+        let q = k.must(&["get", "csistoragecapacities", "-n", "stowage", "-o", &format!("jsonpath={jp}")]);
+        q.trim().parse().unwrap_or_else(|_| panic!("capacity of {node}: {q:?}"))
+    };
+    let (room1, room2) = (room(NODE_NAME), room(NODE2_NAME));
+    println!("published capacity: {NODE_NAME} {room1}, {NODE2_NAME} {room2}");
+    assert!(room1 < 512 << 20, "node 1's small store: {room1}");
+    assert!(room2 > 1 << 30, "node 2's store: {room2}");
+
+    // Bigger than node 1's store can still hold: made on node 2, where it fits.
+    k.apply(&claim_with_pod("big", None, "400Mi"));
+    k.wait(&["pod", "-n", NS, "big"], "{.status.phase}", "Running");
+    k.wait(&["pod", "-n", NS, "big"], "{.spec.nodeName}", NODE2_NAME);
+    let big = k.volume_of("big");
+    assert!(stores[1].1.join(format!("{big}.img")).is_file());
+    // Bigger than any store: Pending, and the scheduler says why.
+    k.apply(&claim_with_pod("huge", None, "100Ti"));
+    support::poll(|| {
+        let events = k
+            .run(&[
+                "get",
+                "events",
+                "-n",
+                NS,
+                "--field-selector",
+                "involvedObject.name=huge,reason=FailedScheduling",
+                "-o",
+                "jsonpath={.items[*].message}",
+            ])
+            .unwrap_or_default();
+        match events.contains("did not have enough free storage") {
+            true => Ok(()),
+            false => Err(format!("huge's FailedScheduling: {events:?}")),
+        }
+    });
+    k.wait(&["pvc", "-n", NS, "huge"], "{.status.phase}", "Pending");
+    k.show("capacity: big went to the node with room, huge fits nowhere");
+    k.must(&["delete", "pod", "-n", NS, "big", "huge", "--wait=true"]);
+    k.must(&["delete", "pvc", "-n", NS, "big", "huge", "--wait=false"]);
+    k.wait_gone(&["pv", &big]);
+    assert!(!stores[1].1.join(format!("{big}.img")).exists());
 
     // A second pod of a claim, free to go anywhere, goes where the volume is.
     for (claim, node) in [("d1", NODE2_NAME), ("d2", NODE_NAME)] {
