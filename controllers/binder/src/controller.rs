@@ -255,12 +255,15 @@ impl Controller {
         let node_fn = |name: &str| nodes.get(&ObjectRef::new(name)).map(|n| n.labels().clone());
         let pods = &self.pods;
         let pods_fn = |claim: &str| pods.of(claim);
+        let capacities = self.cluster.capacities.store().clone();
+        let room_fn = |class: &str| loop_room(&capacities, class);
         let env = Env {
             class: &class_fn,
             default_class,
             node_labels: &node_fn,
             pods_of: &pods_fn,
             local: self.executor.store_mode.is_local(),
+            room: &room_fn,
         };
         let timer = self
             .executor
@@ -393,4 +396,28 @@ pub(crate) fn subject(t: &Target) -> String {
         Target::Claim(k) => format!("claim {k}"),
         Target::Volume(n) => format!("volume {n}"),
     }
+}
+
+/// The room each node's store publishes for `class`: (node, bytes) of the CSIStorageCapacity
+/// objects of that class whose topology is one node of the driver (`maximumVolumeSize` first, as
+/// the scheduler reads them).
+fn loop_room(
+    capacities: &kube::runtime::reflector::Store<k8s_openapi::api::storage::v1::CSIStorageCapacity>,
+    class: &str,
+) -> Vec<(String, u128)> {
+    capacities
+        .state()
+        .iter()
+        .filter(|c| c.storage_class_name == class)
+        .filter_map(|c| {
+            let node = c
+                .node_topology
+                .as_ref()?
+                .match_labels
+                .as_ref()?
+                .get(stowage_loopdriver::TOPOLOGY_KEY)?;
+            let q = c.maximum_volume_size.as_ref().or(c.capacity.as_ref())?;
+            Some((node.clone(), stowage_common::store::quantity::bytes(&q.0)?))
+        })
+        .collect()
 }

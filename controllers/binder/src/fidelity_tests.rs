@@ -118,6 +118,10 @@ mod sync {
         }
     }
 
+    fn no_room(_: &str) -> Vec<(String, u128)> {
+        vec![]
+    }
+
     fn no_pods(_: &str) -> Vec<PodUse> {
         vec![]
     }
@@ -129,6 +133,7 @@ mod sync {
             node_labels: &nodes,
             pods_of: pods,
             local: false,
+            room: &no_room,
         }
     }
 

@@ -127,6 +127,10 @@ fn no_node(_: &str) -> Option<BTreeMap<String, String>> {
     None
 }
 
+fn no_room(_: &str) -> Vec<(String, u128)> {
+    vec![]
+}
+
 fn no_pods(_: &str) -> Vec<crate::core::PodUse> {
     vec![]
 }
@@ -138,6 +142,7 @@ fn env() -> Env<'static> {
         node_labels: &no_node,
         pods_of: &no_pods,
         local: false,
+        room: &no_room,
     }
 }
 

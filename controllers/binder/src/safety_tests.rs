@@ -23,6 +23,10 @@ fn no_node(_: &str) -> Option<BTreeMap<String, String>> {
     None
 }
 
+fn no_room(_: &str) -> Vec<(String, u128)> {
+    vec![]
+}
+
 fn no_pods(_: &str) -> Vec<crate::core::PodUse> {
     vec![]
 }
@@ -34,6 +38,7 @@ fn env() -> Env<'static> {
         node_labels: &no_node,
         pods_of: &no_pods,
         local: false,
+        room: &no_room,
     }
 }
 
@@ -443,24 +448,75 @@ mod local {
         assert!(shared.spec.unwrap().node_affinity.is_none());
     }
 
+    fn nodes_ab(name: &str) -> Option<BTreeMap<String, String>> {
+        matches!(name, "node-a" | "node-b").then(BTreeMap::new)
+    }
+
+    /// node-b has the most room, node-z the most of all but is no Node.
+    fn rooms(class: &str) -> Vec<(String, u128)> {
+        assert_eq!(class, "loop");
+        vec![
+            ("node-a".into(), 2 << 30),
+            ("node-b".into(), 5 << 30),
+            ("node-z".into(), 50 << 30),
+        ]
+    }
+
+    fn failed_note(out: &[Action]) -> String {
+        out.iter()
+            .find_map(|a| match a {
+                Action::Event(e) if e.reason == "ProvisioningFailed" && e.warning => Some(e.note.clone()),
+                _ => None,
+            })
+            .unwrap_or_else(|| panic!("no ProvisioningFailed: {out:?}"))
+    }
+
     #[test]
-    fn an_immediate_class_gets_no_volume_and_says_to_wait_for_the_first_consumer() {
-        let mut c = pvc("app", "now").request("1Gi").class("loop").build();
-        c.metadata.uid = Some("u-8".into());
+    fn an_immediate_class_is_provisioned_on_the_node_with_the_most_room_that_fits() {
+        let claim = |size: &str| {
+            let mut c = pvc("app", "now").request(size).class("loop").build();
+            c.metadata.uid = Some("u-8".into());
+            c
+        };
+        let roomy = Env {
+            node_labels: &nodes_ab,
+            room: &rooms,
+            ..local_env()
+        };
+        let c = claim("1Gi");
+        let out = core::sync_claim(&c, &cache(&[], &[&c]), &roomy);
+        assert!(
+            out.iter()
+                .any(|a| matches!(a, Action::ProvisionLoop { node: Some(n), .. } if n == "node-b")),
+            "the most room among existing nodes: {out:?}"
+        );
+        // Only node-b can hold 3Gi; nothing holds 6Gi, and the Warning says what there is.
+        let c = claim("3Gi");
+        let out = core::sync_claim(&c, &cache(&[], &[&c]), &roomy);
+        assert!(
+            out.iter()
+                .any(|a| matches!(a, Action::ProvisionLoop { node: Some(n), .. } if n == "node-b"))
+        );
+        let c = claim("6Gi");
+        let out = core::sync_claim(&c, &cache(&[], &[&c]), &roomy);
+        assert!(
+            !out.iter().any(|a| matches!(a, Action::ProvisionLoop { .. })),
+            "{out:?}"
+        );
+        let note = failed_note(&out);
+        assert!(
+            note.contains("no node's image store has room") && note.contains("node-b"),
+            "{note}"
+        );
+        // No agent publishes: the Warning says to look at the agents, or to wait for a consumer.
+        let c = claim("1Gi");
         let out = core::sync_claim(&c, &cache(&[], &[&c]), &local_env());
         assert!(
             !out.iter().any(|a| matches!(a, Action::ProvisionLoop { .. })),
             "{out:?}"
         );
-        let note = out
-            .iter()
-            .find_map(|a| match a {
-                Action::Event(e) if e.reason == "ProvisioningFailed" && e.warning => Some(e.note.clone()),
-                _ => None,
-            })
-            .expect("ProvisioningFailed");
-        assert!(note.contains("WaitForFirstConsumer"), "{note}");
-        // The same claim in shared mode is provisioned at once.
+        assert!(failed_note(&out).contains("WaitForFirstConsumer"));
+        // The same claim in shared mode is provisioned at once, pinned nowhere.
         let out = core::sync_claim(&c, &cache(&[], &[&c]), &env());
         assert!(
             out.iter()

@@ -229,6 +229,7 @@ impl Row {
             node_labels: &nodes,
             pods_of: &pods,
             local: false,
+            room: &|_: &str| Vec::new(),
         };
         let out = match self.sync {
             Sync::Claim => sync_claim(&cache.decode_claim(C).expect("row has claim ns/c"), &cache, &env),

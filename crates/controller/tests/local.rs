@@ -4,7 +4,8 @@
 //! PreBind: the selected-node annotation) and pinned to it; the image is made in that node's
 //! store only; the node attaches it and grows it; a volume from another store is refused; the
 //! deletion runs on the node; a node that is gone leaves its volume and its file in place; a class
-//! that binds at once says to wait for the first consumer.
+//! that binds at once is provisioned on the node with the most room the agents publish, and a
+//! claim no store can hold says so; the leader can move, as no replica needs a store.
 
 use std::path::Path;
 
@@ -104,19 +105,24 @@ async fn node_local_volumes_live_and_die_on_their_node() {
         },
     ];
     let kc = cp.kubeconfig();
-    let _ctl = Running::start(
-        Path::new(env!("CARGO_BIN_EXE_stowage-controller")),
-        &[
-            format!("--kubeconfig={}", kc.display()),
-            "--leader-elect-resource-namespace=default".into(),
-            "--image-store-mode=local".into(),
-            // No store for the controller: a path that does not exist proves it never looks.
-            format!("--image-dir={}", base.join("no-store").display()),
-        ],
-        &base,
-        "controller",
-    )
-    .unwrap();
+    // No store for the controller: a path that does not exist proves it never looks. Any replica
+    // can lead, wherever it runs.
+    let controller = |name: &str| {
+        Running::start(
+            Path::new(env!("CARGO_BIN_EXE_stowage-controller")),
+            &[
+                format!("--kubeconfig={}", kc.display()),
+                "--leader-elect-resource-namespace=default".into(),
+                format!("--leader-elect-identity={name}"),
+                "--image-store-mode=local".into(),
+                format!("--image-dir={}", base.join("no-store").display()),
+            ],
+            &base,
+            name,
+        )
+        .unwrap()
+    };
+    let ctl = controller("replica-1");
     let mut agents = Vec::new();
     for n in ["node-a", "node-b"] {
         agents.push(Some(
@@ -128,6 +134,7 @@ async fn node_local_volumes_live_and_die_on_their_node() {
                     format!("--root-dir={}", base.join(n).display()),
                     format!("--image-dir={}", store(n).display()),
                     "--image-store-mode=local".into(),
+                    "--capacity-namespace=default".into(),
                     "--register-node".into(),
                 ],
                 &base,
@@ -334,17 +341,66 @@ spec:
         .await;
     assert!(!store("node-b").join(&image).exists(), "node-b deleted the image");
 
-    // A class that binds at once gets no volume, and says why.
+    // The leader goes; another replica (elsewhere, with no store either) takes over and the
+    // same work goes on: provisioning below, deletion and the node-gone check after it.
+    drop(ctl);
+    let ctl = controller("replica-2");
+    k.until(
+        &[
+            "get",
+            "lease",
+            "-n",
+            "default",
+            "stowage-controller",
+            "-o",
+            "jsonpath={.spec.holderIdentity}",
+        ],
+        "replica-2",
+    )
+    .await;
+
+    // A class that binds at once: made on the node whose store has the most room (from the
+    // agents' CSIStorageCapacity objects, one per class and node), pinned there.
+    let published = "jsonpath={range .items[?(@.storageClassName==\"now\")]}{.nodeTopology.matchLabels.topology\\.loop\\.stowage\\.dev/node} {end}";
+    k.until(
+        &["get", "csistoragecapacities", "-n", "default", "-o", published],
+        "node-a node-b",
+    )
+    .await;
     apply(&k, &base, "now.yaml", &claim("now", "now", None));
+    let args = phase("now");
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    k.until(&args, "Bound").await;
+    let pv_now = k.must(&["get", "pvc", "now", "-o", "jsonpath={.spec.volumeName}"]);
+    let pv_now = pv_now.trim().to_string();
+    let node_now = k.must(&[
+        "get",
+        "pv",
+        &pv_now,
+        "-o",
+        "jsonpath={.spec.nodeAffinity.required.nodeSelectorTerms[0].matchExpressions[0].values[0]}",
+    ]);
+    let node_now = node_now.trim();
+    assert!(
+        store(node_now).join(format!("{pv_now}.img")).is_file(),
+        "{pv_now} made in the store of {node_now}, the node it is pinned to"
+    );
+    // More than any store has: Pending, and the claim says why.
+    apply(
+        &k,
+        &base,
+        "huge.yaml",
+        &claim("huge", "now", None).replace("64Mi", "100Ti"),
+    );
     event(
         &k,
         "PersistentVolumeClaim",
-        "now",
+        "huge",
         "ProvisioningFailed",
-        "WaitForFirstConsumer",
+        "no node's image store has room",
     )
     .await;
-    let args = phase("now");
+    let args = phase("huge");
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     k.until(&args, "Pending").await;
 
@@ -370,4 +426,6 @@ spec:
         image_a.is_file(),
         "the gone node's file is never deleted in its absence"
     );
+    // The second replica led to the end; it stops before the stores are cleaned up.
+    drop(ctl);
 }

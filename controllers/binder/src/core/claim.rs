@@ -264,18 +264,18 @@ pub(super) fn sync_claim_phase(claim: &PersistentVolumeClaim, cache: &Cache, env
                         op: "reschedule",
                     });
                 } else if env.local {
-                    match chosen_node(claim, delay) {
-                        Some(node) => out.push(Action::ProvisionLoop {
+                    let node = match chosen_node(claim, delay) {
+                        Some(node) => Ok(node.to_string()),
+                        // Binding at once: no scheduler chose, so this provisioner does.
+                        None => pick_node(claim, &class, env),
+                    };
+                    match node {
+                        Ok(node) => out.push(Action::ProvisionLoop {
                             claim: key,
                             class: name.into(),
-                            node: Some(node.into()),
+                            node: Some(node),
                         }),
-                        None => out.push(ev(
-                            target,
-                            true,
-                            "ProvisioningFailed",
-                            immediate_in_local_mode(name),
-                        )),
+                        Err(why) => out.push(ev(target, true, "ProvisioningFailed", why)),
                     }
                 } else {
                     out.push(Action::ProvisionLoop {
@@ -306,12 +306,46 @@ pub(super) fn sync_claim_phase(claim: &PersistentVolumeClaim, cache: &Cache, env
     out
 }
 
-/// Why a class that binds at once gets no volume when each node has its own store: the image can
-/// only be made on the node its pod runs on, and nothing has chosen that node yet.
-pub fn immediate_in_local_mode(class: &str) -> String {
-    format!(
-        "storage class {class:?} binds immediately, but {LOOP_DRIVER} keeps each volume in the image store of one node (local mode), and no node has been chosen for this claim; set volumeBindingMode: WaitForFirstConsumer on the class, so the volume is made on the node the scheduler picks for its pod"
-    )
+/// Local mode, a class that binds at once: the node to make the volume on, as the anchors'
+/// distributed provisioners pick one: among the nodes whose agents publish room for the class
+/// (CSIStorageCapacity), that exist and that the class's allowed topologies admit, the one with
+/// the most room that can hold the request (ties by name). The reason when none can.
+pub fn pick_node(claim: &PersistentVolumeClaim, class: &StorageClass, env: &Env) -> Result<String, String> {
+    let want = claim_request(claim).unwrap_or(0);
+    let name = class.name_any();
+    let rooms: Vec<(String, u128)> = (env.room)(&name)
+        .into_iter()
+        .filter(|(node, _)| (env.node_labels)(node).is_some_and(|l| admits(class, &l)))
+        .collect();
+    // Most room first, then the first name.
+    let most = |a: &&(String, u128), b: &&(String, u128)| a.1.cmp(&b.1).then_with(|| b.0.cmp(&a.0));
+    if let Some((node, _)) = rooms.iter().filter(|(_, bytes)| *bytes >= want).max_by(most) {
+        return Ok(node.clone());
+    }
+    match rooms.iter().max_by(most) {
+        None => Err(format!(
+            "storage class {name:?} binds immediately, and no node publishes room for it: in local mode a volume is made in the image store of a node whose agent runs (its CSIStorageCapacity objects); check the agents, or set volumeBindingMode: WaitForFirstConsumer so the scheduler picks the node with its pod"
+        )),
+        Some((node, bytes)) => Err(format!(
+            "no node's image store has room for {} of storage class {name:?} (the most is {} on node {node}); free space on a node, or ask for less",
+            human(want),
+            human(*bytes)
+        )),
+    }
+}
+
+/// Whether a node with `labels` is inside the class's allowed topologies (any node when none).
+fn admits(class: &StorageClass, labels: &BTreeMap<String, String>) -> bool {
+    let Some(terms) = class.allowed_topologies.as_ref().filter(|t| !t.is_empty()) else {
+        return true;
+    };
+    terms.iter().any(|t| {
+        t.match_label_expressions.iter().flatten().all(|e| {
+            labels
+                .get(&e.key)
+                .is_some_and(|v| e.values.iter().any(|w| w == v))
+        })
+    })
 }
 
 /// Why the built-in provisioner cannot provision for the node the scheduler selected (delayed
@@ -329,15 +363,7 @@ pub(super) fn node_refusal(
             "selected node {node:?} does not exist; the scheduler is asked to choose again"
         ));
     };
-    let terms = class.allowed_topologies.as_ref().filter(|t| !t.is_empty())?;
-    let fits = terms.iter().any(|t| {
-        t.match_label_expressions.iter().flatten().all(|e| {
-            labels
-                .get(&e.key)
-                .is_some_and(|v| e.values.iter().any(|w| w == v))
-        })
-    });
-    (!fits).then(|| {
+    (!admits(class, &labels)).then(|| {
         format!(
             "selected node {node:?} is outside the allowed topologies of storage class {:?}; the scheduler is asked to choose again",
             class.name_any()

@@ -186,8 +186,12 @@ pub struct Env<'a> {
     /// The pods (not terminated) whose volumes name claim `namespace/name`, sorted by name.
     pub pods_of: &'a dyn Fn(&str) -> Vec<PodUse>,
     /// Images live in each node's own store (`StoreMode::Local`): the built-in provisioner
-    /// makes a volume only for the node the scheduler selected, pinned to it.
+    /// makes a volume for the node the scheduler selected (or, binding at once, the node with
+    /// the most room), pinned to it.
     pub local: bool,
+    /// Local mode: the room each node's store publishes for a class (CSIStorageCapacity), as
+    /// (node, bytes).
+    pub room: &'a dyn Fn(&str) -> Vec<(String, u128)>,
 }
 
 /// A pod that uses a claim (in the claim's namespace).

@@ -189,13 +189,26 @@ async fn node_local_volumes_on_two_real_nodes() {
 
     // Each agent publishes its store's capacity for the chart's class, for its own node.
     let published = "{range .items[?(@.storageClassName==\"loop\")]}{.nodeTopology.matchLabels.topology\\.loop\\.stowage\\.dev/node} {end}";
-    k.wait(&["csistoragecapacities", "-n", "stowage"], published, &format!("{NODE_NAME} {NODE2_NAME}"));
+    k.wait(
+        &["csistoragecapacities", "-n", "stowage"],
+        published,
+        &format!("{NODE_NAME} {NODE2_NAME}"),
+    );
     let room = |node: &str| -> u64 {
         let jp = format!(
             "{{.items[?(@.nodeTopology.matchLabels.topology\\.loop\\.stowage\\.dev/node==\"{node}\")].capacity}}"
         );
-        let q = k.must(&["get", "csistoragecapacities", "-n", "stowage", "-o", &format!("jsonpath={jp}")]);
-        q.trim().parse().unwrap_or_else(|_| panic!("capacity of {node}: {q:?}"))
+        let q = k.must(&[
+            "get",
+            "csistoragecapacities",
+            "-n",
+            "stowage",
+            "-o",
+            &format!("jsonpath={jp}"),
+        ]);
+        q.trim()
+            .parse()
+            .unwrap_or_else(|_| panic!("capacity of {node}: {q:?}"))
     };
     let (room1, room2) = (room(NODE_NAME), room(NODE2_NAME));
     println!("published capacity: {NODE_NAME} {room1}, {NODE2_NAME} {room2}");

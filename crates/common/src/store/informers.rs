@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use crate::observe::metrics::Registry;
 use k8s_openapi::api::core::v1::Node;
-use k8s_openapi::api::storage::v1::{CSIDriver, StorageClass};
+use k8s_openapi::api::storage::v1::{CSIDriver, CSIStorageCapacity, StorageClass};
 use kube::Client;
 use kube::runtime::watcher;
 use tokio::task::JoinSet;
@@ -29,6 +29,9 @@ pub struct Informers {
     pub attachments: Informer<Attachment>,
     pub classes: Informer<StorageClass>,
     pub csi_drivers: Informer<CSIDriver>,
+    /// What each node's store can still hold (node-local drivers' capacity tracking): where the
+    /// binder provisions an Immediate claim of a node-local store.
+    pub capacities: Informer<CSIStorageCapacity>,
 }
 
 impl Informers {
@@ -43,6 +46,7 @@ impl Informers {
             attachments: Informer::spawn(client.clone(), cfg(), as_decoded, tasks),
             classes: Informer::spawn(client.clone(), cfg(), as_decoded, tasks),
             csi_drivers: Informer::spawn(client.clone(), cfg(), as_decoded, tasks),
+            capacities: Informer::spawn(client.clone(), cfg(), as_decoded, tasks),
             client,
             registry,
         })
@@ -57,7 +61,8 @@ impl Informers {
             self.nodes.ready(),
             self.attachments.ready(),
             self.classes.ready(),
-            self.csi_drivers.ready()
+            self.csi_drivers.ready(),
+            self.capacities.ready()
         );
     }
 }
