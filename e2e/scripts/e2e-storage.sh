@@ -16,7 +16,10 @@
 # E2E_RESULTS (the results dir), E2E_DRIVER (loop.stowage.dev, or ext.loop.stowage.dev: the loop
 # driver as a third-party driver behind the upstream sidecars, e2e/storage/<driver>.yaml),
 # E2E_CONTROLLERS (stowage, or kcm: kube-controller-manager's own storage controllers, stowage's
-# controller scaled to zero; for side-by-side runs). Exit status: the suite's. Root is needed.
+# controller scaled to zero; for side-by-side runs), E2E_STORE (shared, or local: every node its
+# own image store and stowage in local mode; the driver then claims topology, capacity and single-
+# node volumes, and E2E_SUBSET runs e2e/storage/subset-local.txt). Exit status: the suite's. Root
+# is needed.
 set -euo pipefail
 top=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$top"
@@ -27,6 +30,8 @@ controllers=${E2E_CONTROLLERS:-stowage}
 tag=""
 [ "$driver_name" != loop.stowage.dev ] && tag="$tag-$driver_name"
 [ "$controllers" != stowage ] && tag="$tag-$controllers"
+store=${E2E_STORE:-shared}
+[ "$store" != shared ] && tag="$tag-$store"
 results=${E2E_RESULTS:-$top/e2e/results/storage$tag-$(date -u +%Y%m%dT%H%M%SZ)}
 mkdir -p "$results"
 start=$(date +%s)
@@ -40,6 +45,15 @@ bin="$top/e2e/storage/bin"
 # set) the kernel refuses to grow a mounted ext4, so online expansion is not claimed here.
 driver="$results/$driver_name.yaml"
 cp "e2e/storage/$driver_name.yaml" "$driver"
+if [ "$store" = local ]; then
+  # Each volume lives in one node's store: it is reachable from that node only (the suite skips
+  # the tests that move a volume), the node plugin reports the topology key, and the agents
+  # publish CSIStorageCapacity objects.
+  sed -i -e 's/^\(\s*singleNodeVolume:\) false/\1 true/' -e 's/^\(\s*topology:\) false/\1 true/' \
+    -e 's/^\(\s*capacity:\) false/\1 true/' \
+    -e 's|^\(\s*\)Name: loop.stowage.dev$|&\n\1TopologyKeys: [topology.loop.stowage.dev/node]|' "$driver"
+  echo "e2e-storage: local image stores: topology, capacity and single-node volumes claimed"
+fi
 capeff=$(awk '/^CapEff:/ {print $2}' /proc/self/status)
 if (( (16#$capeff >> 24 & 1) == 0 )); then
   sed -i 's/^\(\s*onlineExpansion:\) true/\1 false/' "$driver"
@@ -58,7 +72,7 @@ fi
 
 archives=()
 for f in target/image/e2e-*.oci.tar; do archives+=("$f"); done
-export REALNODE_NODES=$nodes REALNODE_IMAGES="${archives[*]}"
+export REALNODE_NODES=$nodes REALNODE_IMAGES="${archives[*]}" REALNODE_STORE=$store
 [ "$driver_name" = ext.loop.stowage.dev ] && export REALNODE_EXTERNAL=1
 [ "$controllers" = kcm ] && export REALNODE_KCM=storage
 trap './e2e/scripts/realnode.sh down >/dev/null 2>&1 || true' EXIT
@@ -80,7 +94,9 @@ done
 kubelet_dir=$(sed -n 's/^agent: {mode: csi, kubeletDir: \([^,]*\),.*/\1/p' .realnode/values.yaml)
 focus="External.Storage.*Driver: ${driver_name//./\\.}\\]"
 if [ "${E2E_SUBSET:-0}" = 1 ]; then
-  focus="$focus.*($(grep -v '^#' e2e/storage/subset.txt | paste -sd'|'))"
+  subset=e2e/storage/subset.txt
+  [ "$store" = local ] && subset=e2e/storage/subset-local.txt
+  focus="$focus.*($(grep -v '^#' "$subset" | paste -sd'|'))"
 fi
 [ -n "${E2E_FOCUS:-}" ] && focus="$focus.*($E2E_FOCUS)"
 set +e

@@ -23,6 +23,8 @@ version=$(sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)
 nodes=${REALNODE_NODES:-1}
 last=realnode
 [ "$nodes" -gt 1 ] && last=realnode$nodes
+# shared (default): one image store for every node; local: one per node (REALNODE_STORE).
+store_mode=${REALNODE_STORE:-shared}
 export KUBECONFIG="$dir/kubeconfig"
 
 up() {
@@ -38,8 +40,11 @@ up() {
   [ "${REALNODE_EXTERNAL:-0}" = 1 ] && extra+=(--external-driver-images "$dir/images")
   [ "${REALNODE_KCM:-}" = storage ] && extra+=(--kcm-controllers '*')
   # The store is a shared mount on each node, as on a real host (the chart's HostToContainer
-  # propagation needs it); one directory for all nodes: shared mode.
+  # propagation needs it). REALNODE_STORE=local: every node but the first gets a directory of its
+  # own there (nodes share no store, stowage in local mode); otherwise one directory for all
+  # nodes (shared mode).
   extra+=(--image-store "$dir/images")
+  [ "$store_mode" = local ] && extra+=(--own-image-stores)
   setsid "$top/target/debug/stowage-devcluster" --dir "$dir" --real-node --nodes "$nodes" \
     --image target/image/busybox.oci.tar --image target/image/pause.oci.tar \
     --image target/image/curl.oci.tar \
@@ -58,7 +63,7 @@ up() {
   cat >"$dir/values.yaml" <<VALUES
 image: {repository: localhost/stowage, tag: "$version", pullPolicy: Never}
 apiServer: {host: $host, port: "$port"}
-imageStore: {mode: shared, path: $dir/images}
+imageStore: {mode: $store_mode, path: $dir/images}
 controller: {replicas: 1, hostNetwork: true}
 agent: {mode: csi, kubeletDir: $kubelet_dir, hostNetwork: true}
 storageClass: {create: true, default: true, name: loop, volumeBindingMode: WaitForFirstConsumer}
