@@ -255,8 +255,13 @@ impl Controller {
         let node_fn = |name: &str| nodes.get(&ObjectRef::new(name)).map(|n| n.labels().clone());
         let pods = &self.pods;
         let pods_fn = |claim: &str| pods.of(claim);
-        let capacities = self.cluster.capacities.store().clone();
-        let room_fn = |class: &str| loop_room(&capacities, class);
+        let capacities = self.cluster.capacities.as_ref().map(|c| c.store().clone());
+        let room_fn = |class: &str| {
+            capacities
+                .as_ref()
+                .map(|c| loop_room(c, class))
+                .unwrap_or_default()
+        };
         let env = Env {
             class: &class_fn,
             default_class,

@@ -475,7 +475,9 @@ async fn run_controllers(
     wiring: &Wiring,
 ) -> anyhow::Result<()> {
     let mut informers = JoinSet::new();
-    let cluster = Informers::start(client, registry.clone(), &mut informers);
+    // Local mode: the binder reads the room each node's store publishes.
+    let local = wiring.binder.1.store_mode.is_local();
+    let cluster = Informers::start_with(client, registry.clone(), &mut informers, local);
     cluster.ready().await;
     tracing::info!(controllers = ?controllers, "leading: caches synced, controllers started");
     let mut running: JoinSet<(&'static str, anyhow::Result<()>)> = JoinSet::new();

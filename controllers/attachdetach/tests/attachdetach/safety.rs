@@ -170,7 +170,7 @@ fn start_with_hidden_attachments(client: &Client) -> Controller {
         ),
         classes: Informer::spawn(client.clone(), cfg(), as_decoded, &mut tasks),
         csi_drivers: Informer::spawn(client.clone(), cfg(), as_decoded, &mut tasks),
-        capacities: Informer::spawn(client.clone(), cfg(), as_decoded, &mut tasks),
+        capacities: None,
         client: client.clone(),
         registry: registry.clone(),
     });

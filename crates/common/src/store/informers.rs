@@ -30,13 +30,24 @@ pub struct Informers {
     pub classes: Informer<StorageClass>,
     pub csi_drivers: Informer<CSIDriver>,
     /// What each node's store can still hold (node-local drivers' capacity tracking): where the
-    /// binder provisions an Immediate claim of a node-local store.
-    pub capacities: Informer<CSIStorageCapacity>,
+    /// binder provisions an Immediate claim of a node-local store. Watched only when asked
+    /// (`start_with`: local mode), so a shared-mode install needs no new right.
+    pub capacities: Option<Informer<CSIStorageCapacity>>,
 }
 
 impl Informers {
     /// Starts every watch on `tasks` (they end when the set is dropped).
     pub fn start(client: Client, registry: Registry, tasks: &mut JoinSet<()>) -> Arc<Self> {
+        Self::start_with(client, registry, tasks, false)
+    }
+
+    /// `start`, with the CSIStorageCapacity watch when `capacities`.
+    pub fn start_with(
+        client: Client,
+        registry: Registry,
+        tasks: &mut JoinSet<()>,
+        capacities: bool,
+    ) -> Arc<Self> {
         let cfg = watcher::Config::default;
         Arc::new(Self {
             pvs: Informer::spawn(client.clone(), cfg(), as_decoded, tasks),
@@ -46,7 +57,7 @@ impl Informers {
             attachments: Informer::spawn(client.clone(), cfg(), as_decoded, tasks),
             classes: Informer::spawn(client.clone(), cfg(), as_decoded, tasks),
             csi_drivers: Informer::spawn(client.clone(), cfg(), as_decoded, tasks),
-            capacities: Informer::spawn(client.clone(), cfg(), as_decoded, tasks),
+            capacities: capacities.then(|| Informer::spawn(client.clone(), cfg(), as_decoded, tasks)),
             client,
             registry,
         })
@@ -62,7 +73,11 @@ impl Informers {
             self.attachments.ready(),
             self.classes.ready(),
             self.csi_drivers.ready(),
-            self.capacities.ready()
+            async {
+                if let Some(c) = &self.capacities {
+                    c.ready().await
+                }
+            }
         );
     }
 }
