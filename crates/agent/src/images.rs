@@ -30,6 +30,7 @@ pub const PROVISION_FAILED: &str = "ProvisioningFailed";
 pub const STORE_MISMATCH: &str = "VolumeStoreMismatch";
 pub const IMAGE_MISSING: &str = "VolumeImageMissing";
 pub const DELETE_FAILED: &str = "VolumeFailedDelete";
+pub const RESIZE_FAILED: &str = "VolumeResizeFailed";
 
 /// A pass over every volume also runs this often without a change (a failed step's retry is due,
 /// a store mounted late).
@@ -44,6 +45,10 @@ pub enum ImageOp {
     /// The binder decided the image goes (`ANN_DELETE_IMAGE`): remove it, the deleter finalizer,
     /// and the PV.
     Delete,
+    /// The PV's capacity is not the one last ensured here (the expand controller recorded a new
+    /// size, or this agent just started): grow the image to it, before any pod needs it, so the
+    /// next stage finds the larger device and grows the file system offline.
+    Grow,
 }
 
 impl ImageOp {
@@ -51,12 +56,14 @@ impl ImageOp {
         match self {
             ImageOp::Create => "create_image",
             ImageOp::Delete => "delete_image",
+            ImageOp::Grow => "grow_image",
         }
     }
 }
 
 /// What this node owes a PV's image: only volumes this driver provisioned, pinned to this node.
-pub fn decide(pv: &PersistentVolume, node: &str) -> Option<ImageOp> {
+/// `ensured`: the capacity this agent last made the image hold.
+pub fn decide(pv: &PersistentVolume, node: &str, ensured: Option<u128>) -> Option<ImageOp> {
     let spec = pv.spec.as_ref()?;
     if spec.csi.as_ref().map(|c| c.driver.as_str()) != Some(DRIVER)
         || ann(pv, ANN_PROVISIONED_BY) != Some(DRIVER)
@@ -67,9 +74,12 @@ pub fn decide(pv: &PersistentVolume, node: &str) -> Option<ImageOp> {
     if has_ann(pv, ANN_DELETE_IMAGE) {
         return Some(ImageOp::Delete);
     }
-    // Failed = creation failed for good; its claim says why and deleting it cleans up.
-    (has_ann(pv, ANN_IMAGE_PENDING) && pv_phase(pv) != "Failed" && !being_deleted(pv))
-        .then_some(ImageOp::Create)
+    if has_ann(pv, ANN_IMAGE_PENDING) {
+        // Failed = creation failed for good; its claim says why and deleting it cleans up.
+        return (pv_phase(pv) != "Failed" && !being_deleted(pv)).then_some(ImageOp::Create);
+    }
+    let capacity = pv_capacity(pv)?;
+    (ensured != Some(capacity) && !being_deleted(pv)).then_some(ImageOp::Grow)
 }
 
 /// Why a step did not finish; `permanent` when no retry can fix it.
@@ -123,6 +133,8 @@ pub async fn run(ctx: Arc<Ctx>, mut stop: watch::Receiver<bool>) {
     let mut failing: HashMap<String, (u32, Instant)> = HashMap::new();
     // PV → resourceVersion this loop wrote, until the cache has caught up with it.
     let mut written: HashMap<String, String> = HashMap::new();
+    // PV → the capacity its image was last made to hold here.
+    let mut ensured: HashMap<String, u128> = HashMap::new();
     tracing::info!(dir = %ctx.images.dir().display(), "local image store: this node makes and deletes its volumes' images");
     if let Err(e) = store_id(&ctx).await {
         tracing::warn!(error = %e.message, "image store not ready");
@@ -138,7 +150,7 @@ pub async fn run(ctx: Arc<Ctx>, mut stop: watch::Receiver<bool>) {
                 }
                 written.remove(&name);
             }
-            match decide(&pv, &ctx.node) {
+            match decide(&pv, &ctx.node, ensured.get(&name).copied()) {
                 Some(op) if failing.get(&name).is_none_or(|(_, at)| *at <= now) => due.push((pv, op)),
                 Some(_) => {}
                 None => {
@@ -146,12 +158,18 @@ pub async fn run(ctx: Arc<Ctx>, mut stop: watch::Receiver<bool>) {
                 }
             }
         }
+        // Volumes gone from the cluster need no entry.
+        ensured.retain(|n, _| ctx.pv(n).is_some());
         for (pv, op) in due {
             let name = pv.name_any();
             let started = std::time::Instant::now();
             let r = match op {
                 ImageOp::Create => create(&ctx, &pv).await,
                 ImageOp::Delete => delete(&ctx, &pv).await,
+                ImageOp::Grow => grow(&ctx, &pv).await.map(|capacity| {
+                    ensured.insert(name.clone(), capacity);
+                    None
+                }),
             };
             ctx.metrics.record(op.name(), started, r.is_ok());
             match r {
@@ -282,6 +300,37 @@ async fn fail_volume(ctx: &Ctx, pv: &PersistentVolume, msg: &str) -> Result<(), 
                 format!("cannot mark volume {} Failed: {e}", pv.name_any()),
             )
         })
+}
+
+/// Grows the image to the PV's capacity (never shrinks, never creates: a missing image is an
+/// error to report); the capacity now ensured.
+async fn grow(ctx: &Ctx, pv: &PersistentVolume) -> Result<u128, StepError> {
+    let name = pv.name_any();
+    let handle = volume_handle(pv).unwrap_or_default().to_string();
+    let capacity = pv_capacity(pv).unwrap_or(0);
+    let bytes = u64::try_from(capacity).map_err(|_| StepError {
+        message: format!("volume {name}: {capacity} bytes is more than a file can hold"),
+        reason: RESIZE_FAILED,
+        permanent: true,
+    })?;
+    let (store, h) = (ctx.images.clone(), handle.clone());
+    let before = blocking({
+        let (store, h) = (store.clone(), h.clone());
+        move || store.size(&h)
+    })
+    .await?
+    .map_err(|e| StepError::retry(RESIZE_FAILED, format!("volume {name}: {e}")))?;
+    if before < bytes {
+        blocking(move || store.grow(&h, bytes)).await?.map_err(|e| {
+            StepError::retry(
+                RESIZE_FAILED,
+                format!("cannot grow the image of volume {name}: {e}"),
+            )
+        })?;
+        tracing::info!(pv = %name, from = before, to = bytes, "image grown to the volume's capacity");
+        ctx.capacity_changed.notify_one();
+    }
+    Ok(capacity)
 }
 
 /// Removes the image (never one of another store, never one a loop device here still holds),
@@ -421,27 +470,27 @@ mod tests {
     #[test]
     fn only_this_nodes_provisioned_volumes_are_acted_on() {
         let pending = volume("a", &[(ANN_IMAGE_PENDING, "true")]);
-        assert_eq!(decide(&pending, "a"), Some(ImageOp::Create));
-        assert_eq!(decide(&pending, "b"), None, "another node's volume");
+        assert_eq!(decide(&pending, "a", None), Some(ImageOp::Create));
+        assert_eq!(decide(&pending, "b", None), None, "another node's volume");
         let mut by_hand = pending.clone();
         by_hand.annotations_mut().remove(ANN_PROVISIONED_BY);
         assert_eq!(
-            decide(&by_hand, "a"),
+            decide(&by_hand, "a", None),
             None,
             "a volume made by hand is never touched"
         );
         let mut other = pending.clone();
         other.spec.as_mut().unwrap().csi.as_mut().unwrap().driver = "other.example.com".into();
-        assert_eq!(decide(&other, "a"), None);
+        assert_eq!(decide(&other, "a", None), None);
         let mut shared = pending.clone();
         shared.spec.as_mut().unwrap().node_affinity = None;
         assert_eq!(
-            decide(&shared, "a"),
+            decide(&shared, "a", None),
             None,
             "a shared-store volume is the controller's"
         );
         assert_eq!(
-            decide(&volume("a", &[]), "a"),
+            decide(&volume("a", &[]), "a", None),
             None,
             "made already: nothing to do"
         );
@@ -450,13 +499,13 @@ mod tests {
     #[test]
     fn deletion_needs_the_binders_request_and_creation_stops_at_failed() {
         let requested = volume("a", &[(ANN_DELETE_IMAGE, "true"), (ANN_IMAGE_PENDING, "true")]);
-        assert_eq!(decide(&requested, "a"), Some(ImageOp::Delete));
+        assert_eq!(decide(&requested, "a", None), Some(ImageOp::Delete));
         let mut deleting = volume("a", &[]);
         deleting.metadata.deletion_timestamp = Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
             k8s_openapi::jiff::Timestamp::now(),
         ));
         assert_eq!(
-            decide(&deleting, "a"),
+            decide(&deleting, "a", None),
             None,
             "a deleted PV alone (kubectl delete pv) never removes an image: only the binder's decision does"
         );
@@ -465,6 +514,6 @@ mod tests {
             phase: Some("Failed".into()),
             ..Default::default()
         });
-        assert_eq!(decide(&failed, "a"), None);
+        assert_eq!(decide(&failed, "a", None), None);
     }
 }

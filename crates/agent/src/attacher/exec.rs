@@ -254,6 +254,13 @@ async fn attach(ctx: &Ctx, va: &VolumeAttachment) -> Result<(String, String), St
             return Err(format!("image file {} of volume {pv_name}: {e}", image.display()));
         }
     }
+    // Local mode: the controller only records a new size on the PV; the node grows the image, and
+    // does so before the device is made (or refreshed), so that stage finds the larger device and
+    // grows the file system offline, as it does for an image the controller grew in shared mode.
+    let grown = match ctx.store_mode.is_local() {
+        true => grow_to_capacity(ctx, &pv_name, &handle, &pv).await?,
+        false => false,
+    };
     let existing = sys::loops_of(&image).await.map_err(|e| e.to_string())?;
     if !existing.is_empty() {
         // A device of the image is adopted (an attach this node made before a restart) unless
@@ -280,6 +287,9 @@ async fn attach(ctx: &Ctx, va: &VolumeAttachment) -> Result<(String, String), St
             let foreign =
                 mounts.iter().any(|ours| !ours) || (mounts.is_empty() && fence::held_here(&dev).await);
             if !foreign {
+                if grown {
+                    sys::loop_refresh(&dev).await.map_err(|e| e.to_string())?;
+                }
                 return Ok((dev, handle));
             }
         }
@@ -292,6 +302,31 @@ async fn attach(ctx: &Ctx, va: &VolumeAttachment) -> Result<(String, String), St
         .await
         .map_err(|e| e.to_string())?;
     Ok((dev, handle))
+}
+
+/// Grows the image of a node-local volume to the PV's capacity (never shrinks, never creates);
+/// whether it grew.
+async fn grow_to_capacity(
+    ctx: &Ctx,
+    pv_name: &str,
+    handle: &str,
+    pv: &k8s_openapi::api::core::v1::PersistentVolume,
+) -> Result<bool, String> {
+    let Some(want) = stowage_common::store::pv::pv_capacity(pv).and_then(|c| u64::try_from(c).ok()) else {
+        return Ok(false);
+    };
+    let (store, h) = (ctx.images.clone(), handle.to_string());
+    let r = tokio::task::spawn_blocking(move || {
+        let before = store.size(&h)?;
+        store.grow(&h, want).map(|after| after > before)
+    })
+    .await
+    .map_err(|e| format!("growing the image failed: {e}"))?
+    .map_err(|e| format!("cannot grow the image of volume {pv_name} to {want} bytes: {e}"))?;
+    if r {
+        tracing::info!(pv = %pv_name, bytes = want, "image grown to the volume's capacity before attaching");
+    }
+    Ok(r)
 }
 
 /// Releases every loop device of the image once no mount and no block file uses it.
