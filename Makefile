@@ -68,6 +68,9 @@ test: deps controlplane csi-sanity promtool kubeadm storage-e2e-suite sidecars #
 	./e2e/scripts/curl-image.sh
 	@start=$$(date +%s); E2E_SUBSET=1 ./e2e/scripts/e2e-storage.sh && \
 	  echo "storage e2e subset: $$(( $$(date +%s) - start ))s"
+	@# The same on two nodes that share no image store: topology and capacity (subset-local.txt).
+	@start=$$(date +%s); E2E_STORE=local E2E_SUBSET=1 ./e2e/scripts/e2e-storage.sh && \
+	  echo "storage e2e subset, local stores: $$(( $$(date +%s) - start ))s"
 
 # The other minors the chart's kubeVersion claims (v1.36 is make test's); e2e/versions/1.33 is
 # there to show where the range stops (K8S_VERSIONS=1.33: VolumeAttributesClass is off there).
