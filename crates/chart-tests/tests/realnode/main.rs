@@ -360,18 +360,7 @@ spec:
     k.apply(&claim("shared", "loop", "ReadWriteMany"));
     k.apply(&pod("shared-user", "shared"));
     poll(|| {
-        let events = k
-            .run(&[
-                "get",
-                "events",
-                "-n",
-                NS,
-                "--field-selector",
-                "involvedObject.name=shared",
-                "-o",
-                "jsonpath={.items[*].reason}",
-            ])
-            .unwrap_or_default();
+        let events = k.events("involvedObject.name=shared", "reason");
         match events.contains("ProvisioningFailed") {
             true => Ok(()),
             false => Err(format!("no ProvisioningFailed for shared: {events}")),

@@ -104,6 +104,14 @@ impl Kubectl {
         scrape::parse(&self.run(&["get", "--raw", path])?)
     }
 
+    /// A field of the test namespace's Events that match `selector` (a field selector such as
+    /// `involvedObject.name=x,reason=Y`), e.g. `message`: space-separated.
+    pub fn events(&self, selector: &str, field: &str) -> String {
+        let jp = format!("jsonpath={{.items[*].{field}}}");
+        self.run(&["get", "events", "-n", NS, "--field-selector", selector, "-o", &jp])
+            .unwrap_or_default()
+    }
+
     /// The `kind/name` of every object with an Event of `reason`, one a line.
     pub fn event_objects(&self, reason: &str) -> String {
         let selector = format!("reason={reason}");

@@ -224,18 +224,7 @@ async fn node_local_volumes_on_two_real_nodes() {
     // Bigger than any store: Pending, and the scheduler says why.
     k.apply(&claim_with_pod("huge", None, "100Ti"));
     support::poll(|| {
-        let events = k
-            .run(&[
-                "get",
-                "events",
-                "-n",
-                NS,
-                "--field-selector",
-                "involvedObject.name=huge,reason=FailedScheduling",
-                "-o",
-                "jsonpath={.items[*].message}",
-            ])
-            .unwrap_or_default();
+        let events = k.events("involvedObject.name=huge,reason=FailedScheduling", "message");
         match events.contains("did not have enough free storage") {
             true => Ok(()),
             false => Err(format!("huge's FailedScheduling: {events:?}")),
