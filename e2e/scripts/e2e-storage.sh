@@ -52,7 +52,18 @@ if [ "$store" = local ]; then
   sed -i -e 's/^\(\s*singleNodeVolume:\) false/\1 true/' -e 's/^\(\s*topology:\) false/\1 true/' \
     -e 's/^\(\s*capacity:\) false/\1 true/' \
     -e 's|^\(\s*\)Name: loop.stowage.dev$|&\n\1TopologyKeys: [topology.loop.stowage.dev/node]|' "$driver"
-  echo "e2e-storage: local image stores: topology, capacity and single-node volumes claimed"
+  # Node-local volumes want delayed binding (the chart's class is WaitForFirstConsumer): two
+  # claims a pod uses, bound at once, may land on two nodes, and the pod then fits neither. The
+  # suite's classes come from this one; the tests that ask for a binding mode still set it.
+  cat >"$results/storageclass-local.yaml" <<CLASS
+apiVersion: storage.k8s.io/v1
+kind: StorageClass
+metadata: {name: loop-local}
+provisioner: loop.stowage.dev
+volumeBindingMode: WaitForFirstConsumer
+CLASS
+  sed -i "s|^\(\s*\)FromName: true|\1FromFile: $results/storageclass-local.yaml|" "$driver"
+  echo "e2e-storage: local image stores: topology, capacity and single-node volumes claimed, WaitForFirstConsumer classes"
 fi
 capeff=$(awk '/^CapEff:/ {print $2}' /proc/self/status)
 if (( (16#$capeff >> 24 & 1) == 0 )); then
