@@ -67,6 +67,9 @@ func TestMain(m *testing.M) {
 	}
 	testfiles.AddFileSource(e2etestingmanifests.GetE2ETestingManifestsFS())
 	testfiles.AddFileSource(testfixtures.GetTestFixturesFS())
+	// Files named by path, as upstream's e2e.test reads them: a driver definition's
+	// StorageClass.FromFile (absolute, or relative to -repo-root).
+	testfiles.AddFileSource(testfiles.RootFileSource{Root: framework.TestContext.RepoRoot})
 	framework.AfterReadingAllFlags(&framework.TestContext)
 	os.Exit(m.Run())
 }
