@@ -137,6 +137,8 @@ pub fn metric_families() -> Vec<stowage_common::observe::metrics::Family> {
 }
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
+    // Every request says it is this binary's, whatever the executable is called.
+    stowage_common::api::identity::set_component("stowage-agent");
     if args.node_name.trim().is_empty() {
         bail!("--node-name must not be empty");
     }

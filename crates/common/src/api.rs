@@ -3,6 +3,7 @@
 pub mod attachments;
 pub mod client;
 pub mod clientmetrics;
+pub mod identity;
 pub mod ratelimit;
 pub mod transport;
 pub mod writes;

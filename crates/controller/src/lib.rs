@@ -338,6 +338,8 @@ pub fn metric_families() -> Vec<stowage_common::observe::metrics::Family> {
 }
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
+    // Every request says it is this binary's, whatever the executable is called.
+    stowage_common::api::identity::set_component("stowage-controller");
     let controllers = resolve_controllers(&args.controllers)?;
     let (registry, leader_gauge, wiring) = metrics(&args);
     let health = Health::new(registry.clone());

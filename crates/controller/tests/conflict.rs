@@ -625,3 +625,67 @@ async fn the_documented_kcm_flag_leaves_the_storage_controllers_to_stowage() {
     assert_eq!(gauge(&stowage, "stowage_controllers_paused", &[]), 0.0);
     assert!(kcm.running(), "kube-controller-manager stopped");
 }
+
+/// Every manager of an object's fields.
+fn managers<K: kube::Resource>(o: &K) -> Vec<String> {
+    o.meta()
+        .managed_fields
+        .iter()
+        .flatten()
+        .filter_map(|e| e.manager.clone())
+        .collect()
+}
+
+/// stowage's writes name stowage in managedFields, as kube-controller-manager's name it: a
+/// reader of managedFields (an operator, an audit, stowage's own conflict detector on another
+/// cluster's controllers) sees who bound the pair, never `unknown`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stowages_writes_are_signed_by_stowage_controller() {
+    let cp = tokio::task::spawn_blocking(ControlPlane::start)
+        .await
+        .unwrap()
+        .unwrap();
+    let client = cp.client().await;
+    let images = tempfile::tempdir().unwrap();
+    let _stowage = stowage(&cp, "*", images.path());
+    static_pair(&client, "signed-1", "claim-signed").await;
+    let pvs: Api<PersistentVolume> = Api::all(client.clone());
+    let pvcs: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), "default");
+    eventually(LIMIT, || async {
+        let v = pvs.get("signed-1").await.map_err(|e| e.to_string())?;
+        let c = pvcs.get("claim-signed").await.map_err(|e| e.to_string())?;
+        let phase = |p: Option<&str>| p == Some("Bound");
+        if !phase(v.status.as_ref().and_then(|s| s.phase.as_deref()))
+            || !phase(c.status.as_ref().and_then(|s| s.phase.as_deref()))
+        {
+            return Err("not bound yet".into());
+        }
+        Ok(())
+    })
+    .await;
+    let v = pvs.get("signed-1").await.unwrap();
+    let c = pvcs.get("claim-signed").await.unwrap();
+    assert_eq!(claim_ref_managers(&v), ["stowage-controller"]);
+    for (what, m) in [("PV", managers(&v)), ("claim", managers(&c))] {
+        assert!(
+            !m.iter().any(|m| m == "unknown"),
+            "{what}: a write without a manager: {m:?}"
+        );
+        assert!(m.iter().any(|m| m == "stowage-controller"), "{what}: {m:?}");
+    }
+    // The status writes (phase) too: the Bound phases are stowage's.
+    let status_owners = |o: &[k8s_openapi::apimachinery::pkg::apis::meta::v1::ManagedFieldsEntry]| {
+        o.iter()
+            .filter(|e| e.subresource.as_deref() == Some("status"))
+            .filter_map(|e| e.manager.clone())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(
+        status_owners(v.metadata.managed_fields.as_deref().unwrap_or_default()),
+        ["stowage-controller"]
+    );
+    assert_eq!(
+        status_owners(c.metadata.managed_fields.as_deref().unwrap_or_default()),
+        ["stowage-controller"]
+    );
+}

@@ -127,7 +127,17 @@ fn build_with(mut config: Config, limit: Option<Limit>) -> anyhow::Result<Client
     // kube's own retry sits below any layer added here: the 429s it absorbed would reach neither
     // the request metrics nor the adaptive limiter. Ours goes on top instead.
     config.default_retry = false;
+    // Who is asking, in the apiserver's audit log and managedFields (`identity`).
+    let agent = crate::api::identity::user_agent();
+    config.headers.push((
+        http::header::USER_AGENT,
+        http::HeaderValue::from_str(&agent).context("user agent")?,
+    ));
+    let manager = crate::api::identity::field_manager();
     let builder = crate::api::transport::client_builder(config)?;
+    let builder = builder.with_layer(&tower::util::MapRequestLayer::new(
+        move |req: http::Request<kube::client::Body>| crate::api::identity::with_field_manager(req, &manager),
+    ));
     let retry = RetryPolicy::new(Duration::from_millis(250), Duration::from_secs(10), 10, true)
         .context("retry policy")?;
     let builder = builder.with_layer(&MetricsLayer::new(host.clone()));
