@@ -405,7 +405,12 @@ async fn an_embedded_controller_manager_in_k3s_is_seen_by_its_writes() {
             return Err(format!("spec.claimRef of k3s-1 owned by {managers:?}"));
         }
         let object: rival::Object = serde_json::from_value(serde_json::to_value(&v).unwrap()).unwrap();
-        match rival::rival_write(rival::Kind::PersistentVolume, &object.metadata, since) {
+        match rival::rival_write(
+            rival::Kind::PersistentVolume,
+            &object.metadata,
+            since,
+            Some(rival::Owned::default()),
+        ) {
             Some(w) if w.manager == "k3s" => Ok(()),
             other => Err(format!("not read as k3s's write: {other:?}")),
         }
@@ -688,4 +693,75 @@ async fn stowages_writes_are_signed_by_stowage_controller() {
         status_owners(c.metadata.managed_fields.as_deref().unwrap_or_default()),
         ["stowage-controller"]
     );
+}
+
+/// kube-controller-manager's entry on a PV keeps `spec.claimRef` from when it bound the pair,
+/// before stowage took over; its later writes to the same object under the same manager (a label
+/// here, as node lifecycle writes a Node's conditions; k3s's process writes everything as `k3s`)
+/// move the entry's time but write no storage field. stowage, told to pause on a conflict, sees
+/// none and keeps binding.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rivals_old_field_redated_by_an_unrelated_write_is_no_conflict() {
+    let cp = tokio::task::spawn_blocking(ControlPlane::start)
+        .await
+        .unwrap()
+        .unwrap();
+    let client = cp.client().await;
+    let pvs: Api<PersistentVolume> = Api::all(client.clone());
+    let pvcs: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), "default");
+    // Pairs bound by each rival manager before stowage starts.
+    for manager in rival::KCM_MANAGERS {
+        let (volume, claim) = (format!("old-{manager}"), format!("claim-old-{manager}"));
+        let c = pvcs
+            .create(&PostParams::default(), &pvc("default", &claim).class("c").build())
+            .await
+            .unwrap();
+        let as_rival = PostParams {
+            field_manager: Some(manager.into()),
+            ..Default::default()
+        };
+        let v = pv(&volume)
+            .class("c")
+            .claim_ref("default", &claim, &c.uid().unwrap())
+            .build();
+        pvs.create(&as_rival, &v).await.unwrap();
+        assert_eq!(claim_ref_managers(&pvs.get(&volume).await.unwrap()), [manager]);
+    }
+    // Whole seconds: the writes below are dated after stowage's start.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let images = tempfile::tempdir().unwrap();
+    let stowage = stowage(&cp, "binder", images.path());
+    until_gauge(&stowage, "stowage_controllers_paused", &[], |v| v == 0.0).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    // Twice: first seen, then seen again with the entry re-dated.
+    for (manager, round) in rival::KCM_MANAGERS.iter().flat_map(|m| [(*m, 1), (*m, 2)]) {
+        let volume = format!("old-{manager}");
+        let patch = json!({"metadata": {"labels": {"touched-by": manager, "round": round.to_string()}}});
+        let pp = PatchParams {
+            field_manager: Some(manager.into()),
+            ..Default::default()
+        };
+        let v = pvs.patch(&volume, &pp, &Patch::Merge(&patch)).await.unwrap();
+        // The apiserver re-dated the entry that still owns spec.claimRef.
+        assert_eq!(claim_ref_managers(&v), [manager], "{volume}");
+    }
+    static_pair(&client, "fresh-1", "claim-fresh").await;
+    bound_by_stowage(&pvs, "fresh-1").await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(
+        gauge(&stowage, "stowage_conflict", &[]),
+        0.0,
+        "{}",
+        stowage.log_text()
+    );
+    assert_eq!(gauge(&stowage, "stowage_conflicting_writes_total", &[]), 0.0);
+    assert_eq!(gauge(&stowage, "stowage_controllers_paused", &[]), 0.0);
+    // A rival that takes a storage field is still seen: claimRef of a pair stowage bound.
+    let patch = json!({"spec": {"claimRef": {"resourceVersion": "1"}}});
+    let pp = PatchParams {
+        field_manager: Some("kube-controller-manager".into()),
+        ..Default::default()
+    };
+    pvs.patch("fresh-1", &pp, &Patch::Merge(&patch)).await.unwrap();
+    until_gauge(&stowage, "stowage_conflicting_writes_total", &[], |v| v >= 1.0).await;
 }

@@ -20,7 +20,7 @@ use tokio::sync::{mpsc, watch};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
-use super::{Kind, Object, RivalWrite, Seen, kcm_storage_controllers, rival_write};
+use super::{Kind, Object, Owned, RivalWrite, Seen, kcm_storage_controllers, owned, rival_write};
 
 /// How often kube-controller-manager's pods are listed.
 const POD_PERIOD: Duration = Duration::from_secs(30);
@@ -34,9 +34,10 @@ const REPEAT_PERIOD: Duration = Duration::from_secs(600);
 fn flag_subject(pod: &str) -> String {
     format!("kcm pod {pod} flags")
 }
-/// Objects whose last reported rival write a watcher remembers (so a later event of the same
-/// object, carrying the same entry, is not counted again); beyond it the memory starts over.
-const REMEMBERED: usize = 10_000;
+/// Objects a watcher remembers the rivals' storage fields of (two bytes and a key each), so a
+/// rival write is told from a re-dated entry (`rival_write`). Beyond this the memory starts
+/// again: objects then seen for the first time are baselines, not evidence.
+const REMEMBERED: usize = 200_000;
 /// The label selector of kubeadm's and kind's kube-controller-manager static pods.
 const KCM_POD_SELECTOR: &str = "component=kube-controller-manager";
 const KCM_NAMESPACE: &str = "kube-system";
@@ -162,10 +163,22 @@ async fn current_version(client: &Client, path: &str) -> Result<String, kube::Er
     Ok(list.metadata.resource_version.unwrap_or_default())
 }
 
+/// A compact key of an object: its UID's 128 bits, or a hash of its name where it has none.
+fn object_key(meta: &super::Meta) -> u128 {
+    let uid = meta.uid.as_deref().unwrap_or_default().replace('-', "");
+    u128::from_str_radix(&uid, 16).unwrap_or_else(|_| {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        (&meta.namespace, &meta.name, &meta.uid).hash(&mut h);
+        u128::from(h.finish())
+    })
+}
+
 async fn watch_kind(client: Client, kind: Kind, since: Timestamp, tx: mpsc::Sender<Finding>) {
     let path = collection(kind);
     let mut version: Option<String> = None;
-    let mut reported: HashMap<String, Timestamp> = HashMap::new();
+    // Object → what the rivals owned of its storage fields when last seen.
+    let mut seen: HashMap<u128, Owned> = HashMap::new();
     let mut delay = Duration::from_secs(1);
     loop {
         let from = match version.take() {
@@ -205,9 +218,7 @@ async fn watch_kind(client: Client, kind: Kind, since: Timestamp, tx: mpsc::Send
             let object = match event {
                 Ok(WatchEvent::Added(o) | WatchEvent::Modified(o)) => o,
                 Ok(WatchEvent::Deleted(o)) => {
-                    if let Some(uid) = &o.metadata.uid {
-                        reported.remove(uid);
-                    }
+                    seen.remove(&object_key(&o.metadata));
                     version = o.metadata.resource_version;
                     continue;
                 }
@@ -227,21 +238,15 @@ async fn watch_kind(client: Client, kind: Kind, since: Timestamp, tx: mpsc::Send
                 }
             };
             version = object.metadata.resource_version.clone();
-            let Some(write) = rival_write(kind, &object.metadata, since) else {
+            let key = object_key(&object.metadata);
+            let before = seen.get(&key).copied();
+            if seen.len() >= REMEMBERED && before.is_none() {
+                seen.clear();
+            }
+            seen.insert(key, owned(kind, &object.metadata));
+            let Some(write) = rival_write(kind, &object.metadata, since, before) else {
                 continue;
             };
-            let key = object
-                .metadata
-                .uid
-                .clone()
-                .unwrap_or_else(|| object.metadata.name.clone());
-            if reported.get(&key).is_some_and(|t| *t >= write.at) {
-                continue;
-            }
-            if reported.len() >= REMEMBERED {
-                reported.clear();
-            }
-            reported.insert(key, write.at);
             let meta = object.metadata;
             let finding = Finding::Write {
                 kind,

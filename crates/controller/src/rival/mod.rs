@@ -3,8 +3,8 @@
 //! Node statuses, and each undoes what the other decided. Two kinds of evidence are read:
 //!
 //! - **writes**: managedFields entries of the manager `kube-controller-manager` (or `k3s`: the
-//!   apiserver names a manager by its client's user agent) that own a storage field (`footprint.rs`) and
-//!   were written while stowage runs, seen on a metadata-only watch of each kind;
+//!   apiserver names a manager by its client's user agent) that take a storage field
+//!   (`footprint.rs`) while stowage runs, seen on a metadata-only watch of each kind;
 //! - **flags**: a kube-controller-manager pod in `kube-system` (kubeadm's and kind's static pods
 //!   carry `component=kube-controller-manager`) whose `--controllers` turns on a controller
 //!   stowage also runs, caught before it writes anything.
@@ -92,6 +92,9 @@ pub struct Meta {
     pub uid: Option<String>,
     #[serde(default)]
     pub resource_version: Option<String>,
+    /// RFC 3339.
+    #[serde(default)]
+    pub creation_timestamp: Option<String>,
     #[serde(default)]
     pub managed_fields: Vec<Entry>,
 }
@@ -112,34 +115,103 @@ pub struct RivalWrite {
     pub manager: &'static str,
 }
 
-/// The latest write of kube-controller-manager's to one object since `since`, to fields that
-/// stowage's `kind.owner()` writes too, or `None`.
-pub fn rival_write(kind: Kind, meta: &Meta, since: Timestamp) -> Option<RivalWrite> {
+/// The storage fields a kind's entries can own, named for the Event, in bit order.
+const FIELDS: [&str; 6] = [
+    "spec.claimRef",
+    "status.phase",
+    "bind annotations",
+    "spec.volumeName",
+    "spec (created it)",
+    "status.volumesAttached",
+];
+
+/// Which storage fields of one object each of [`KCM_MANAGERS`] owns: 8 bits per manager, one
+/// per entry of [`FIELDS`]. Two bytes per object, so the detector can remember every object it
+/// has seen change.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Owned(u16);
+
+impl Owned {
+    fn of(manager: usize, fields: u8) -> Self {
+        Owned(u16::from(fields) << (8 * manager))
+    }
+
+    fn fields(self, manager: usize) -> u8 {
+        (self.0 >> (8 * manager)) as u8
+    }
+}
+
+/// What the rival managers own of `meta`'s storage fields now.
+pub fn owned(kind: Kind, meta: &Meta) -> Owned {
+    let mut o = Owned::default();
+    for e in &meta.managed_fields {
+        if let Some(m) = KCM_MANAGERS.iter().position(|m| *m == e.manager) {
+            o.0 |= Owned::of(m, storage_bits(kind, &e.subresource, e.fields)).0;
+        }
+    }
+    o
+}
+
+/// A write of kube-controller-manager's to one object since `since`, to fields that stowage's
+/// `kind.owner()` writes too, or `None`.
+///
+/// managedFields date an entry, not its fields: a manager's entry keeps the fields it wrote long
+/// ago, and any later write of the same manager to the same object (node lifecycle updating a
+/// Node's conditions under `kube-controller-manager`, k3s's embedded kubelet writing Node status
+/// under `k3s`) moves the entry's time. So a write counts only where the rival *took* a storage
+/// field: its entry owns one that it did not own in `before` (this object as last seen). An
+/// object seen for the first time has no `before`: if it was created since `since`, what the
+/// rival owns it wrote since; otherwise nothing can be dated yet, and it becomes the baseline
+/// (a rival that keeps fighting takes the field back from stowage, and that write counts).
+pub fn rival_write(kind: Kind, meta: &Meta, since: Timestamp, before: Option<Owned>) -> Option<RivalWrite> {
+    let created_since = meta
+        .creation_timestamp
+        .as_deref()
+        .and_then(|t| t.parse::<Timestamp>().ok())
+        .is_some_and(|t| t >= since);
+    let before = match before {
+        Some(b) => b,
+        None if created_since => Owned::default(),
+        None => return None,
+    };
     meta.managed_fields
         .iter()
         .filter_map(|e| {
-            let manager = *KCM_MANAGERS.iter().find(|m| **m == e.manager)?;
+            let m = KCM_MANAGERS.iter().position(|m| *m == e.manager)?;
             let at: Timestamp = e.time.as_deref()?.parse().ok()?;
-            let fields = storage_fields(kind, &e.subresource, e.fields)?;
-            (at >= since).then_some(RivalWrite { at, fields, manager })
+            let taken = storage_bits(kind, &e.subresource, e.fields) & !before.fields(m);
+            let fields = (taken != 0).then(|| FIELDS[taken.trailing_zeros() as usize])?;
+            (at >= since).then_some(RivalWrite {
+                at,
+                fields,
+                manager: KCM_MANAGERS[m],
+            })
         })
         .max_by_key(|w| w.at)
 }
 
-/// Which storage fields an entry of `kind` owns, named for the Event, or `None`.
-pub fn storage_fields(kind: Kind, subresource: &str, fp: Footprint) -> Option<&'static str> {
+/// Which storage fields an entry of `kind` owns, as bits of [`FIELDS`].
+fn storage_bits(kind: Kind, subresource: &str, fp: Footprint) -> u8 {
     let status = subresource == "status";
-    match kind {
-        Kind::PersistentVolume if fp.claim_ref => Some("spec.claimRef"),
-        Kind::PersistentVolume | Kind::PersistentVolumeClaim if status && fp.phase => Some("status.phase"),
-        Kind::PersistentVolume | Kind::PersistentVolumeClaim if fp.bind_annotations => {
-            Some("bind annotations")
-        }
-        Kind::PersistentVolumeClaim if fp.volume_name => Some("spec.volumeName"),
-        Kind::VolumeAttachment if fp.attachment_spec => Some("spec (created it)"),
-        Kind::Node if status && fp.volumes_attached => Some("status.volumesAttached"),
-        _ => None,
-    }
+    let binder = matches!(kind, Kind::PersistentVolume | Kind::PersistentVolumeClaim);
+    [
+        kind == Kind::PersistentVolume && fp.claim_ref,
+        binder && status && fp.phase,
+        binder && fp.bind_annotations,
+        kind == Kind::PersistentVolumeClaim && fp.volume_name,
+        kind == Kind::VolumeAttachment && fp.attachment_spec,
+        kind == Kind::Node && status && fp.volumes_attached,
+    ]
+    .iter()
+    .enumerate()
+    .fold(0, |acc, (i, on)| acc | (u8::from(*on) << i))
+}
+
+/// Which storage field an entry of `kind` owns (the first of [`FIELDS`]), named for the Event, or
+/// `None`.
+pub fn storage_fields(kind: Kind, subresource: &str, fp: Footprint) -> Option<&'static str> {
+    let bits = storage_bits(kind, subresource, fp);
+    (bits != 0).then(|| FIELDS[bits.trailing_zeros() as usize])
 }
 
 /// The storage controllers a kube-controller-manager command line turns on, by stowage's names.
@@ -217,20 +289,26 @@ mod tests {
         serde_json::from_value(json!({"name": "pv-1", "managedFields": entries})).unwrap()
     }
 
+    fn since() -> Timestamp {
+        "2026-11-27T18:00:00Z".parse().unwrap()
+    }
+
+    /// Nothing owned by a rival when last seen.
+    const CLEAN: Option<Owned> = Some(Owned(0));
+
     #[test]
     fn a_binders_write_after_start_is_a_rival_write() {
         let m = meta(json!([
             {"manager": "kube-controller-manager", "operation": "Update", "subresource": "status",
              "time": "2026-11-27T18:00:05Z", "fieldsType": "FieldsV1", "fieldsV1": {"f:status": {"f:phase": {}}}},
         ]));
-        let since: Timestamp = "2026-11-27T18:00:00Z".parse().unwrap();
         assert_eq!(
-            rival_write(Kind::PersistentVolume, &m, since).map(|w| w.fields),
+            rival_write(Kind::PersistentVolume, &m, since(), CLEAN).map(|w| w.fields),
             Some("status.phase")
         );
         // Written before stowage began watching: history, not a conflict now.
         let later: Timestamp = "2026-11-27T18:00:06Z".parse().unwrap();
-        assert_eq!(rival_write(Kind::PersistentVolume, &m, later), None);
+        assert_eq!(rival_write(Kind::PersistentVolume, &m, later, CLEAN), None);
     }
 
     #[test]
@@ -239,9 +317,8 @@ mod tests {
             {"manager": "k3s", "operation": "Update", "time": "2026-11-27T18:00:05Z",
              "fieldsV1": {"f:spec": {"f:claimRef": {}}}},
         ]));
-        let since: Timestamp = "2026-11-27T18:00:00Z".parse().unwrap();
         assert_eq!(
-            rival_write(Kind::PersistentVolume, &m, since).map(|w| w.fields),
+            rival_write(Kind::PersistentVolume, &m, since(), CLEAN).map(|w| w.fields),
             Some("spec.claimRef")
         );
     }
@@ -255,7 +332,84 @@ mod tests {
              "fieldsV1": {"f:metadata": {"f:ownerReferences": {}}}},
         ]));
         let since: Timestamp = "2026-11-27T17:00:00Z".parse().unwrap();
-        assert_eq!(rival_write(Kind::PersistentVolume, &m, since), None);
+        assert_eq!(rival_write(Kind::PersistentVolume, &m, since, CLEAN), None);
+    }
+
+    /// A Node's status entry of `manager` at `time`, owning `volumesAttached` and the conditions.
+    fn node_status(manager: &str, time: &str, attached: bool) -> Meta {
+        let mut fields = json!({"f:status": {"f:conditions": {}}});
+        if attached {
+            fields["f:status"]["f:volumesAttached"] = json!({});
+        }
+        serde_json::from_value(json!({
+            "name": "node-1", "uid": "00000000-0000-0000-0000-000000000001",
+            "creationTimestamp": "2026-11-27T10:00:00Z",
+            "managedFields": [{"manager": manager, "operation": "Update", "subresource": "status",
+                               "time": time, "fieldsV1": fields}],
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn a_field_kept_from_before_and_only_redated_is_no_write() {
+        for manager in KCM_MANAGERS {
+            // kube-controller-manager's attach/detach wrote volumesAttached before stowage took
+            // over; node lifecycle (or, on k3s, the embedded kubelet) writes the same entry since.
+            let old = node_status(manager, "2026-11-27T17:59:00Z", true);
+            let bumped = node_status(manager, "2026-11-27T18:00:07Z", true);
+            let before = Some(owned(Kind::Node, &old));
+            assert_eq!(
+                rival_write(Kind::Node, &bumped, since(), before),
+                None,
+                "{manager}: a re-dated entry is not a write to volumesAttached"
+            );
+            // Taken back after stowage had it: a write.
+            let stowages = Some(owned(
+                Kind::Node,
+                &node_status(manager, "2026-11-27T17:59:00Z", false),
+            ));
+            assert_eq!(
+                rival_write(Kind::Node, &bumped, since(), stowages).map(|w| (w.fields, w.manager)),
+                Some(("status.volumesAttached", manager))
+            );
+        }
+    }
+
+    #[test]
+    fn an_object_first_seen_is_dated_by_its_creation() {
+        let old = node_status("kube-controller-manager", "2026-11-27T18:00:07Z", true);
+        assert_eq!(
+            rival_write(Kind::Node, &old, since(), None),
+            None,
+            "made before stowage started: what its entry owns cannot be dated"
+        );
+        let mut new = old.clone();
+        new.creation_timestamp = Some("2026-11-27T18:00:03Z".into());
+        assert_eq!(
+            rival_write(Kind::Node, &new, since(), None).map(|w| w.fields),
+            Some("status.volumesAttached"),
+            "made since: everything a rival owns of it, it wrote since"
+        );
+    }
+
+    #[test]
+    fn ownership_is_remembered_per_manager() {
+        let m = meta(json!([
+            {"manager": "kube-controller-manager", "time": "2026-11-27T18:00:05Z",
+             "fieldsV1": {"f:spec": {"f:claimRef": {}}}},
+            {"manager": "k3s", "subresource": "status", "time": "2026-11-27T18:00:05Z",
+             "fieldsV1": {"f:status": {"f:phase": {}}}},
+        ]));
+        let o = owned(Kind::PersistentVolume, &m);
+        assert_eq!(o.fields(0), 0b01);
+        assert_eq!(o.fields(1), 0b10);
+        assert_eq!(rival_write(Kind::PersistentVolume, &m, since(), Some(o)), None);
+        // kube-controller-manager's claimRef is not k3s's: one manager's field is news for the other.
+        let only_k3s = Some(Owned::of(1, 0b11));
+        assert_eq!(
+            rival_write(Kind::PersistentVolume, &m, since(), only_k3s).map(|w| w.manager),
+            Some("kube-controller-manager")
+        );
     }
 
     #[test]
