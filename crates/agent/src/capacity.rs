@@ -5,8 +5,9 @@
 //! published is what the store can promise: the bytes its file system has available, less what
 //! the existing sparse images may still take (`stowage_loopdriver::image::promisable`), as
 //! `capacity` and as `maximumVolumeSize` (one volume is one file in that file system). It is
-//! refreshed every `PERIOD`, at once after this node made or deleted an image, and when the
-//! classes change; external-provisioner's distributed capacity tracking publishes the same
+//! refreshed every `PERIOD` (from the store's file system; the apiserver is written only when the
+//! value changed), at once after this node made or deleted an image, and when the classes or the
+//! published objects change; external-provisioner's distributed capacity tracking publishes the same
 //! objects for node-local drivers.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -18,7 +19,7 @@ use k8s_openapi::api::storage::v1::{CSIStorageCapacity, StorageClass};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
 use kube::ResourceExt;
-use kube::api::{Api, DeleteParams, ListParams, PostParams};
+use kube::api::{Api, DeleteParams, PostParams};
 use kube::runtime::reflector::Store;
 use stowage_loopdriver::{DRIVER, TOPOLOGY_KEY};
 use tokio::sync::{Notify, watch};
@@ -140,24 +141,35 @@ fn owner(pods: &Store<Pod>, namespace: &str) -> Option<OwnerReference> {
         })
 }
 
+/// The label selector of this node's own objects (what its watch and its plan cover).
+pub fn selector(node: &str) -> String {
+    format!("{MANAGED_BY_LABEL}={MANAGED_BY},{TOPOLOGY_KEY}={node}")
+}
+
+/// Publishes this node's capacity. `objects` is a watch of this node's own objects
+/// ([`selector`]), so a pass reads no list from the apiserver: it writes only what differs, and a
+/// change someone else made (an object deleted by hand) wakes it through `nudge` as well.
 pub async fn run(
     ctx: Arc<Ctx>,
     namespace: String,
     classes: Store<StorageClass>,
+    objects: Store<CSIStorageCapacity>,
     nudge: Arc<Notify>,
     mut stop: watch::Receiver<bool>,
 ) {
     let api: Api<CSIStorageCapacity> = Api::namespaced(ctx.client.clone(), &namespace);
-    let selector = format!("{MANAGED_BY_LABEL}={MANAGED_BY},{TOPOLOGY_KEY}={}", ctx.node);
     let mut last_error = false;
     loop {
         let started = std::time::Instant::now();
-        match publish(&ctx, &api, &selector, &namespace, &classes).await {
-            Ok(()) => {
+        match publish(&ctx, &api, &namespace, &classes, &objects).await {
+            Ok(wrote) => {
                 if last_error {
                     tracing::info!("storage capacity published again");
                 }
                 last_error = false;
+                if wrote {
+                    ctx.metrics.record("publish_capacity", started, true);
+                }
             }
             Err(e) => {
                 // Logged once per failing spell; the next pass retries.
@@ -165,9 +177,9 @@ pub async fn run(
                     tracing::warn!(error = %e, "cannot publish this node's storage capacity; retrying");
                 }
                 last_error = true;
+                ctx.metrics.record("publish_capacity", started, false);
             }
         }
-        ctx.metrics.record("publish_capacity", started, !last_error);
         tokio::select! {
             _ = stop.wait_for(|s| *s) => return,
             _ = nudge.notified() => {}
@@ -176,13 +188,14 @@ pub async fn run(
     }
 }
 
+/// One pass; whether it wrote anything.
 async fn publish(
     ctx: &Ctx,
     api: &Api<CSIStorageCapacity>,
-    selector: &str,
     namespace: &str,
     classes: &Store<StorageClass>,
-) -> anyhow::Result<()> {
+    objects: &Store<CSIStorageCapacity>,
+) -> anyhow::Result<bool> {
     let store = ctx.images.clone();
     let unwritten = tokio::task::spawn_blocking(move || store.unwritten()).await??;
     let usage = stowage_loopdriver::sys::statvfs(ctx.images.dir())
@@ -196,7 +209,7 @@ async fn publish(
         bytes,
         owner(ctx.pods.store(), namespace).as_ref(),
     );
-    let existing = api.list(&ListParams::default().labels(selector)).await?.items;
+    let existing: Vec<CSIStorageCapacity> = objects.state().iter().map(|o| (**o).clone()).collect();
     let p = plan(&existing, want);
     for o in &p.create {
         match api.create(&PostParams::default(), o).await {
@@ -207,7 +220,13 @@ async fn publish(
         }
     }
     for o in &p.replace {
-        api.replace(&o.name_any(), &PostParams::default(), o).await?;
+        match api.replace(&o.name_any(), &PostParams::default(), o).await {
+            Ok(_) => {}
+            // The watch had not yet shown this node's previous write; its event wakes the next
+            // pass, which replaces the object as it is now.
+            Err(kube::Error::Api(s)) if s.code == 409 => {}
+            Err(e) => return Err(e.into()),
+        }
     }
     for name in &p.delete {
         match api.delete(name, &DeleteParams::default()).await {
@@ -216,7 +235,8 @@ async fn publish(
             Err(e) => return Err(e.into()),
         }
     }
-    if !(p.create.is_empty() && p.replace.is_empty() && p.delete.is_empty()) {
+    let wrote = !(p.create.is_empty() && p.replace.is_empty() && p.delete.is_empty());
+    if wrote {
         tracing::debug!(
             bytes,
             created = p.create.len(),
@@ -225,7 +245,7 @@ async fn publish(
             "storage capacity published"
         );
     }
-    Ok(())
+    Ok(wrote)
 }
 
 #[cfg(test)]

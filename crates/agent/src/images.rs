@@ -9,14 +9,15 @@
 //! id (another disk mounted at the path, a store initialized again) refuses to delete it, and the
 //! attacher refuses to attach it.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::PersistentVolume;
 use kube::api::{Api, DeleteParams, PostParams};
 use kube::{Resource, ResourceExt};
-use stowage_common::store::informer::is_newer;
+use stowage_common::observe::events::{Occurrence, Repeat};
+use stowage_common::store::informer::{Change, is_newer};
 use stowage_common::store::pv::*;
 use stowage_loopdriver::{DRIVER, ImageError, TOPOLOGY_KEY};
 use tokio::sync::watch;
@@ -61,14 +62,22 @@ impl ImageOp {
     }
 }
 
+/// Whether a PV is one this node may owe anything: a volume this driver provisioned, pinned to
+/// this node. The loop keeps an index of these, so a change elsewhere in a cluster of many
+/// volumes costs one check, not a pass over every PV.
+pub fn pinned_here(pv: &PersistentVolume, node: &str) -> bool {
+    pv.spec
+        .as_ref()
+        .and_then(|s| s.csi.as_ref())
+        .is_some_and(|c| c.driver == DRIVER)
+        && ann(pv, ANN_PROVISIONED_BY) == Some(DRIVER)
+        && affinity_value(pv, TOPOLOGY_KEY) == Some(node)
+}
+
 /// What this node owes a PV's image: only volumes this driver provisioned, pinned to this node.
 /// `ensured`: the capacity this agent last made the image hold.
 pub fn decide(pv: &PersistentVolume, node: &str, ensured: Option<u128>) -> Option<ImageOp> {
-    let spec = pv.spec.as_ref()?;
-    if spec.csi.as_ref().map(|c| c.driver.as_str()) != Some(DRIVER)
-        || ann(pv, ANN_PROVISIONED_BY) != Some(DRIVER)
-        || affinity_value(pv, TOPOLOGY_KEY) != Some(node)
-    {
+    if !pinned_here(pv, node) {
         return None;
     }
     if has_ann(pv, ANN_DELETE_IMAGE) {
@@ -126,11 +135,62 @@ async fn store_id(ctx: &Ctx) -> Result<String, StepError> {
     .map_err(|e| StepError::retry(crate::store::NOT_READY, e))
 }
 
+/// The index of this node's volumes (by name), kept from the PV feed.
+#[derive(Debug, Default)]
+pub struct Index {
+    names: HashSet<String>,
+    /// A relist (or a feed that fell behind): rebuild from the store before the next pass.
+    stale: bool,
+}
+
+impl Index {
+    pub fn rebuild<'a>(&mut self, pvs: impl IntoIterator<Item = &'a PersistentVolume>, node: &str) {
+        self.names = pvs
+            .into_iter()
+            .filter(|pv| pinned_here(pv, node))
+            .map(|pv| pv.name_any())
+            .collect();
+        self.stale = false;
+    }
+
+    pub fn apply(&mut self, change: &Change<PersistentVolume>, node: &str) {
+        match change {
+            Change::Applied(pv) if pinned_here(pv, node) => {
+                self.names.insert(pv.name_any());
+            }
+            // Re-pinned elsewhere (never by this driver, but a hand edit may), or gone.
+            Change::Applied(pv) | Change::Deleted(pv) => {
+                self.names.remove(&pv.name_any());
+            }
+            Change::Resynced => self.stale = true,
+        }
+    }
+
+    pub fn names(&self) -> impl Iterator<Item = &String> {
+        self.names.iter()
+    }
+}
+
+/// How a failed step's Warning repeats while it stays the same: at once, then after gaps that
+/// double from 10 s to 5 minutes (the step itself retries faster; its log says each try).
+pub(crate) const REPEAT: Repeat = Repeat::Backoff {
+    first: Duration::from_secs(10),
+    max: Duration::from_secs(300),
+};
+
+/// The events gate's subject of one volume's image step.
+fn subject(pv: &str, op: ImageOp) -> String {
+    format!("image {pv} {}", op.name())
+}
+
 pub async fn run(ctx: Arc<Ctx>, mut stop: watch::Receiver<bool>) {
     ctx.pvs.ready().await;
     let mut feed = ctx.pvs.feed();
-    // PV → (failures in a row, next try): a failing image step backs off on its own.
-    let mut failing: HashMap<String, (u32, Instant)> = HashMap::new();
+    let mut index = Index::default();
+    index.rebuild(ctx.pvs.store().state().iter().map(|p| p.as_ref()), &ctx.node);
+    // PV → (failures in a row, next try, the step that failed): a failing image step backs off
+    // on its own.
+    let mut failing: HashMap<String, (u32, Instant, ImageOp)> = HashMap::new();
     // PV → resourceVersion this loop wrote, until the cache has caught up with it.
     let mut written: HashMap<String, String> = HashMap::new();
     // PV → the capacity its image was last made to hold here.
@@ -140,26 +200,39 @@ pub async fn run(ctx: Arc<Ctx>, mut stop: watch::Receiver<bool>) {
         tracing::warn!(error = %e.message, "image store not ready");
     }
     loop {
+        if index.stale {
+            index.rebuild(ctx.pvs.store().state().iter().map(|p| p.as_ref()), &ctx.node);
+        }
         let now = Instant::now();
         let mut due = Vec::new();
-        for pv in ctx.pvs.store().state() {
-            let name = pv.name_any();
-            if let Some(rv) = written.get(&name) {
+        for name in index.names() {
+            let Some(pv) = ctx.pv(name) else { continue };
+            if let Some(rv) = written.get(name) {
                 if is_newer(Some(rv), pv.metadata.resource_version.as_deref()) {
                     continue;
                 }
-                written.remove(&name);
+                written.remove(name);
             }
-            match decide(&pv, &ctx.node, ensured.get(&name).copied()) {
-                Some(op) if failing.get(&name).is_none_or(|(_, at)| *at <= now) => due.push((pv, op)),
+            match decide(&pv, &ctx.node, ensured.get(name).copied()) {
+                Some(op) if failing.get(name).is_none_or(|(_, at, _)| *at <= now) => due.push((pv, op)),
                 Some(_) => {}
                 None => {
-                    failing.remove(&name);
+                    if let Some((_, _, op)) = failing.remove(name) {
+                        ctx.events.forget(&subject(name, op));
+                    }
                 }
             }
         }
-        // Volumes gone from the cluster need no entry.
-        ensured.retain(|n, _| ctx.pv(n).is_some());
+        // Volumes no longer this node's need no entry.
+        ensured.retain(|n, _| index.names.contains(n));
+        written.retain(|n, _| index.names.contains(n));
+        failing.retain(|n, (_, _, op)| {
+            let keep = index.names.contains(n);
+            if !keep {
+                ctx.events.forget(&subject(n, *op));
+            }
+            keep
+        });
         for (pv, op) in due {
             let name = pv.name_any();
             let started = std::time::Instant::now();
@@ -174,7 +247,9 @@ pub async fn run(ctx: Arc<Ctx>, mut stop: watch::Receiver<bool>) {
             ctx.metrics.record(op.name(), started, r.is_ok());
             match r {
                 Ok(rv) => {
-                    failing.remove(&name);
+                    if failing.remove(&name).is_some() {
+                        ctx.events.forget(&subject(&name, op));
+                    }
                     ctx.capacity_changed.notify_one();
                     if let Some(rv) = rv {
                         written.insert(name, rv);
@@ -186,28 +261,38 @@ pub async fn run(ctx: Arc<Ctx>, mut stop: watch::Receiver<bool>) {
                     if e.permanent {
                         failing.remove(&name);
                     } else {
-                        let n = failing.get(&name).map_or(0, |(n, _)| *n) + 1;
+                        let n = failing.get(&name).map_or(0, |(n, _, _)| *n) + 1;
                         let wait = FIRST_RETRY.saturating_mul(1 << n.min(16)).min(MAX_RETRY);
-                        failing.insert(name, (n, Instant::now() + wait));
+                        failing.insert(name, (n, Instant::now() + wait, op));
                     }
                 }
             }
         }
-        let next_retry = failing.values().map(|(_, at)| *at).min();
+        let next_retry = failing.values().map(|(_, at, _)| *at).min();
         let sleep = next_retry.map_or(PERIOD, |at| {
             at.saturating_duration_since(Instant::now()).min(PERIOD)
         });
         tokio::select! {
             _ = stop.wait_for(|s| *s) => return,
-            r = feed.next() => if r.is_err() {
-                tracing::error!("the persistentvolumes watch ended");
-                return;
+            r = feed.next() => match r {
+                Ok(c) => index.apply(&c, &ctx.node),
+                Err(e) => {
+                    tracing::error!(error = %e, "the persistentvolumes watch ended");
+                    return;
+                }
             },
             _ = tokio::time::sleep(sleep) => {}
         }
         // One pass covers every change that arrived meanwhile.
-        if feed.drain().is_err() {
-            return;
+        loop {
+            match feed.try_next() {
+                Ok(Some(c)) => index.apply(&c, &ctx.node),
+                Ok(None) => break,
+                Err(e) => {
+                    tracing::error!(error = %e, "the persistentvolumes watch ended");
+                    return;
+                }
+            }
         }
     }
 }
@@ -215,7 +300,7 @@ pub async fn run(ctx: Arc<Ctx>, mut stop: watch::Receiver<bool>) {
 /// The Warning for a failed step: on the claim while the volume is being made (that is where
 /// `kubectl describe pvc` looks), on the volume when it is being deleted.
 fn report(ctx: &Ctx, pv: &PersistentVolume, op: ImageOp, e: &StepError) {
-    let subject = match (op, pv.spec.as_ref().and_then(|s| s.claim_ref.as_ref())) {
+    let on = match (op, pv.spec.as_ref().and_then(|s| s.claim_ref.as_ref())) {
         (ImageOp::Create, Some(c)) => c.clone(),
         _ => pv.object_ref(&()),
     };
@@ -223,7 +308,14 @@ fn report(ctx: &Ctx, pv: &PersistentVolume, op: ImageOp, e: &StepError) {
         true => e.message.clone(),
         false => format!("{}; retrying", e.message),
     };
-    ctx.events.warning(&subject, e.reason, op.name(), note);
+    let o = Occurrence {
+        warning: true,
+        reason: e.reason,
+        action: op.name(),
+        note,
+    };
+    ctx.events
+        .report(&self::subject(&pv.name_any(), op), REPEAT, &on, o);
 }
 
 /// Makes the image (and, for a ReadOnlyMany volume, its file system), then clears the pending
@@ -494,6 +586,30 @@ mod tests {
             None,
             "made already: nothing to do"
         );
+    }
+
+    #[test]
+    fn the_index_holds_this_nodes_volumes_only() {
+        let mine = Arc::new(volume("a", &[]));
+        let mut theirs = volume("b", &[]);
+        theirs.metadata.name = Some("pvc-2".into());
+        let theirs = Arc::new(theirs);
+        let mut index = Index::default();
+        index.rebuild([mine.as_ref(), theirs.as_ref()], "a");
+        assert_eq!(index.names().collect::<Vec<_>>(), vec!["pvc-1"]);
+        index.apply(&Change::Deleted(mine.clone()), "a");
+        assert_eq!(index.names().count(), 0);
+        index.apply(&Change::Applied(theirs.clone()), "a");
+        assert_eq!(index.names().count(), 0, "another node's volume is not indexed");
+        index.apply(&Change::Applied(mine.clone()), "a");
+        assert_eq!(index.names().collect::<Vec<_>>(), vec!["pvc-1"]);
+        // Re-pinned by a hand edit: no longer this node's.
+        let mut moved = (*mine).clone();
+        moved.spec.as_mut().unwrap().node_affinity = None;
+        index.apply(&Change::Applied(Arc::new(moved)), "a");
+        assert_eq!(index.names().count(), 0);
+        index.apply(&Change::Resynced, "a");
+        assert!(index.stale, "a relist rebuilds the index from the store");
     }
 
     #[test]

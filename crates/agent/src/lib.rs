@@ -31,11 +31,12 @@ use std::sync::atomic::Ordering;
 
 use anyhow::{Context, bail};
 use clap::Parser;
+use k8s_openapi::api::storage::v1::CSIStorageCapacity;
 use kube::runtime::watcher;
 use stowage_common::api::client::ApiArgs;
 use stowage_common::observe::events::Events;
 use stowage_common::observe::serve::{self, Health};
-use stowage_common::store::informer::{Informer, as_decoded};
+use stowage_common::store::informer::{Feed, Informer, as_decoded};
 use stowage_loopdriver::csi::registration;
 use stowage_loopdriver::csi::server::{self as csi_server, Endpoint, NodeSettings, socket_path};
 use tokio::sync::watch;
@@ -115,6 +116,27 @@ pub struct Args {
     #[cfg(debug_assertions)]
     #[arg(long, hide = true)]
     pub debug_panic_once: Vec<String>,
+}
+
+/// Wakes `wake` on every change `feed` brings, until stopped (a loop whose pass reads the stores
+/// whatever changed).
+async fn wake_on<K: Clone>(
+    mut feed: Feed<K>,
+    wake: Arc<tokio::sync::Notify>,
+    mut stop: watch::Receiver<bool>,
+) {
+    loop {
+        tokio::select! {
+            _ = stop.wait_for(|s| *s) => return,
+            r = feed.next() => match r {
+                Ok(_) => wake.notify_one(),
+                Err(e) => {
+                    tracing::error!(error = %e, "a storage capacity watch ended");
+                    return;
+                }
+            },
+        }
+    }
 }
 
 fn canonical_dir(p: &PathBuf, flag: &str) -> anyhow::Result<PathBuf> {
@@ -271,30 +293,25 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
                 as_decoded,
                 &mut watches,
             );
-            classes.ready().await;
+            // Only this node's own objects: what its plan compares with and replaces.
+            let objects = Informer::<CSIStorageCapacity>::spawn_in(
+                client.clone(),
+                &ns,
+                watcher::Config::default().labels(&capacity::selector(&ctx.node)),
+                as_decoded,
+                &mut watches,
+            );
+            tokio::join!(classes.ready(), objects.ready());
             let nudge = ctx.capacity_changed.clone();
-            // A class added or removed changes what is published.
-            let mut feed = classes.feed();
-            let wake = nudge.clone();
-            let mut stop = stop_rx.clone();
-            loops.spawn(async move {
-                loop {
-                    tokio::select! {
-                        _ = stop.wait_for(|s| *s) => return,
-                        r = feed.next() => match r {
-                            Ok(_) => wake.notify_one(),
-                            Err(e) => {
-                                tracing::error!(error = %e, "storage class watch ended");
-                                return;
-                            }
-                        },
-                    }
-                }
-            });
+            // A class added or removed, or an object changed by someone else, changes what is
+            // to be written.
+            loops.spawn(wake_on(classes.feed(), nudge.clone(), stop_rx.clone()));
+            loops.spawn(wake_on(objects.feed(), nudge.clone(), stop_rx.clone()));
             loops.spawn(capacity::run(
                 ctx.clone(),
                 ns,
                 classes.store().clone(),
+                objects.store().clone(),
                 nudge,
                 stop_rx.clone(),
             ));

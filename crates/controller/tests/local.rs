@@ -373,6 +373,19 @@ spec:
         "node-a node-b",
     )
     .await;
+    // An object deleted by hand is published again (the agent watches its own objects).
+    let name_a = "jsonpath={.items[?(@.metadata.labels.topology\\.loop\\.stowage\\.dev/node==\"node-a\")].metadata.name}";
+    let ours = k.must(&["get", "csistoragecapacities", "-n", "default", "-o", name_a]);
+    let ours: Vec<&str> = ours.split_whitespace().collect();
+    assert!(!ours.is_empty(), "node-a publishes its store");
+    let mut del = vec!["delete", "csistoragecapacities", "-n", "default"];
+    del.extend(&ours);
+    k.must(&del);
+    k.until(
+        &["get", "csistoragecapacities", "-n", "default", "-o", name_a],
+        &ours.join(" "),
+    )
+    .await;
     apply(&k, &base, "now.yaml", &claim("now", "now", None));
     let args = phase("now");
     let args: Vec<&str> = args.iter().map(String::as_str).collect();

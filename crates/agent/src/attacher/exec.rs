@@ -14,6 +14,7 @@ use crate::ctx::Ctx;
 use crate::mountinfo;
 use crate::paths::{DRIVER, VA_FINALIZER};
 use crate::sys;
+use stowage_common::observe::events::Occurrence;
 use stowage_common::store::pv::{ANN_STORE_ID, ann, is_loop_attacher_finalizer};
 use stowage_loopdriver::fence;
 
@@ -99,6 +100,7 @@ pub(super) async fn execute(ctx: &Ctx, va: &VolumeAttachment, action: VaAction) 
             let patch = match &r {
                 Ok((dev, handle)) => {
                     tracing::info!(va = %name, device = %dev, "attached");
+                    ctx.events.forget(&gate_subject(va, "Attach"));
                     // A re-attach means the device went away under the volume: say so where the
                     // user looks, the mounts on it are broken until they are made again.
                     if let Some(old) = lost_device(va) {
@@ -117,8 +119,7 @@ pub(super) async fn execute(ctx: &Ctx, va: &VolumeAttachment, action: VaAction) 
                 }
                 Err(msg) => {
                     tracing::warn!(va = %name, error = %msg, "attach failed");
-                    ctx.events
-                        .warning(&va.object_ref(&()), "FailedAttach", "Attach", msg.clone());
+                    say(ctx, va, "FailedAttach", "Attach", msg.clone());
                     serde_json::json!({ "status": {
                         "attached": false,
                         "attachError": { "message": msg, "time": now_time() },
@@ -142,6 +143,7 @@ pub(super) async fn execute(ctx: &Ctx, va: &VolumeAttachment, action: VaAction) 
             ctx.metrics.record("detach", started, r.is_ok());
             match r {
                 Ok(()) => {
+                    ctx.events.forget(&gate_subject(va, "Detach"));
                     let status = serde_json::json!({ "status": {
                         "attached": false, "attachmentMetadata": null, "detachError": null,
                     }});
@@ -177,8 +179,7 @@ pub(super) async fn execute(ctx: &Ctx, va: &VolumeAttachment, action: VaAction) 
                 }
                 Err(msg) => {
                     tracing::warn!(va = %name, error = %msg, "detach failed");
-                    ctx.events
-                        .warning(&va.object_ref(&()), "FailedDetach", "Detach", msg.clone());
+                    say(ctx, va, "FailedDetach", "Detach", msg.clone());
                     let patch = serde_json::json!({ "status": {
                         "detachError": { "message": msg, "time": now_time() },
                     }});
@@ -190,6 +191,29 @@ pub(super) async fn execute(ctx: &Ctx, va: &VolumeAttachment, action: VaAction) 
             }
         }
     }
+}
+
+/// The events gate's subject of one attachment's attach or detach.
+fn gate_subject(va: &VolumeAttachment, action: &str) -> String {
+    format!("va {} {action}", va.uid().unwrap_or_else(|| va.name_any()))
+}
+
+/// A failed attach or detach, said where `kubectl describe volumeattachment` shows it: at once
+/// when it is new or its message changed, then less and less often while it persists (each
+/// retry still writes the error into the attachment's status).
+fn say(ctx: &Ctx, va: &VolumeAttachment, reason: &str, action: &str, note: String) {
+    let o = Occurrence {
+        warning: true,
+        reason,
+        action,
+        note,
+    };
+    ctx.events.report(
+        &gate_subject(va, action),
+        crate::images::REPEAT,
+        &va.object_ref(&()),
+        o,
+    );
 }
 
 fn is_not_found(e: &kube::Error) -> bool {

@@ -65,12 +65,40 @@ where
         strip: fn(&mut K),
         tasks: &mut JoinSet<()>,
     ) -> Self {
+        Self::spawn_on(Api::<Lean<K>>::all(client), config, strip, tasks)
+    }
+
+    /// As [`Informer::spawn`], for the objects of one namespace (a component whose Role grants
+    /// reads there only).
+    pub fn spawn_in(
+        client: Client,
+        namespace: &str,
+        config: watcher::Config,
+        strip: fn(&mut K),
+        tasks: &mut JoinSet<()>,
+    ) -> Self
+    where
+        K: Resource<Scope = kube::core::NamespaceResourceScope>,
+    {
+        Self::spawn_on(
+            Api::<Lean<K>>::namespaced(client, namespace),
+            config,
+            strip,
+            tasks,
+        )
+    }
+
+    fn spawn_on(
+        api: Api<Lean<K>>,
+        config: watcher::Config,
+        strip: fn(&mut K),
+        tasks: &mut JoinSet<()>,
+    ) -> Self {
         let (store, mut writer) = reflector::store();
         let reader = store.clone();
         let (tx, _) = broadcast::channel(FEED_CAPACITY);
         let feed = tx.clone();
         let kind = K::kind(&()).to_string();
-        let api = Api::<Lean<K>>::all(client);
         tasks.spawn(async move {
             let mut stream = watcher::watcher(api, config)
                 .default_backoff()
