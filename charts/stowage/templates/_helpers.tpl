@@ -142,8 +142,10 @@ dnsPolicy: ClusterFirstWithHostNet
 {{- end }}
 
 {{/*
-The kube-controller-manager --controllers value that turns off what this release's controller
-runs (controller.controllers in stowage's names or KCM's), so the two never both run one. The
+What to append to kube-controller-manager's --controllers value so that it turns off what this
+release's controller runs (controller.controllers in stowage's names or KCM's), so the two never
+both run one: ",-a,-b". Appended, never a value of its own: the flag replaces the distribution's
+value, whose opt-in controllers (kubeadm's bootstrapsigner, tokencleaner) must stay. The
 name tables repeat stowage-controller's (crates/controller/src/lib.rs); the chart tests render
 this for every name and compare it with the binary's own answer. An unknown name fails here too,
 for installs that skip values.schema.json.

@@ -47,12 +47,22 @@ const PVC_PROTECTION: &str = "persistentvolumeclaim-protection-controller";
 const ATTACH_DETACH: &str = "persistentvolume-attach-detach-controller";
 const EXPANDER: &str = "persistentvolume-expander-controller";
 
-/// The controllers the `--controllers=*,-a,-b` line of helm's NOTES output turns off.
+/// kubeadm's `--controllers` value: KCM's default plus the two controllers a join needs.
+const KUBEADM_CONTROLLERS: &str = "*,bootstrapsigner,tokencleaner";
+
+/// The controllers the NOTES' whole flag for kubeadm (`--controllers=<kubeadm's value>,-a,-b`)
+/// turns off. The NOTES never print a bare `--controllers=*,-…` (it would drop kubeadm's opt-in
+/// controllers, and no new node could join).
 fn kcm_flag(out: &str) -> Vec<&str> {
+    assert!(
+        !out.lines().any(|l| l.trim().starts_with("--controllers=*,-")),
+        "NOTES print a --controllers value without the distribution's own:\n{out}"
+    );
+    let prefix = format!("--controllers={KUBEADM_CONTROLLERS}");
     let value = out
         .lines()
-        .find_map(|l| l.trim().strip_prefix("--controllers=*"))
-        .unwrap_or_else(|| panic!("no --controllers=* line in the NOTES:\n{out}"));
+        .find_map(|l| l.trim().strip_prefix(prefix.as_str()))
+        .unwrap_or_else(|| panic!("no {prefix} line in the NOTES:\n{out}"));
     value
         .split(',')
         .filter(|c| !c.is_empty())
@@ -264,12 +274,36 @@ async fn helm_install_upgrade_uninstall_on_a_real_apiserver() {
             ])
             .await
             .unwrap();
-        let want = stowage_controller::kcm_flag(&stowage_controller::resolve_controllers(&spec).unwrap());
-        assert!(
-            out.lines().any(|l| l.trim() == want),
-            "{set}: NOTES lack the controller's {want}:\n{out}"
-        );
+        let running = stowage_controller::resolve_controllers(&spec).unwrap();
+        for want in [
+            stowage_controller::kcm_negations(&running),
+            stowage_controller::kcm_flag(KUBEADM_CONTROLLERS, &running),
+        ] {
+            assert!(
+                out.lines().any(|l| l.trim() == want),
+                "{set}: NOTES lack the controller's {want}:\n{out}"
+            );
+        }
     }
+    // Told the value the distribution passes, the NOTES print the whole flag from it.
+    let out = helm
+        .run(&[
+            "install",
+            RELEASE,
+            chart,
+            "--namespace",
+            &ns,
+            "--dry-run=server",
+            "--set",
+            "controller.kubeControllerManagerControllers=*\\,tokencleaner",
+        ])
+        .await
+        .unwrap();
+    let want = stowage_controller::kcm_flag(
+        "*,tokencleaner",
+        &stowage_controller::resolve_controllers(&["*".into()]).unwrap(),
+    );
+    assert!(out.lines().any(|l| l.trim() == want), "NOTES lack {want}:\n{out}");
     // An unknown name fails the install even when the schema is skipped.
     let e = helm
         .run(&[

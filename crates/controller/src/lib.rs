@@ -235,24 +235,27 @@ pub const KCM_ALIASES: &[(&str, &str)] = &[
     ("persistentvolume-expander", "expand"),
 ];
 
-/// The kube-controller-manager flag that turns off, on the KCM side, the controllers this
-/// process runs (both running them would fight over the same objects).
-pub fn kcm_flag(running: &[&str]) -> String {
-    let mut off: Vec<&str> = Vec::new();
+/// What to append to kube-controller-manager's `--controllers` value so that it turns off the
+/// controllers this process runs (both running them would fight over the same objects):
+/// `,-a,-b`. Appended, never a value of its own: the flag replaces the distribution's value, and
+/// its opt-in controllers (kubeadm's `bootstrapsigner`, `tokencleaner`) must stay.
+pub fn kcm_negations(running: &[&str]) -> String {
+    let mut neg = String::new();
     for name in running {
         if let Some((kcm, _)) = KCM_ALIASES
             .iter()
             .find(|(k, n)| n == name && k.ends_with("-controller"))
         {
-            off.push(kcm);
+            neg.push_str(",-");
+            neg.push_str(kcm);
         }
     }
-    let mut flag = String::from("--controllers=*");
-    for k in off {
-        flag.push_str(",-");
-        flag.push_str(k);
-    }
-    flag
+    neg
+}
+
+/// kube-controller-manager's whole flag, from the value it runs with today (`base`).
+pub fn kcm_flag(base: &str, running: &[&str]) -> String {
+    format!("--controllers={base}{}", kcm_negations(running))
 }
 
 /// Expands `--controllers` into the list to run, rejecting unknown names.
@@ -363,8 +366,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     health.ready.store(true, Ordering::Relaxed);
     tracing::info!(
         controllers = ?controllers,
-        kube_controller_manager = %kcm_flag(&controllers),
-        "starting; run kube-controller-manager with the flag shown so the two do not both run these"
+        kcm_controllers_append = %kcm_negations(&controllers),
+        kubeadm_example = %kcm_flag("*,bootstrapsigner,tokencleaner", &controllers),
+        "starting; append kcm_controllers_append to kube-controller-manager's --controllers value (keep the value the distribution passes) so the two do not both run these"
     );
 
     let shutdown = stowage_common::runtime::shutdown::signalled();
@@ -600,13 +604,18 @@ mod tests {
     #[test]
     fn the_kcm_flag_turns_off_what_runs_here() {
         assert_eq!(
-            kcm_flag(&resolve_controllers(&s(&["*"])).unwrap()),
-            "--controllers=*,-persistentvolume-binder-controller,-persistentvolume-protection-controller,-persistentvolumeclaim-protection-controller,-persistentvolume-attach-detach-controller,-persistentvolume-expander-controller"
+            kcm_flag(
+                "*,bootstrapsigner,tokencleaner",
+                &resolve_controllers(&s(&["*"])).unwrap()
+            ),
+            "--controllers=*,bootstrapsigner,tokencleaner,-persistentvolume-binder-controller,-persistentvolume-protection-controller,-persistentvolumeclaim-protection-controller,-persistentvolume-attach-detach-controller,-persistentvolume-expander-controller",
+            "the distribution's opt-in controllers stay"
         );
         assert_eq!(
-            kcm_flag(&["expand"]),
-            "--controllers=*,-persistentvolume-expander-controller"
+            kcm_negations(&["expand"]),
+            ",-persistentvolume-expander-controller"
         );
+        assert_eq!(kcm_flag("*", &[]), "--controllers=*");
     }
 
     #[test]
