@@ -167,3 +167,43 @@ async fn csi_driver_suits_the_kubelet() {
     let m = render(&helm, &["--set", "csiDriver.create=false"]).await.unwrap();
     assert!(document(&m, "CSIDriver", "loop.stowage.dev").is_none());
 }
+
+/// Where the agents run by default: every node in local mode (each makes its own store), only
+/// untainted nodes in shared mode (a control-plane node without the shared mount would fail its
+/// hostPath check and hold the rollout for ever); a list of the user's replaces either.
+#[tokio::test]
+async fn the_agents_tolerations_follow_the_store_and_yield_to_the_users() {
+    let helm = Helm::new(None);
+    let m = render(&helm, &[]).await.unwrap();
+    let a = doc(&m, "DaemonSet", "st-stowage-agent");
+    assert!(a.contains("tolerations:\n        - operator: Exists"), "{a}");
+    let m = render(&helm, &["--set", "imageStore.mode=shared"]).await.unwrap();
+    let a = doc(&m, "DaemonSet", "st-stowage-agent");
+    assert!(
+        !a.contains("tolerations:"),
+        "shared mode tolerates no taint:\n{a}"
+    );
+    let m = render(
+        &helm,
+        &[
+            "--set",
+            "agent.tolerations[0].key=node-role.kubernetes.io/control-plane",
+            "--set",
+            "agent.tolerations[0].operator=Exists",
+            "--set",
+            "agent.tolerations[0].effect=NoSchedule",
+        ],
+    )
+    .await
+    .unwrap();
+    let a = doc(&m, "DaemonSet", "st-stowage-agent");
+    assert!(a.contains("key: node-role.kubernetes.io/control-plane"), "{a}");
+    assert_eq!(
+        a.matches("operator: Exists").count(),
+        1,
+        "the user's list only:\n{a}"
+    );
+    let m = render(&helm, &["--set-json", "agent.tolerations=[]"]).await.unwrap();
+    let a = doc(&m, "DaemonSet", "st-stowage-agent");
+    assert!(!a.contains("tolerations:"), "an empty list is none:\n{a}");
+}
