@@ -765,3 +765,24 @@ async fn a_rivals_old_field_redated_by_an_unrelated_write_is_no_conflict() {
     pvs.patch("fresh-1", &pp, &Patch::Merge(&patch)).await.unwrap();
     until_gauge(&stowage, "stowage_conflicting_writes_total", &[], |v| v >= 1.0).await;
 }
+
+/// The guide's k3s section imports the image with k3s's own containerd client: plain `ctr`
+/// talks to a system containerd's socket where one runs, and the image never reaches k3s.
+#[test]
+fn the_k3s_section_imports_into_k3s_own_containerd() {
+    let guide = guide();
+    let k3s: String = guide
+        .lines()
+        .skip_while(|l| *l != "## k3s")
+        .skip(1)
+        .take_while(|l| !l.starts_with("## "))
+        .collect::<Vec<_>>()
+        .join("\n");
+    assert!(k3s.contains("`k3s ctr images import"), "{k3s}");
+    assert!(k3s.contains("/var/lib/rancher/k3s/agent/images/"), "{k3s}");
+    let plain = k3s
+        .lines()
+        .filter(|l| l.contains("ctr -n k8s.io images import"))
+        .all(|l| l.contains("Plain") || l.contains("plain"));
+    assert!(plain, "plain ctr only as the warning:\n{k3s}");
+}
