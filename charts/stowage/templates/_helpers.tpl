@@ -83,6 +83,7 @@ app.kubernetes.io/component: agent
 {{- else if eq .Values.imageStore.type "pvc" }}
   persistentVolumeClaim:
     claimName: {{ required "imageStore.existingClaim is required when imageStore.type is pvc" .Values.imageStore.existingClaim }}
+{{- include "stowage.storeClaimCheck" . }}
 {{- else }}
 {{- fail (printf "imageStore.type must be hostPath or pvc, not %q" .Values.imageStore.type) }}
 {{- end }}
@@ -172,8 +173,63 @@ for installs that skip values.schema.json.
 {{- end -}}
 {{- end -}}
 {{- end -}}
---controllers=*
 {{- range list "binder" "pv-protection" "pvc-protection" "attachdetach" "expand" -}}
 {{- if and (has . $on) (not (has . $off)) -}},-{{ get $kcm . }}{{- end -}}
 {{- end -}}
+{{- end }}
+
+{{/*
+The agent is privileged: a namespace that enforces another Pod Security level refuses its pods
+(the DaemonSet shows FailedCreate) while the install itself succeeds. Read from the namespace's
+label at install and upgrade; `helm template` sees no cluster and skips it.
+*/}}
+{{- define "stowage.podSecurityCheck" -}}
+{{- if .Values.podSecurity.check }}
+{{- $ns := lookup "v1" "Namespace" "" .Release.Namespace | default dict }}
+{{- $level := dig "metadata" "labels" "pod-security.kubernetes.io/enforce" "" $ns }}
+{{- if and $level (ne $level "privileged") }}
+{{- fail (printf "namespace %s enforces Pod Security level %q, but the stowage agent is privileged (host /dev, loop devices, mount propagation): its pods would be refused (DaemonSet events FailedCreate) while the install reports success. Label the namespace first: kubectl label namespace %s pod-security.kubernetes.io/enforce=privileged --overwrite (or install into a namespace that allows privileged pods; podSecurity.check=false skips this check)" .Release.Namespace $level .Release.Namespace) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+A store on a claim: stowage's controller and agents mount it, so nothing of stowage's can bind it
+or attach its volume (those controllers run in the pod that waits for it). A claim that is not
+Bound, or whose volume needs attaching, would leave the install waiting for ever; refuse it with
+the order that works. Read at install and upgrade; a claim not found (or `helm template`) is left
+to the pods' own events.
+*/}}
+{{- define "stowage.storeClaimCheck" -}}
+{{- if .Values.imageStore.checkClaim }}
+{{- $name := .Values.imageStore.existingClaim }}
+{{- $claim := lookup "v1" "PersistentVolumeClaim" .Release.Namespace $name | default dict }}
+{{- if $claim }}
+{{- $phase := dig "status" "phase" "Pending" $claim }}
+{{- if ne $phase "Bound" }}
+{{- fail (printf "imageStore.existingClaim %s/%s is %s, not Bound: stowage's controller and agents mount it, and stowage's own binder runs in the controller that would wait for it, so nothing would ever bind it. Bind it first, while kube-controller-manager's binder still runs, then turn kube-controller-manager's storage controllers off and install (docs/distributions.md, \"Order\"); imageStore.checkClaim=false skips this check" .Release.Namespace $name $phase) }}
+{{- end }}
+{{- $pvName := dig "spec" "volumeName" "" $claim }}
+{{- $pv := lookup "v1" "PersistentVolume" "" $pvName | default dict }}
+{{- $spec := dig "spec" dict $pv }}
+{{- $attach := "" }}
+{{- if hasKey $spec "csi" }}
+{{- $driver := $spec.csi.driver }}
+{{- $obj := lookup "storage.k8s.io/v1" "CSIDriver" "" $driver | default dict }}
+{{- if dig "spec" "attachRequired" true $obj }}
+{{- $attach = printf "CSI driver %s requires attach (its CSIDriver says attachRequired: true, or there is none)" $driver }}
+{{- end }}
+{{- else if $spec }}
+{{- $attachable := list "awsElasticBlockStore" "gcePersistentDisk" "azureDisk" "cinder" "vsphereVolume" "portworxVolume" "iscsi" "rbd" "fc" "flexVolume" "photonPersistentDisk" "scaleIO" "storageos" }}
+{{- range $attachable }}
+{{- if hasKey $spec . }}
+{{- $attach = printf "its %s source is attached to a node by the attach/detach controller" . }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- if $attach }}
+{{- fail (printf "imageStore.existingClaim %s/%s is bound to volume %s, and %s: stowage's attach/detach controller runs in the controller pod that waits for this volume, so it would never be attached. Use a volume that needs no attach (NFS, CephFS, or a CSI driver with attachRequired: false); imageStore.checkClaim=false skips this check" .Release.Namespace $name $pvName $attach) }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- end }}
