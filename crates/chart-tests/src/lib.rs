@@ -73,6 +73,28 @@ impl Helm {
         output(cmd, &format!("helm {}", args.join(" "))).await
     }
 
+    /// A server-side dry run of `helm install <release> <chart> -n <namespace>` with `extra`
+    /// arguments: the apiserver validates and admits every object (and the chart's lookups read
+    /// the cluster), nothing is stored. Its output (the NOTES), or why it was refused.
+    pub async fn try_install(
+        &self,
+        release: &str,
+        chart: &str,
+        namespace: &str,
+        extra: &[&str],
+    ) -> Result<String, String> {
+        let mut args = vec![
+            "install",
+            release,
+            chart,
+            "--namespace",
+            namespace,
+            "--dry-run=server",
+        ];
+        args.extend_from_slice(extra);
+        self.run(&args).await
+    }
+
     /// Writes a values file into helm's temporary home and returns its path.
     pub fn values(&self, name: &str, yaml: &str) -> PathBuf {
         let p = self.home.path().join(name);

@@ -239,16 +239,7 @@ async fn helm_install_upgrade_uninstall_on_a_real_apiserver() {
     ] {
         let set = format!("controller.controllers={controllers}");
         let out = helm
-            .run(&[
-                "install",
-                RELEASE,
-                chart,
-                "--namespace",
-                &ns,
-                "--dry-run=server",
-                "--set",
-                &set,
-            ])
+            .try_install(RELEASE, chart, &ns, &["--set", &set])
             .await
             .unwrap();
         assert_eq!(kcm_flag(&out), off, "{set}:\n{out}");
@@ -262,16 +253,7 @@ async fn helm_install_upgrade_uninstall_on_a_real_apiserver() {
     for spec in names.flat_map(|n| [vec![n.to_string()], vec!["*".into(), format!("-{n}")]]) {
         let set = format!("controller.controllers={{{}}}", spec.join(","));
         let out = helm
-            .run(&[
-                "install",
-                RELEASE,
-                chart,
-                "--namespace",
-                &ns,
-                "--dry-run=server",
-                "--set",
-                &set,
-            ])
+            .try_install(RELEASE, chart, &ns, &["--set", &set])
             .await
             .unwrap();
         let running = stowage_controller::resolve_controllers(&spec).unwrap();
@@ -287,16 +269,15 @@ async fn helm_install_upgrade_uninstall_on_a_real_apiserver() {
     }
     // Told the value the distribution passes, the NOTES print the whole flag from it.
     let out = helm
-        .run(&[
-            "install",
+        .try_install(
             RELEASE,
             chart,
-            "--namespace",
             &ns,
-            "--dry-run=server",
-            "--set",
-            "controller.kubeControllerManagerControllers=*\\,tokencleaner",
-        ])
+            &[
+                "--set",
+                "controller.kubeControllerManagerControllers=*\\,tokencleaner",
+            ],
+        )
         .await
         .unwrap();
     let want = stowage_controller::kcm_flag(
@@ -306,17 +287,16 @@ async fn helm_install_upgrade_uninstall_on_a_real_apiserver() {
     assert!(out.lines().any(|l| l.trim() == want), "NOTES lack {want}:\n{out}");
     // An unknown name fails the install even when the schema is skipped.
     let e = helm
-        .run(&[
-            "install",
+        .try_install(
             RELEASE,
             chart,
-            "--namespace",
             &ns,
-            "--dry-run=server",
-            "--skip-schema-validation",
-            "--set",
-            "controller.controllers={*,-persistentvolume-binder-controler}",
-        ])
+            &[
+                "--skip-schema-validation",
+                "--set",
+                "controller.controllers={*,-persistentvolume-binder-controler}",
+            ],
+        )
         .await
         .unwrap_err();
     assert!(

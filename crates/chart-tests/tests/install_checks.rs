@@ -128,10 +128,7 @@ async fn each_pod_needs_the_level_the_guide_names_and_a_refusing_namespace_fails
 
     // Installing into a namespace that enforces less than `privileged` is refused, with the fix.
     for (ns, level) in [(&baseline, "baseline"), (&restricted, "restricted")] {
-        let e = helm
-            .run(&["install", RELEASE, chart, "--namespace", ns, "--dry-run=server"])
-            .await
-            .unwrap_err();
+        let e = helm.try_install(RELEASE, chart, ns, &[]).await.unwrap_err();
         assert!(
             e.contains(&format!("enforces Pod Security level \"{level}\""))
                 && e.contains(&format!(
@@ -148,18 +145,8 @@ async fn each_pod_needs_the_level_the_guide_names_and_a_refusing_namespace_fails
         (&unlabelled, None),
         (&baseline, Some("podSecurity.check=false")),
     ] {
-        let mut args = vec![
-            "install",
-            RELEASE,
-            chart,
-            "--namespace",
-            ns.as_str(),
-            "--dry-run=server",
-        ];
-        if let Some(s) = extra {
-            args.extend(["--set", s]);
-        }
-        let out = helm.run(&args).await.unwrap();
+        let sets = extra.map(|s| vec!["--set", s]).unwrap_or_default();
+        let out = helm.try_install(RELEASE, chart, ns, &sets).await.unwrap();
         assert!(
             out.contains("Pod Security"),
             "the NOTES say what the namespace needs:\n{out}"
@@ -277,21 +264,13 @@ async fn a_store_claim_that_stowage_itself_would_have_to_bind_or_attach_is_refus
         let (helm, ns) = (&helm, ns.clone());
         async move {
             let claim = format!("imageStore.existingClaim={claim}");
-            helm.run(&[
-                "install",
-                RELEASE,
-                chart,
-                "--namespace",
-                &ns,
-                "--dry-run=server",
+            let sets = [
                 "--set",
-                "imageStore.mode=shared",
-                "--set",
-                "imageStore.type=pvc",
+                "imageStore.mode=shared,imageStore.type=pvc",
                 "--set",
                 &claim,
-            ])
-            .await
+            ];
+            helm.try_install(RELEASE, chart, &ns, &sets).await
         }
     };
     let claims: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), &ns);

@@ -37,6 +37,18 @@ async fn until_gauge(r: &Running, name: &str, labels: &[(&str, &str)], want: imp
     .await
 }
 
+/// stowage has seen no conflict from any source, counted no rival write, and runs.
+fn assert_no_conflict(stowage: &Running) {
+    assert_eq!(
+        gauge(stowage, "stowage_conflict", &[]),
+        0.0,
+        "{}",
+        stowage.log_text()
+    );
+    assert_eq!(gauge(stowage, "stowage_conflicting_writes_total", &[]), 0.0);
+    assert_eq!(gauge(stowage, "stowage_controllers_paused", &[]), 0.0);
+}
+
 /// `ConflictingController` Events in `ns` about objects of `kind`.
 async fn conflict_events(client: &kube::Client, ns: &str, kind: &str) -> Vec<Event> {
     let events: Api<Event> = Api::namespaced(client.clone(), ns);
@@ -620,14 +632,7 @@ async fn the_documented_kcm_flag_leaves_the_storage_controllers_to_stowage() {
     bound_by_stowage(&pvs, "after-1").await;
     // Past the pod poll: still no conflict from either source, nothing paused.
     tokio::time::sleep(Duration::from_secs(31)).await;
-    assert_eq!(
-        gauge(&stowage, "stowage_conflict", &[]),
-        0.0,
-        "{}",
-        stowage.log_text()
-    );
-    assert_eq!(gauge(&stowage, "stowage_conflicting_writes_total", &[]), 0.0);
-    assert_eq!(gauge(&stowage, "stowage_controllers_paused", &[]), 0.0);
+    assert_no_conflict(&stowage);
     assert!(kcm.running(), "kube-controller-manager stopped");
 }
 
@@ -748,14 +753,7 @@ async fn a_rivals_old_field_redated_by_an_unrelated_write_is_no_conflict() {
     static_pair(&client, "fresh-1", "claim-fresh").await;
     bound_by_stowage(&pvs, "fresh-1").await;
     tokio::time::sleep(Duration::from_secs(3)).await;
-    assert_eq!(
-        gauge(&stowage, "stowage_conflict", &[]),
-        0.0,
-        "{}",
-        stowage.log_text()
-    );
-    assert_eq!(gauge(&stowage, "stowage_conflicting_writes_total", &[]), 0.0);
-    assert_eq!(gauge(&stowage, "stowage_controllers_paused", &[]), 0.0);
+    assert_no_conflict(&stowage);
     // A rival that takes a storage field is still seen: claimRef of a pair stowage bound.
     let patch = json!({"spec": {"claimRef": {"resourceVersion": "1"}}});
     let pp = PatchParams {

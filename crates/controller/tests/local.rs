@@ -404,6 +404,21 @@ spec:
         store(node_now).join(format!("{pv_now}.img")).is_file(),
         "{pv_now} made in the store of {node_now}, the node it is pinned to"
     );
+    // Each binary signs its writes: the controller made and bound the PV, the agent recorded the
+    // image it made.
+    let managers = k.must(&[
+        "get",
+        "pv",
+        &pv_now,
+        "-o",
+        "jsonpath={.metadata.managedFields[*].manager}",
+    ]);
+    let managers: Vec<&str> = managers.split_whitespace().collect();
+    assert!(
+        managers.contains(&"stowage-controller") && managers.contains(&"stowage-agent"),
+        "{managers:?}"
+    );
+    assert!(!managers.contains(&"unknown"), "{managers:?}");
     // More than any store has: Pending, and the claim says why.
     apply(
         &k,
