@@ -47,11 +47,12 @@ driver="$results/$driver_name.yaml"
 cp "e2e/storage/$driver_name.yaml" "$driver"
 if [ "$store" = local ]; then
   # Each volume lives in one node's store: it is reachable from that node only (the suite skips
-  # the tests that move a volume), the node plugin reports the topology key, and the agents
-  # publish CSIStorageCapacity objects.
+  # the tests that move a volume), the node plugin reports the topology key, the agents publish
+  # CSIStorageCapacity objects, and XFS is made too (a volume that never moves needs no MMP).
   sed -i -e 's/^\(\s*singleNodeVolume:\) false/\1 true/' -e 's/^\(\s*topology:\) false/\1 true/' \
     -e 's/^\(\s*capacity:\) false/\1 true/' \
-    -e 's|^\(\s*\)Name: loop.stowage.dev$|&\n\1TopologyKeys: [topology.loop.stowage.dev/node]|' "$driver"
+    -e 's|^\(\s*\)Name: loop.stowage.dev$|&\n\1TopologyKeys: [topology.loop.stowage.dev/node]|' \
+    -e 's|^\(\s*\)ext4: {}$|&\n\1xfs: {}|' "$driver"
   # Node-local volumes want delayed binding (the chart's class is WaitForFirstConsumer): two
   # claims a pod uses, bound at once, may land on two nodes, and the pod then fits neither. The
   # suite's classes come from this one; the tests that ask for a binding mode still set it.
@@ -63,7 +64,7 @@ provisioner: loop.stowage.dev
 volumeBindingMode: WaitForFirstConsumer
 CLASS
   sed -i "s|^\(\s*\)FromName: true|\1FromFile: $results/storageclass-local.yaml|" "$driver"
-  echo "e2e-storage: local image stores: topology, capacity and single-node volumes claimed, WaitForFirstConsumer classes"
+  echo "e2e-storage: local image stores: topology, capacity, single-node volumes and xfs claimed, WaitForFirstConsumer classes"
 fi
 capeff=$(awk '/^CapEff:/ {print $2}' /proc/self/status)
 if (( (16#$capeff >> 24 & 1) == 0 )); then

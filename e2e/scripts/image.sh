@@ -2,7 +2,7 @@
 # Builds the stowage image (the one the Containerfile describes) offline, as an OCI image archive:
 # no registry and no container daemon, only Debian's package mirror through apt.
 #
-#   layer 1  the Debian base: minbase + util-linux, mount, e2fsprogs, slimmed as Debian's -slim
+#   layer 1  the Debian base: minbase + util-linux, mount, e2fsprogs, xfsprogs, slimmed as Debian's -slim
 #            images are (no man pages, docs except copyright, locales), plus the "nonroot" user
 #            65532:65532. Built by mmdebstrap from the machine's configured Debian mirror and cached
 #            under ${XDG_CACHE_HOME:-~/.cache}/stowage/image-base/<hash of its inputs>.
@@ -72,8 +72,9 @@ EOF
 fi
 
 # What the agent runs: losetup, mount/umount (mount); blkid, findmnt (util-linux); mkfs.ext4,
-# resize2fs, e2fsck (e2fsprogs). The Containerfile installs the same list.
-packages=util-linux,mount,e2fsprogs
+# resize2fs, e2fsck (e2fsprogs); mkfs.xfs, xfs_growfs (xfsprogs). The Containerfile installs the
+# same list.
+packages=util-linux,mount,e2fsprogs,xfsprogs
 # The uid/gid the controller runs as (the image's User; the chart's runAsUser).
 uid=65532
 

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Installs the OS tools stowage needs on a fresh Debian machine: losetup/mount (util-linux, mount),
-# mkfs.ext4/resize2fs (e2fsprogs), blkid; for `make image` (e2e/scripts/image.sh): mmdebstrap (the
+# mkfs.ext4/resize2fs (e2fsprogs), mkfs.xfs/xfs_growfs (xfsprogs), blkid; for `make image` (e2e/scripts/image.sh): mmdebstrap (the
 # Debian base layer), skopeo (checks the OCI archive), jq (writes its JSON); for the real-node
 # cluster: containerd + runc (ctr), the CNI plugins, tini (node 2's PID 1), and a static busybox for the pod and sandbox
 # images; prometheus (Debian's package: the real-node Prometheus test runs its binary, never its
 # service). Go and Rust come with the machine image.
 set -euo pipefail
 missing=()
-for tool in losetup:util-linux mount:mount mkfs.ext4:e2fsprogs resize2fs:e2fsprogs blkid:util-linux findmnt:util-linux curl:curl \
+for tool in losetup:util-linux mount:mount mkfs.ext4:e2fsprogs resize2fs:e2fsprogs mkfs.xfs:xfsprogs xfs_growfs:xfsprogs blkid:util-linux findmnt:util-linux curl:curl \
   mmdebstrap:mmdebstrap skopeo:skopeo jq:jq containerd:containerd runc:runc ctr:containerd \
   /usr/lib/cni/bridge:containernetworking-plugins /bin/busybox:busybox-static tini:tini; do
   command -v "${tool%%:*}" >/dev/null 2>&1 || missing+=("${tool##*:}")

@@ -211,6 +211,7 @@ mod tests {
             pv: pv.into(),
             handle: pv.into(),
             block: false,
+            fs_type: "ext4".into(),
             pv_read_only: false,
             gid: None,
             claim: Claim {

@@ -333,9 +333,17 @@ async fn create(ctx: &Ctx, pv: &PersistentVolume) -> Result<Option<String>, Step
     })?;
     let (store, h) = (ctx.images.clone(), handle.clone());
     let made = blocking(move || store.ensure(&h, size)).await?;
+    // The volume's own file system (a node-local volume may be XFS).
+    let fs = pv
+        .spec
+        .as_ref()
+        .and_then(|s| s.csi.as_ref())
+        .and_then(|c| c.fs_type.as_deref())
+        .and_then(|t| stowage_loopdriver::csi::caps::fs_type(t).ok())
+        .unwrap_or(stowage_loopdriver::csi::caps::FS_TYPE);
     let made = match made {
-        Ok((path, _)) if formatted_at_creation(pv, stowage_loopdriver::csi::caps::FS_TYPE) => {
-            stowage_loopdriver::image::format_new_image(&path).await
+        Ok((path, _)) if formatted_at_creation(pv, fs) => {
+            stowage_loopdriver::image::format_new_image(&path, fs).await
         }
         Ok(_) => Ok(()),
         Err(e) => Err(e),

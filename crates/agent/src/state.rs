@@ -71,6 +71,8 @@ pub struct DesiredVolume {
     pub pv: String,
     pub handle: String,
     pub block: bool,
+    /// The file system the volume holds or is formatted with (`spec.csi.fsType`; empty: ext4).
+    pub fs_type: String,
     /// The device itself is mounted read-only: `spec.csi.readOnly`, or access modes that are
     /// only multi-node read-only (`ReadOnlyMany`), whatever the pods ask.
     pub pv_read_only: bool,
@@ -354,6 +356,11 @@ pub fn desired<'p>(pods: impl IntoIterator<Item = &'p Pod>, lookups: &Lookups) -
                     pv: pv_name.clone(),
                     handle,
                     block,
+                    fs_type: csi
+                        .fs_type
+                        .clone()
+                        .filter(|t| !t.is_empty())
+                        .unwrap_or_else(|| stowage_loopdriver::csi::caps::FS_TYPE.into()),
                     pv_read_only: csi.read_only.unwrap_or(false) || only_read_only_many(&pv_spec),
                     gid,
                     claim: Claim {

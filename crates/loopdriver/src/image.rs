@@ -356,8 +356,7 @@ impl ImageStore {
 /// options). Only a blank image is formatted (`blkid -p`): a retry after a crash finds the ext4 it
 /// made and leaves it, and an image that holds anything else is never overwritten. Every failure
 /// may pass (a missing tool, an I/O error) or waits for an admin (a foreign file system).
-pub async fn format_new_image(path: &Path) -> Result<(), ImageError> {
-    use crate::csi::caps::FS_TYPE;
+pub async fn format_new_image(path: &Path, fs: &str) -> Result<(), ImageError> {
     use crate::sys::{self, Probe};
     let fail = |what: String| ImageError::Io {
         path: path.to_path_buf(),
@@ -368,14 +367,14 @@ pub async fn format_new_image(path: &Path) -> Result<(), ImageError> {
         .ok_or_else(|| fail("the image path is not UTF-8".into()))?;
     match sys::probe(p).await {
         Ok(Probe::Blank) => {
-            tracing::info!(image = %p, "making the file system of a ReadOnlyMany volume");
-            sys::mkfs_ext4(p)
+            tracing::info!(image = %p, fs, "making the file system of a ReadOnlyMany volume");
+            sys::mkfs(fs, p)
                 .await
-                .map_err(|e| fail(format!("cannot make its {FS_TYPE} file system: {e}")))
+                .map_err(|e| fail(format!("cannot make its {fs} file system: {e}")))
         }
-        Ok(Probe::Found(t)) if t == FS_TYPE => Ok(()),
+        Ok(Probe::Found(t)) if t == fs => Ok(()),
         Ok(Probe::Found(t)) => Err(fail(format!(
-            "it holds {t}, not {FS_TYPE}, and is never reformatted; remove the file or delete the claim"
+            "it holds {t}, not {fs}, and is never reformatted; remove the file or delete the claim"
         ))),
         Err(e) => Err(fail(format!("cannot probe it for a file system: {e}"))),
     }

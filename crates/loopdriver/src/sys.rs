@@ -317,6 +317,26 @@ pub async fn mkfs_ext4(dev: &str) -> Result<()> {
     run("mkfs.ext4", &args).await.map(|_| ())
 }
 
+/// XFS for node-local volumes (no multi-mount protection: `csi::caps::shared_refusal`). Its
+/// smallest file system is 300 MiB (xfsprogs 5.19 and later).
+pub async fn mkfs_xfs(dev: &str) -> Result<()> {
+    run("mkfs.xfs", &["-q", dev]).await.map(|_| ())
+}
+
+/// Makes the file system `fs` (one of `csi::caps::FS_TYPES`) on a blank device.
+pub async fn mkfs(fs: &str, dev: &str) -> Result<()> {
+    match fs {
+        crate::csi::caps::XFS => mkfs_xfs(dev).await,
+        _ => mkfs_ext4(dev).await,
+    }
+}
+
+/// Grows the XFS mounted at `mountpoint` to its device (XFS grows only while mounted; when the
+/// sizes match it changes nothing).
+pub async fn xfs_growfs(mountpoint: &Path) -> Result<()> {
+    run("xfs_growfs", &[s(mountpoint)]).await.map(|_| ())
+}
+
 pub async fn mount_device(dev: &str, target: &Path, read_only: bool) -> Result<()> {
     mount_device_with(dev, target, read_only, &[]).await
 }

@@ -739,3 +739,101 @@ async fn a_cancelled_stage_never_kills_its_offline_resize() {
     };
     assert_eq!(field("Block count:") * field("Block size:"), 1 << 30, "{dump}");
 }
+
+fn xfs_capability() -> VolumeCapability {
+    VolumeCapability {
+        access_mode: Some(AccessMode {
+            mode: Mode::SingleNodeWriter as i32,
+        }),
+        access_type: Some(AccessType::Mount(MountVolume {
+            fs_type: "xfs".into(),
+            ..Default::default()
+        })),
+    }
+}
+
+impl Driver {
+    async fn stage_xfs(&self, id: &str) -> Result<(), tonic::Status> {
+        self.node
+            .node_stage_volume(Request::new(NodeStageVolumeRequest {
+                volume_id: id.into(),
+                staging_target_path: self.path(&format!("stage/{id}")).display().to_string(),
+                volume_capability: Some(xfs_capability()),
+                ..Default::default()
+            }))
+            .await
+            .map(|_| ())
+    }
+}
+
+fn fs_type_of(dev_or_image: &Path) -> String {
+    let out = Command::new("blkid")
+        .args(["-p", "-o", "value", "-s", "TYPE"])
+        .arg(dev_or_image)
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
+/// XFS on a node-local store: made when blank, grown online through NodeExpandVolume, grown at
+/// the next stage after the image grew while unstaged, its data kept throughout. A shared store
+/// refuses it at stage and at CreateVolume: XFS has no multi-mount protection.
+#[tokio::test]
+async fn xfs_lives_on_a_node_local_store_and_is_refused_on_a_shared_one() {
+    let mut d = driver("xfs");
+    d.node.local = true;
+    d.create("x", 320 << 20).await;
+    let staging = d.path("stage/x");
+    for _ in 0..2 {
+        d.stage_xfs("x").await.unwrap();
+    }
+    assert_eq!(fs_type_of(&d.path("images/x.img")), "xfs");
+    std::fs::write(staging.join("data"), b"kept").unwrap();
+    let before = d.stats("x", &staging).await;
+    assert!(total_bytes(&before) < 320 << 20, "{before:?}");
+
+    // Node expansion in local mode: the node grows the image, the device and XFS, online.
+    let r = d
+        .node
+        .node_expand_volume(Request::new(NodeExpandVolumeRequest {
+            volume_id: "x".into(),
+            volume_path: staging.display().to_string(),
+            capacity_range: Some(CapacityRange {
+                required_bytes: 512 << 20,
+                limit_bytes: 0,
+            }),
+            ..Default::default()
+        }))
+        .await
+        .unwrap();
+    assert_eq!(r.into_inner().capacity_bytes, 512 << 20);
+    let grown = d.stats("x", &staging).await;
+    assert!(total_bytes(&grown) > 400 << 20, "XFS grew online: {grown:?}");
+    d.unstage("x").await;
+
+    // Grown while unstaged: the next stage takes it up once mounted.
+    d.node.images.grow("x", 768 << 20).unwrap();
+    d.stage_xfs("x").await.unwrap();
+    assert_eq!(std::fs::read(staging.join("data")).unwrap(), b"kept");
+    let restaged = d.stats("x", &staging).await;
+    assert!(total_bytes(&restaged) > 640 << 20, "grown at stage: {restaged:?}");
+    d.unstage("x").await;
+    assert!(d.s.loops().is_empty() && d.s.mounts().is_empty());
+
+    // A shared store: refused before anything is formatted or mounted.
+    d.node.local = false;
+    let e = d.stage_xfs("x").await.unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e}");
+    assert!(e.message().contains("node-local image stores only"), "{e}");
+    assert!(d.s.mounts().is_empty());
+    let e = d
+        .ctrl
+        .create_volume(Request::new(CreateVolumeRequest {
+            name: "y".into(),
+            volume_capabilities: vec![xfs_capability()],
+            ..Default::default()
+        }))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e}");
+}

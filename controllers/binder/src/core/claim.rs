@@ -249,7 +249,7 @@ pub(super) fn sync_claim_phase(claim: &PersistentVolumeClaim, cache: &Cache, env
                 });
             }
             if prov == LOOP_DRIVER {
-                if let Some(why) = loop_refusal(claim, cache) {
+                if let Some(why) = loop_refusal(claim, cache).or_else(|| fs_refusal(&class, env.local)) {
                     out.push(ev(target, true, "ProvisioningFailed", why));
                 } else if let Some(why) = node_refusal(claim, &class, env, delay) {
                     // The scheduler picked a node this class cannot serve: give the choice
@@ -375,6 +375,22 @@ pub(super) fn node_refusal(
 /// a multi-node writer access mode, a selector or a data source it cannot honour (as
 /// external-provisioner refuses them), or an image creation that failed for good (the
 /// provisioned PV is `Failed`, its message says why). `None`: go ahead (or keep waiting).
+/// Why the built-in provisioner cannot make a volume of the class's file system
+/// (`csi.storage.k8s.io/fstype`, or the older `fsType`): one it does not make, or XFS on a shared
+/// store. Refused before any PV exists, rather than a volume that no node can ever stage.
+pub fn fs_refusal(class: &StorageClass, local: bool) -> Option<String> {
+    let params = class.parameters.as_ref()?;
+    let fs = params
+        .get("csi.storage.k8s.io/fstype")
+        .or_else(|| params.get("fsType"))?;
+    let why = match stowage_loopdriver::csi::caps::fs_type(fs) {
+        Err(why) => why,
+        Ok(fs) if !local => stowage_loopdriver::csi::caps::shared_refusal(fs)?,
+        Ok(_) => return None,
+    };
+    Some(format!("storage class {:?}: {why}", class.name_any()))
+}
+
 pub fn loop_refusal(claim: &PersistentVolumeClaim, cache: &Cache) -> Option<String> {
     if let Some(spec) = claim.spec.as_ref() {
         if spec.selector.is_some() {
@@ -423,4 +439,25 @@ pub fn loop_refusal(claim: &PersistentVolumeClaim, cache: &Cache) -> Option<Stri
         ));
     }
     None
+}
+
+#[cfg(test)]
+mod fs_tests {
+    use super::fs_refusal;
+    use stowage_testkit::builders::storage_class;
+
+    #[test]
+    fn xfs_is_made_only_for_node_local_stores_and_unknown_types_never() {
+        let class = |k: &str, v: &str| storage_class("c", "loop.stowage.dev").parameter(k, v).build();
+        for key in ["csi.storage.k8s.io/fstype", "fsType"] {
+            assert_eq!(fs_refusal(&class(key, "ext4"), false), None);
+            assert_eq!(fs_refusal(&class(key, "xfs"), true), None);
+            let shared = fs_refusal(&class(key, "xfs"), false).unwrap();
+            assert!(shared.contains("node-local image stores only"), "{shared}");
+            let unknown = fs_refusal(&class(key, "btrfs"), true).unwrap();
+            assert!(unknown.contains("\"btrfs\" is not supported"), "{unknown}");
+        }
+        let plain = storage_class("c", "loop.stowage.dev").build();
+        assert_eq!(fs_refusal(&plain, false), None, "no type: ext4");
+    }
 }

@@ -129,7 +129,13 @@ impl Executor {
             Ok(((path, _), id)) => {
                 store_id = id;
                 match loopdev::formatted_at_creation(&v) {
-                    true => stowage_loopdriver::image::format_new_image(&path).await,
+                    true => {
+                        stowage_loopdriver::image::format_new_image(
+                            &path,
+                            stowage_loopdriver::csi::caps::FS_TYPE,
+                        )
+                        .await
+                    }
                     false => Ok(()),
                 }
             }

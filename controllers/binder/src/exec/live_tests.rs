@@ -231,10 +231,14 @@ async fn a_read_only_many_image_is_formatted_only_when_blank() {
     };
     let img = dir.path().join("v.img");
     std::fs::File::create(&img).unwrap().set_len(16 << 20).unwrap();
-    stowage_loopdriver::image::format_new_image(&img).await.unwrap();
+    stowage_loopdriver::image::format_new_image(&img, "ext4")
+        .await
+        .unwrap();
     let first = uuid(&img);
     assert!(!first.is_empty(), "formatted");
-    stowage_loopdriver::image::format_new_image(&img).await.unwrap();
+    stowage_loopdriver::image::format_new_image(&img, "ext4")
+        .await
+        .unwrap();
     assert_eq!(uuid(&img), first, "an image that holds ext4 is left as it is");
 
     let swap = dir.path().join("swap.img");
@@ -247,7 +251,7 @@ async fn a_read_only_many_image_is_formatted_only_when_blank() {
             .status
             .success()
     );
-    let e = stowage_loopdriver::image::format_new_image(&swap)
+    let e = stowage_loopdriver::image::format_new_image(&swap, "ext4")
         .await
         .unwrap_err();
     assert!(e.to_string().contains("swap") && !e.permanent(), "{e}");

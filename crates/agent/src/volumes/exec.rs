@@ -224,6 +224,8 @@ impl Executor {
                 devno,
                 &global,
                 MountMode {
+                    fs_type: dv.fs_type.clone(),
+                    local: ctx.store_mode.is_local(),
                     read_only,
                     may_format,
                     grow,
@@ -508,7 +510,13 @@ impl Executor {
             .await
             .map_err(step(s))?;
         sys::loop_refresh(device).await.map_err(step(s))?;
-        if !dv.block
+        let xfs = !dv.block
+            && matches!(sys::probe(device).await, Ok(sys::Probe::Found(t)) if t == stowage_loopdriver::csi::caps::XFS);
+        if xfs {
+            // XFS grows through its mount point.
+            let global = self.ctx.layout.global_mount(&dv.pv);
+            sys::xfs_growfs(&global).await.map_err(step(s))?;
+        } else if !dv.block
             && let Err(e) = sys::resize2fs(device).await
         {
             let mut message = e.to_string();
@@ -537,6 +545,10 @@ pub(crate) fn still_wanted(dv: Option<&DesiredVolume>, uid: &str) -> bool {
 
 /// How `mount_global` may treat the device.
 pub(crate) struct MountMode {
+    /// The file system to make on a blank device (ext4, or XFS on a node-local store).
+    pub(crate) fs_type: String,
+    /// The store is this node's own (XFS may be mounted read-write: the volume never moves).
+    pub(crate) local: bool,
     /// Mount read-only.
     pub(crate) read_only: bool,
     /// A blank device may be formatted: the volume and the device are writable.
@@ -574,7 +586,8 @@ pub(crate) async fn mount_global(
         // it first.
         sys::unmount(global, mode.lazy).await.map_err(step(s))?;
     }
-    let ext = match sys::probe(device).await.map_err(step(s))? {
+    use stowage_loopdriver::csi::caps;
+    let found = match sys::probe(device).await.map_err(step(s))? {
         sys::Probe::Blank if !mode.may_format => {
             return Err(StepError {
                 step: s,
@@ -585,15 +598,31 @@ pub(crate) async fn mount_global(
             });
         }
         sys::Probe::Blank => {
-            tracing::info!(device, "no file system found, formatting ext4");
-            sys::mkfs_ext4(device).await.map_err(step(s))?;
-            true
+            let fs = caps::fs_type(&mode.fs_type).map_err(|why| StepError {
+                step: s,
+                message: format!("{device} is not formatted: {why}"),
+            })?;
+            tracing::info!(device, fs, "no file system found, formatting");
+            sys::mkfs(fs, device).await.map_err(step(s))?;
+            fs.to_string()
         }
         sys::Probe::Found(kind) => {
             tracing::debug!(device, kind, "file system found, not formatting");
-            kind.starts_with("ext")
+            kind
         }
     };
+    let ext = found.starts_with("ext");
+    let xfs = found == caps::XFS;
+    if xfs
+        && !read_only
+        && !mode.local
+        && let Some(why) = caps::shared_refusal(&found)
+    {
+        return Err(StepError {
+            step: s,
+            message: format!("{device} is not mounted read-write: {why}"),
+        });
+    }
     // Multi-mount protection before a read-write mount, and before an offline repair (which
     // would otherwise wait on a "fsck" number its own stopped predecessor left). A read-only
     // mount never touches it.
@@ -619,6 +648,14 @@ pub(crate) async fn mount_global(
     sys::mount_device(device, global, read_only)
         .await
         .map_err(step(s))?;
+    if xfs && !read_only {
+        // XFS grows only while mounted: take up an image grown while it was not (a no-op when
+        // the sizes match).
+        let s = "NodeExpandVolume";
+        sys::loop_refresh(device).await.map_err(step(s))?;
+        sys::xfs_growfs(global).await.map_err(step(s))?;
+        return Ok(mode.grow);
+    }
     Ok(false)
 }
 

@@ -203,7 +203,9 @@ async fn the_agents_tolerations_follow_the_store_and_yield_to_the_users() {
         1,
         "the user's list only:\n{a}"
     );
-    let m = render(&helm, &["--set-json", "agent.tolerations=[]"]).await.unwrap();
+    let m = render(&helm, &["--set-json", "agent.tolerations=[]"])
+        .await
+        .unwrap();
     let a = doc(&m, "DaemonSet", "st-stowage-agent");
     assert!(!a.contains("tolerations:"), "an empty list is none:\n{a}");
 }

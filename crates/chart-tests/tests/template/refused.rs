@@ -20,6 +20,13 @@ async fn bad_values_are_refused_with_a_reason() {
             "imageStore.type must be hostPath or pvc",
         ),
         (
+            vec![
+                "--set",
+                "storageClass.create=true,storageClass.fsType=xfs,imageStore.mode=shared",
+            ],
+            "storageClass.fsType xfs needs imageStore.mode local",
+        ),
+        (
             vec!["--set", "imageStore.mode=nfs"],
             r#"imageStore.mode must be local or shared, not "nfs""#,
         ),

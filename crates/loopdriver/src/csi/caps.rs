@@ -1,6 +1,6 @@
 //! Which volume capabilities the driver accepts, decided once for every service.
 //!
-//! A loop image holds one ext4 file system (or raw blocks). ext4 is not a cluster file system:
+//! A loop image holds one ext4 (or, on node-local stores, XFS) file system, or raw blocks. ext4 is not a cluster file system:
 //! mounted read-write by two kernels it is corrupted, so every multi-node mode with a writer is
 //! refused. Several nodes may read it only through a read-only loop device and a read-only
 //! mount, which is what a reader-only mode gets.
@@ -11,8 +11,39 @@ use super::v1::VolumeCapability;
 use super::v1::volume_capability::access_mode::Mode as CsiMode;
 use super::v1::volume_capability::{AccessType, BlockVolume, MountVolume};
 
-/// The one file system the driver makes; an empty fs_type means this one.
+/// The file system the driver makes when none is asked for (an empty fs_type).
 pub const FS_TYPE: &str = "ext4";
+
+/// XFS, for node-local stores only: ext4's multi-mount protection is what fences a volume that
+/// can move between nodes (shared stores), and XFS has none; a volume that never leaves its node
+/// needs none.
+pub const XFS: &str = "xfs";
+
+/// The file systems the driver makes and mounts.
+pub const FS_TYPES: [&str; 2] = [FS_TYPE, XFS];
+
+/// The file system a request names (empty: the default), or why it cannot be served.
+pub fn fs_type(requested: &str) -> Result<&'static str, String> {
+    match requested {
+        "" => Ok(FS_TYPE),
+        t => FS_TYPES.into_iter().find(|f| *f == t).ok_or_else(|| {
+            format!(
+                "file system {t:?} is not supported: the driver makes and mounts {} (xfs on node-local stores only)",
+                FS_TYPES.join(" and ")
+            )
+        }),
+    }
+}
+
+/// Why a shared store cannot serve `fs` (XFS has no multi-mount protection), if it cannot.
+pub fn shared_refusal(fs: &str) -> Option<String> {
+    (fs == XFS).then(|| {
+        "file system xfs is served on node-local image stores only: a volume of a shared store can be \
+         staged on any node, and only ext4's multi-mount protection keeps two nodes from mounting it \
+         read-write at once; use ext4, or imageStore.mode: local"
+            .to_string()
+    })
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Mode {
@@ -81,16 +112,12 @@ pub fn check(cap: &VolumeCapability) -> Result<Requested, String> {
         AccessType::Mount(MountVolume {
             fs_type, mount_flags, ..
         }) => {
-            if !fs_type.is_empty() && fs_type != FS_TYPE {
-                return Err(format!(
-                    "file system {fs_type:?} is not supported: the driver makes and mounts {FS_TYPE} only"
-                ));
-            }
+            let fs = self::fs_type(fs_type)?;
             if let Some(bad) = mount_flags.iter().find(|f| f.contains(',') || f.is_empty()) {
                 return Err(format!("mount flag {bad:?} is not one option"));
             }
             Access::Mount {
-                fs_type: FS_TYPE.into(),
+                fs_type: fs.into(),
                 flags: mount_flags.clone(),
             }
         }
@@ -159,8 +186,12 @@ pub(crate) mod tests {
     }
 
     #[test]
-    fn only_ext4_and_plain_mount_flags_are_accepted() {
-        assert!(check(&cap(CsiMode::SingleNodeWriter, mount("xfs"))).is_err());
+    fn only_ext4_xfs_and_plain_mount_flags_are_accepted() {
+        assert!(check(&cap(CsiMode::SingleNodeWriter, mount("btrfs"))).is_err());
+        let xfs = check(&cap(CsiMode::SingleNodeWriter, mount("xfs"))).unwrap();
+        assert!(matches!(xfs.access, Access::Mount { ref fs_type, .. } if fs_type == "xfs"));
+        assert!(shared_refusal("xfs").is_some());
+        assert!(shared_refusal("ext4").is_none());
         let ok = check(&cap(CsiMode::SingleNodeWriter, mount(""))).unwrap();
         assert_eq!(
             ok.access,

@@ -97,7 +97,14 @@ impl Controller for ControllerService {
     ) -> Result<Response<CreateVolumeResponse>, Status> {
         let req = request.into_inner();
         let name = required(&req.name, "name")?.to_string();
-        caps::check_all(&req.volume_capabilities).map_err(Status::invalid_argument)?;
+        let requested = caps::check_all(&req.volume_capabilities).map_err(Status::invalid_argument)?;
+        // This service makes images in the one store every node reaches (shared mode).
+        if let Some(why) = requested.iter().find_map(|r| match &r.access {
+            caps::Access::Mount { fs_type, .. } => caps::shared_refusal(fs_type),
+            caps::Access::Block => None,
+        }) {
+            return Err(Status::invalid_argument(why));
+        }
         if req.volume_content_source.is_some() {
             // Cloning and restore are not supported: an empty volume where data was expected
             // would be silent data loss.

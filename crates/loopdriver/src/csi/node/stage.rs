@@ -1,6 +1,7 @@
 //! NodeStageVolume and NodeUnstageVolume: the device (taken from the attacher or attached here),
-//! its file system (formatted only when blank and writable, with multi-mount protection turned on
-//! before a read-write mount, grown offline when the image grew), and the staging mount.
+//! its file system (formatted only when blank and writable; ext4 with multi-mount protection
+//! turned on before a read-write mount and grown offline when the image grew, XFS (node-local
+//! stores) grown once mounted), and the staging mount.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -63,13 +64,12 @@ impl NodeService {
         })
     }
 
-    /// Makes sure a file system is on the device: formats only a blank, writable one.
-    async fn ensure_fs(&self, id: &str, dev: &str, read_only: bool) -> Result<(), Status> {
+    /// Makes sure a file system of type `fs` is on the device: formats only a blank, writable one.
+    async fn ensure_fs(&self, id: &str, dev: &str, read_only: bool, fs: &str) -> Result<(), Status> {
         match sys::probe(dev).await.map_err(|e| sys_status("blkid", e))? {
-            Probe::Found(t) if t == caps::FS_TYPE => Ok(()),
+            Probe::Found(t) if t == fs => Ok(()),
             Probe::Found(t) => Err(Status::failed_precondition(format!(
-                "volume {id} holds {t}, not {}; it is never reformatted",
-                caps::FS_TYPE
+                "volume {id} holds {t}, not {fs}; it is never reformatted"
             ))),
             Probe::Blank if read_only => Err(Status::failed_precondition(format!(
                 "volume {id} has no file system and is staged read-only; a writer must stage it first"
@@ -85,8 +85,10 @@ impl NodeService {
                         "device {dev} of volume {id} is read-only or unreadable; not formatting it"
                     )));
                 }
-                tracing::info!(volume = %id, device = %dev, "formatting blank device");
-                sys::mkfs_ext4(dev).await.map_err(|e| sys_status("mkfs.ext4", e))
+                tracing::info!(volume = %id, device = %dev, fs, "formatting blank device");
+                sys::mkfs(fs, dev)
+                    .await
+                    .map_err(|e| sys_status(&format!("mkfs.{fs}"), e))
             }
         }
     }
@@ -146,10 +148,15 @@ impl NodeService {
             .await?;
         // Recorded before anything can fail, so unstage frees a device stage attached.
         self.save(id, &staged).await?;
-        let Access::Mount { flags, .. } = &cap.access else {
+        let Access::Mount { flags, fs_type } = &cap.access else {
             // Block: nothing to mount; publish binds the device node itself.
             return Ok(());
         };
+        if !self.local
+            && let Some(why) = caps::shared_refusal(fs_type)
+        {
+            return Err(Status::failed_precondition(why));
+        }
         let devno = sys::rdev(Path::new(&staged.device)).await;
         if let Some(m) = self.mounted(&staging).await? {
             if Some(m.devno) == devno && m.read_only() == read_only {
@@ -172,8 +179,9 @@ impl NodeService {
                 m.devno.1
             )));
         }
-        self.ensure_fs(id, &staged.device, read_only).await?;
-        if !read_only {
+        self.ensure_fs(id, &staged.device, read_only, fs_type).await?;
+        let xfs = fs_type == caps::XFS;
+        if !read_only && !xfs {
             // MMP before the mount (and before an offline repair, which would otherwise wait on
             // a "fsck" number its own stopped predecessor left). A read-only mount never
             // touches the MMP block and never turns it on.
@@ -189,7 +197,18 @@ impl NodeService {
             .map_err(|e| io_status("cannot create", &staging, e))?;
         sys::mount_device_with(&staged.device, &staging, read_only, flags)
             .await
-            .map_err(|e| sys_status("mount", e))
+            .map_err(|e| sys_status("mount", e))?;
+        if xfs && !read_only {
+            // XFS grows only while mounted: an image grown while the volume was not staged is
+            // taken up here (a no-op when the sizes match).
+            sys::loop_refresh(&staged.device)
+                .await
+                .map_err(|e| sys_status("losetup -c", e))?;
+            sys::xfs_growfs(&staging)
+                .await
+                .map_err(|e| sys_status("xfs_growfs", e))?;
+        }
+        Ok(())
     }
 
     pub(super) async fn unstage(&self, req: NodeUnstageVolumeRequest) -> Result<(), Status> {

@@ -62,6 +62,14 @@ impl NodeService {
         sys::loop_refresh(&dev)
             .await
             .map_err(|e| sys_status("losetup -c", e))?;
+        // XFS grows through its mount point (the volume path is one).
+        let xfs = !block && matches!(sys::probe(&dev).await, Ok(sys::Probe::Found(t)) if t == caps::XFS);
+        if xfs {
+            sys::xfs_growfs(&path)
+                .await
+                .map_err(|e| sys_status("xfs_growfs", e))?;
+            return Ok(size);
+        }
         // ext4 grows online while mounted.
         if !block && let Err(e) = sys::resize2fs(&dev).await {
             let mut message = format!("resize2fs: {e}");
