@@ -168,9 +168,10 @@ async fn csi_driver_suits_the_kubelet() {
     assert!(document(&m, "CSIDriver", "loop.stowage.dev").is_none());
 }
 
-/// Where the agents run by default: every node in local mode (each makes its own store), only
-/// untainted nodes in shared mode (a control-plane node without the shared mount would fail its
-/// hostPath check and hold the rollout for ever); a list of the user's replaces either.
+/// Where the agents run by default: every node in local mode (each makes its own store); in
+/// shared mode no NoSchedule-tainted node (a control-plane node without the shared mount would
+/// fail its hostPath check and hold the rollout for ever), though never evicted by a NoExecute
+/// taint; a list of the user's replaces either.
 #[tokio::test]
 async fn the_agents_tolerations_follow_the_store_and_yield_to_the_users() {
     let helm = Helm::new(None);
@@ -180,9 +181,10 @@ async fn the_agents_tolerations_follow_the_store_and_yield_to_the_users() {
     let m = render(&helm, &["--set", "imageStore.mode=shared"]).await.unwrap();
     let a = doc(&m, "DaemonSet", "st-stowage-agent");
     assert!(
-        !a.contains("tolerations:"),
-        "shared mode tolerates no taint:\n{a}"
+        a.contains("tolerations:\n        - effect: NoExecute\n          operator: Exists"),
+        "shared mode: never evicted, never placed on a NoSchedule node:\n{a}"
     );
+    assert_eq!(a.matches("operator: Exists").count(), 1, "{a}");
     let m = render(
         &helm,
         &[
