@@ -37,6 +37,16 @@ async fn until_gauge(r: &Running, name: &str, labels: &[(&str, &str)], want: imp
     .await
 }
 
+/// A test control plane of its own, and a client of it.
+async fn control_plane() -> (ControlPlane, kube::Client) {
+    let cp = tokio::task::spawn_blocking(ControlPlane::start)
+        .await
+        .unwrap()
+        .unwrap();
+    let client = cp.client().await;
+    (cp, client)
+}
+
 /// stowage has seen no conflict from any source, counted no rival write, and runs.
 fn assert_no_conflict(stowage: &Running) {
     assert_eq!(
@@ -176,11 +186,7 @@ fn real_kcm(cp: &ControlPlane, controller: &str) -> Kcm {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rival_binder_is_reported_and_pauses_stowage_until_it_is_gone() {
-    let cp = tokio::task::spawn_blocking(ControlPlane::start)
-        .await
-        .unwrap()
-        .unwrap();
-    let client = cp.client().await;
+    let (cp, client) = control_plane().await;
     let images = tempfile::tempdir().unwrap();
     let pods = kcm_pod(
         &client,
@@ -239,11 +245,7 @@ async fn a_rival_binder_is_reported_and_pauses_stowage_until_it_is_gone() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rival_attach_detach_controller_is_reported_and_stowage_takes_over() {
-    let cp = tokio::task::spawn_blocking(ControlPlane::start)
-        .await
-        .unwrap()
-        .unwrap();
-    let client = cp.client().await;
+    let (cp, client) = control_plane().await;
     let images = tempfile::tempdir().unwrap();
     let pods = kcm_pod(&client, "*,-persistentvolume-binder-controller").await;
     let stowage = stowage(&cp, "attachdetach", images.path());
@@ -394,11 +396,7 @@ async fn rival_gone(kcm: Kcm, pods: &Api<Pod>, stowage: &Running) {
 /// rival binder's write.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_embedded_controller_manager_in_k3s_is_seen_by_its_writes() {
-    let cp = tokio::task::spawn_blocking(ControlPlane::start)
-        .await
-        .unwrap()
-        .unwrap();
-    let client = cp.client().await;
+    let (cp, client) = control_plane().await;
     // managedFields times are whole seconds: a write in this second may read as its start.
     let since = k8s_openapi::jiff::Timestamp::now()
         .checked_sub(Duration::from_secs(1))
@@ -610,11 +608,7 @@ fn guide_sed_script(guide: &str) -> String {
 async fn the_documented_kcm_flag_leaves_the_storage_controllers_to_stowage() {
     // The value every path of the guide gives KCM (the test above renders each with kubeadm).
     let value = documented_value();
-    let cp = tokio::task::spawn_blocking(ControlPlane::start)
-        .await
-        .unwrap()
-        .unwrap();
-    let client = cp.client().await;
+    let (cp, client) = control_plane().await;
     let images = tempfile::tempdir().unwrap();
     // The static pod as kubeadm leaves it after the step: its flags are clean.
     let _pods = kcm_pod(&client, &value).await;
@@ -651,11 +645,7 @@ fn managers<K: kube::Resource>(o: &K) -> Vec<String> {
 /// cluster's controllers) sees who bound the pair, never `unknown`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stowages_writes_are_signed_by_stowage_controller() {
-    let cp = tokio::task::spawn_blocking(ControlPlane::start)
-        .await
-        .unwrap()
-        .unwrap();
-    let client = cp.client().await;
+    let (cp, client) = control_plane().await;
     let images = tempfile::tempdir().unwrap();
     let _stowage = stowage(&cp, "*", images.path());
     static_pair(&client, "signed-1", "claim-signed").await;
@@ -707,11 +697,7 @@ async fn stowages_writes_are_signed_by_stowage_controller() {
 /// none and keeps binding.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rivals_old_field_redated_by_an_unrelated_write_is_no_conflict() {
-    let cp = tokio::task::spawn_blocking(ControlPlane::start)
-        .await
-        .unwrap()
-        .unwrap();
-    let client = cp.client().await;
+    let (cp, client) = control_plane().await;
     let pvs: Api<PersistentVolume> = Api::all(client.clone());
     let pvcs: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), "default");
     // Pairs bound by each rival manager before stowage starts.
