@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The A/B measurement docs/benchmarks.md asks of a change to the read path or the controllers'
-# loops: stowage-controller built (release) at two commits, run alternately on the same machine,
-# same harness (the bench binary of this tree), stowage only, static-10000 and attach-1000x50
-# with client limits lifted; then the medians of each build and whether the change stays within
-# 5 % of throughput and 10 % of CPU per object of the build before.
+# loops: stowage-controller built (release) at two commits, run alternately on the same machine
+# (the side that runs first alternating by round), same harness (the bench binary of this tree),
+# stowage only, static-10000 and attach-1000x50 with client limits lifted; then the medians of
+# each build and whether the change stays within 5 % of throughput and 10 % of CPU per object of
+# the build before.
 #
 #   e2e/scripts/ab-bench.sh <before> [after=HEAD]
 #   AB_ROUNDS=3 (runs per build, alternating)  AB_WORKLOADS=static,attach
@@ -45,7 +46,11 @@ bin_after=$(build "$after")
 out="e2e/results/ab-$(date -u +%Y%m%dT%H%M%SZ)"
 mkdir -p "$out"
 for round in $(seq 1 "$rounds"); do
-  for side in before after; do
+  # The side that runs first alternates: a machine that drifts within a round (caches, load)
+  # then favours neither build.
+  order="before after"
+  (( round % 2 == 0 )) && order="after before"
+  for side in $order; do
     bin=$bin_before
     [ "$side" = after ] && bin=$bin_after
     echo "==> round $round: $side" >&2
