@@ -23,6 +23,15 @@ pub fn formatted_at_creation(pv: &PersistentVolume) -> bool {
     stowage_common::store::pv::formatted_at_creation(pv, stowage_loopdriver::csi::caps::FS_TYPE)
 }
 
+/// The file system a class asks for (`csi.storage.k8s.io/fstype`, or the older `fsType`).
+pub fn class_fs_type(class: &StorageClass) -> Option<&str> {
+    let params = class.parameters.as_ref()?;
+    params
+        .get("csi.storage.k8s.io/fstype")
+        .or_else(|| params.get("fsType"))
+        .map(String::as_str)
+}
+
 /// The name of the PV provisioned for a claim (one per claim UID, so retries are idempotent).
 pub fn provisioned_name(claim: &PersistentVolumeClaim) -> Option<String> {
     claim.metadata.uid.as_ref().map(|u| format!("pvc-{u}"))
@@ -49,12 +58,9 @@ pub fn provisioned_pv(
         .get("storage")?
         .clone();
     let policy = class.reclaim_policy.clone().unwrap_or_else(|| "Delete".into());
-    let params = class.parameters.clone().unwrap_or_default();
-    let fs_type = params
-        .get("csi.storage.k8s.io/fstype")
-        .or_else(|| params.get("fsType"))
-        .cloned()
-        .unwrap_or_else(|| "ext4".into());
+    let fs_type = class_fs_type(class)
+        .unwrap_or(stowage_loopdriver::csi::caps::FS_TYPE)
+        .to_string();
     let on_node = node.map(|n| VolumeNodeAffinity {
         required: Some(NodeSelector {
             node_selector_terms: vec![NodeSelectorTerm {

@@ -16,7 +16,7 @@ use std::time::Duration;
 use k8s_openapi::api::core::v1::PersistentVolume;
 use kube::api::{Api, DeleteParams, PostParams};
 use kube::{Resource, ResourceExt};
-use stowage_common::observe::events::{Occurrence, Repeat};
+use stowage_common::observe::events::Occurrence;
 use stowage_common::store::informer::{Change, is_newer};
 use stowage_common::store::pv::*;
 use stowage_loopdriver::{DRIVER, ImageError, TOPOLOGY_KEY};
@@ -24,6 +24,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use crate::ctx::Ctx;
+use crate::volumes::REPEAT;
 
 /// Event reasons.
 pub const PROVISIONED: &str = "ProvisioningSucceeded";
@@ -170,13 +171,6 @@ impl Index {
         self.names.iter()
     }
 }
-
-/// How a failed step's Warning repeats while it stays the same: at once, then after gaps that
-/// double from 10 s to 5 minutes (the step itself retries faster; its log says each try).
-pub(crate) const REPEAT: Repeat = Repeat::Backoff {
-    first: Duration::from_secs(10),
-    max: Duration::from_secs(300),
-};
 
 /// The events gate's subject of one volume's image step.
 fn subject(pv: &str, op: ImageOp) -> String {
@@ -334,11 +328,7 @@ async fn create(ctx: &Ctx, pv: &PersistentVolume) -> Result<Option<String>, Step
     let (store, h) = (ctx.images.clone(), handle.clone());
     let made = blocking(move || store.ensure(&h, size)).await?;
     // The volume's own file system (a node-local volume may be XFS).
-    let fs = pv
-        .spec
-        .as_ref()
-        .and_then(|s| s.csi.as_ref())
-        .and_then(|c| c.fs_type.as_deref())
+    let fs = csi_fs_type(pv)
         .and_then(|t| stowage_loopdriver::csi::caps::fs_type(t).ok())
         .unwrap_or(stowage_loopdriver::csi::caps::FS_TYPE);
     let made = match made {

@@ -356,11 +356,9 @@ pub fn desired<'p>(pods: impl IntoIterator<Item = &'p Pod>, lookups: &Lookups) -
                     pv: pv_name.clone(),
                     handle,
                     block,
-                    fs_type: csi
-                        .fs_type
-                        .clone()
-                        .filter(|t| !t.is_empty())
-                        .unwrap_or_else(|| stowage_loopdriver::csi::caps::FS_TYPE.into()),
+                    fs_type: stowage_common::store::pv::csi_fs_type(pv.as_ref())
+                        .unwrap_or(stowage_loopdriver::csi::caps::FS_TYPE)
+                        .into(),
                     pv_read_only: csi.read_only.unwrap_or(false) || only_read_only_many(&pv_spec),
                     gid,
                     claim: Claim {

@@ -379,10 +379,7 @@ pub(super) fn node_refusal(
 /// (`csi.storage.k8s.io/fstype`, or the older `fsType`): one it does not make, or XFS on a shared
 /// store. Refused before any PV exists, rather than a volume that no node can ever stage.
 pub fn fs_refusal(class: &StorageClass, local: bool) -> Option<String> {
-    let params = class.parameters.as_ref()?;
-    let fs = params
-        .get("csi.storage.k8s.io/fstype")
-        .or_else(|| params.get("fsType"))?;
+    let fs = crate::loopdev::class_fs_type(class)?;
     let why = match stowage_loopdriver::csi::caps::fs_type(fs) {
         Err(why) => why,
         Ok(fs) if !local => stowage_loopdriver::csi::caps::shared_refusal(fs)?,

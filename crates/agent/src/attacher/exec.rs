@@ -210,7 +210,7 @@ fn say(ctx: &Ctx, va: &VolumeAttachment, reason: &str, action: &str, note: Strin
     };
     ctx.events.report(
         &gate_subject(va, action),
-        crate::images::REPEAT,
+        crate::volumes::REPEAT,
         &va.object_ref(&()),
         o,
     );

@@ -39,11 +39,15 @@ mod exec;
 mod ingest;
 mod results;
 
+/// How a failure Event repeats while it stays the same (the volume manager's, the image loop's
+/// and the attacher's).
+pub(crate) use results::REPEAT;
+
 pub use claim::{finish_claim_resize, resize_finished_patch};
 use exec::Executor;
 pub use ingest::observe;
 use ingest::observe_and_decide;
-use results::{Noted, Outcome, REPEAT, finish, note_errors, note_unsure};
+use results::{Noted, Outcome, finish, note_errors, note_unsure};
 
 /// Longest sleep between passes: mounts are re-checked for health at least this often.
 const PERIOD: Duration = Duration::from_secs(1);

@@ -221,6 +221,17 @@ pub const MULTI_NODE_WRITER_MODES: &[&str] = &["ReadWriteMany"];
 /// volume read-only and never formats a device it cannot write, so an image left blank could
 /// never be mounted. Block volumes and volumes with a writer mode stay blank: a writer's first
 /// stage formats them on its node.
+/// The file-system type a CSI volume names (`spec.csi.fsType`), if it names one.
+pub fn csi_fs_type(pv: &PersistentVolume) -> Option<&str> {
+    pv.spec
+        .as_ref()?
+        .csi
+        .as_ref()?
+        .fs_type
+        .as_deref()
+        .filter(|t| !t.is_empty())
+}
+
 pub fn formatted_at_creation(pv: &PersistentVolume, fs: &str) -> bool {
     let Some(spec) = pv.spec.as_ref() else {
         return false;
@@ -228,11 +239,7 @@ pub fn formatted_at_creation(pv: &PersistentVolume, fs: &str) -> bool {
     let modes = spec.access_modes.as_deref().unwrap_or_default();
     let readers_only = !modes.is_empty() && modes.iter().all(|m| m == "ReadOnlyMany");
     let filesystem = spec.volume_mode.as_deref() != Some("Block");
-    let of_type = spec
-        .csi
-        .as_ref()
-        .and_then(|c| c.fs_type.as_deref())
-        .is_none_or(|t| t.is_empty() || t == fs);
+    let of_type = csi_fs_type(pv).is_none_or(|t| t == fs);
     readers_only && filesystem && of_type
 }
 
