@@ -132,6 +132,14 @@ pub async fn loops_of(image: &Path) -> Result<Vec<String>> {
 
 /// Attaches `image` to a free loop device and returns it.
 pub async fn loop_attach(image: &Path, read_only: bool) -> Result<String> {
+    // Where /dev is a copy (a kind node is a container), the free device may have no node yet.
+    if let Err(e) = tokio::task::spawn_blocking(|| free_loop_node(Path::new("/dev")))
+        .await
+        .map_err(std::io::Error::other)
+        .and_then(|r| r)
+    {
+        tracing::debug!(error = %e, "could not make sure the next free loop device has a node");
+    }
     let mut args = vec!["--find", "--show"];
     if read_only {
         args.push("--read-only");
@@ -146,6 +154,53 @@ pub async fn loop_attach(image: &Path, read_only: bool) -> Result<String> {
         )));
     }
     Ok(dev)
+}
+
+/// Makes sure the loop device the kernel hands out next (`LOOP_CTL_GET_FREE`, which adds one when
+/// none is free) has a device node in `dev_dir`, and returns that node's path.
+///
+/// On a host, devtmpfs makes the node as the kernel adds the device. In a container whose `/dev`
+/// is a copy taken when it started (a kind node: Docker's privileged `/dev` is a tmpfs), a device
+/// added later has no node, and `losetup --find` fails with "No such file or directory". The node
+/// is made from the device numbers the kernel gives in sysfs (`/sys/block/loopN/dev`), so a
+/// `max_part` other than 0 is honoured. An existing node is left as it is.
+pub fn free_loop_node(dev_dir: &Path) -> std::io::Result<PathBuf> {
+    use std::os::fd::AsRawFd;
+    const LOOP_CTL_GET_FREE: libc::c_ulong = 0x4C82;
+    let ctl = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(dev_dir.join("loop-control"))?;
+    // SAFETY: the fd is open for the call's duration; LOOP_CTL_GET_FREE takes no argument.
+    let n = unsafe { libc::ioctl(ctl.as_raw_fd(), LOOP_CTL_GET_FREE) };
+    if n < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let node = dev_dir.join(format!("loop{n}"));
+    match std::fs::symlink_metadata(&node) {
+        Ok(_) => return Ok(node),
+        Err(e) if e.kind() != ErrorKind::NotFound => return Err(e),
+        Err(_) => {}
+    }
+    let numbers = std::fs::read_to_string(format!("/sys/block/loop{n}/dev"))?;
+    let (major, minor) = numbers
+        .trim()
+        .split_once(':')
+        .and_then(|(a, b)| Some((a.parse::<u32>().ok()?, b.parse::<u32>().ok()?)))
+        .ok_or_else(|| std::io::Error::other(format!("/sys/block/loop{n}/dev: {numbers:?}")))?;
+    let path = std::ffi::CString::new(node.as_os_str().as_encoded_bytes()).map_err(std::io::Error::other)?;
+    // SAFETY: `path` is a NUL-terminated string that outlives the call.
+    let rc = unsafe { libc::mknod(path.as_ptr(), libc::S_IFBLK | 0o660, libc::makedev(major, minor)) };
+    if rc != 0 {
+        let e = std::io::Error::last_os_error();
+        // Another attach made it first.
+        if e.kind() != ErrorKind::AlreadyExists {
+            return Err(e);
+        }
+    } else {
+        tracing::info!(node = %node.display(), major, minor, "made the device node of a new loop device");
+    }
+    Ok(node)
 }
 
 /// Releases a loop device and returns once the kernel has freed it; a device that is already

@@ -837,3 +837,63 @@ async fn xfs_lives_on_a_node_local_store_and_is_refused_on_a_shared_one() {
         .unwrap_err();
     assert_eq!(e.code(), Code::InvalidArgument, "{e}");
 }
+
+/// A kind node's `/dev` is a copy taken when its container started: a loop device the kernel adds
+/// later has no node there, and `losetup --find` fails. The attach path makes the node of the
+/// next free device from sysfs; here in a `/dev` that holds only loop-control.
+#[tokio::test]
+async fn the_next_free_loop_device_gets_a_node_where_dev_is_a_copy() {
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    let s = Scratch::new("node", "devcopy");
+    let dev = s.base.join("dev");
+    std::fs::create_dir_all(&dev).unwrap();
+    let ok = Command::new("mknod")
+        .arg(dev.join("loop-control"))
+        .args(["c", "10", "237"])
+        .status()
+        .unwrap();
+    assert!(ok.success());
+    let img = s.base.join("images/v.img");
+    let mut data = vec![0u8; 1 << 20];
+    data[..12].copy_from_slice(b"through-node");
+    std::fs::write(&img, &data).unwrap();
+
+    // Tests beside this one attach devices too: the free one may be taken between the look and
+    // the attach, and then the next look gives another.
+    let mut attached = None;
+    for _ in 0..20 {
+        let node = stowage_loopdriver::sys::free_loop_node(&dev).unwrap();
+        let meta = std::fs::metadata(&node).unwrap();
+        assert!(meta.file_type().is_block_device(), "{}", node.display());
+        let name = node.file_name().unwrap().to_str().unwrap().to_string();
+        let kernel = std::fs::read_to_string(format!("/sys/block/{name}/dev")).unwrap();
+        let rdev = meta.rdev();
+        let (major, minor) = (libc::major(rdev), libc::minor(rdev));
+        assert_eq!(format!("{major}:{minor}"), kernel.trim(), "the kernel's numbers");
+        // A second look while it is still free leaves the node as it is.
+        let again = stowage_loopdriver::sys::free_loop_node(&dev).unwrap();
+        if again == node {
+            assert_eq!(
+                std::fs::metadata(&again).unwrap().ino(),
+                meta.ino(),
+                "not made again"
+            );
+        }
+        if Command::new("losetup")
+            .arg(&node)
+            .arg(&img)
+            .status()
+            .unwrap()
+            .success()
+        {
+            attached = Some(node);
+            break;
+        }
+    }
+    let node = attached.expect("a free loop device attached through the node made for it");
+    let mut head = [0u8; 12];
+    use std::io::Read;
+    std::fs::File::open(&node).unwrap().read_exact(&mut head).unwrap();
+    Command::new("losetup").arg("-d").arg(&node).status().unwrap();
+    assert_eq!(&head, b"through-node");
+}
