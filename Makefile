@@ -49,7 +49,7 @@ test: deps controlplane csi-sanity promtool kubeadm storage-e2e-suite sidecars #
 	./e2e/scripts/pod-images.sh
 	@# csi-sanity and the real-node scenarios run on their own, their output shown: CI logs keep
 	@# the csi-sanity counts and each real-node step's state.
-	$(CARGO) test --workspace --no-fail-fast -- --skip a_kubelet_runs_pods_on_loop_volumes --skip node_local_volumes_on_two_real_nodes --skip csi_sanity_passes --skip a_third_party_csi_driver --skip a_real_prometheus_scrapes --skip moving_back_to_kcm
+	$(CARGO) test --workspace --no-fail-fast -- --skip a_kubelet_runs_pods_on_loop_volumes --skip node_local_volumes_on_two_real_nodes --skip csi_sanity_passes --skip a_third_party_csi_driver --skip a_real_prometheus_scrapes --skip moving_back_to_kcm --skip the_kind_guide_runs --skip the_kubeadm_guide_runs
 	$(CARGO) test -p stowage-agent --test csi_sanity -- --nocapture
 	@start=$$(date +%s); $(CARGO) test -p stowage-chart-tests --test realnode -- --nocapture && \
 	  echo "real-node scenarios: $$(( $$(date +%s) - start ))s"
@@ -118,6 +118,23 @@ node-images: deps ## Build the stowage image (debug binaries) and the pod/sandbo
 	STOWAGE_IMAGE_BIN_DIR=$(TARGET_DIR)/debug ./e2e/scripts/image.sh
 	./e2e/scripts/pod-images.sh
 	./e2e/scripts/curl-image.sh
+
+.PHONY: kind-node-image
+kind-node-image: deps controlplane kubeadm ## Build the kind rig's node image offline (Debian, this release's Kubernetes binaries and control-plane images) into the rig's dockerd
+	./e2e/scripts/kind.sh image
+
+.PHONY: kind-up
+kind-up: deps controlplane kubeadm ## A real kind cluster (one control plane, two workers) made and installed as docs/distributions.md says; KUBECONFIG=.kind/kubeconfig
+	./e2e/scripts/kind.sh up
+
+.PHONY: kind-down
+kind-down: ## Delete the kind cluster and stop the rig's dockerd
+	./e2e/scripts/kind.sh down
+
+.PHONY: test-kind
+test-kind: deps controlplane kubeadm ## The kind guide run as written on a real kind cluster (not in make test: a cold node image takes minutes)
+	./e2e/scripts/kind.sh image
+	$(CARGO) test -p stowage-chart-tests --test kind -- --nocapture
 
 .PHONY: realnode-up
 realnode-up: deps controlplane node-images ## Start a real node (kubelet, containerd) and helm-install stowage into it
