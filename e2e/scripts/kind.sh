@@ -104,64 +104,16 @@ up() {
     # The rig's node image (kindest/node is not served here).
     [[ "$line" == "kind create cluster"* ]] && line="$line --image stowage.dev/kind-node:$k8s"
     echo "+ $line"
-    bash -euo pipefail -c "$line"
+    # Its own stdin: a command that reads stdin must not eat the guide's next lines.
+    bash -euo pipefail -c "$line" </dev/null
   done < <(guide commands)
   kind load image-archive target/image/busybox.oci.tar --name "$cluster"
   echo "kind: up; KUBECONFIG=$KUBECONFIG"
 }
 
-down() {
-  [ -f "$rig/docker.pid" ] || return 0
-  local pid
-  pid=$(cat "$rig/docker.pid")
-  kill "$pid" 2>/dev/null || true
-  for _ in $(seq 60); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
-  rm -f "$rig/docker.pid"
-}
-
-tools() {
-  e2e/scripts/build-go-tool.sh kind kind sigs.k8s.io/kind >&2
-  make -s controlplane >&2
-}
-
-# The node image, and the test pods' image (stowage's own is the guide's `make image`).
-image() {
-  docker_up
-  tools
-  e2e/scripts/kind-node-image.sh
-  e2e/scripts/pod-images.sh >&2
-}
-
-# The guide's cluster configuration: the YAML block of the "kind" section that starts with
-# `kind: Cluster`, with the rig's store directory in place of the guide's.
-guide_config() {
-  python3 - "$top/docs/distributions.md" "$dir/stores" <<'PY'
-import re, sys
-guide, stores = open(sys.argv[1]).read(), sys.argv[2]
-section = guide.split("\n## kind\n", 1)[1].split("\n## ", 1)[0]
-blocks = re.findall(r"```yaml\n(.*?)```", section, re.S)
-config = next(b for b in blocks if "kind: Cluster" in b)
-print(config.replace("/var/lib/stowage-kind", stores), end="")
-PY
-}
-
-up() {
-  image
-  if kind get clusters 2>/dev/null | grep -qx "$cluster"; then
-    echo "kind: cluster $cluster already up (KUBECONFIG=$KUBECONFIG)"
-    return
-  fi
-  mkdir -p "$dir"
-  guide_config >"$dir/cluster.yaml"
-  local k8s
-  k8s=$(e2e/bin/kubelet --version | awk '{print $2}')
-  kind create cluster --name "$cluster" --image "stowage.dev/kind-node:$k8s" \
-    --config "$dir/cluster.yaml" --kubeconfig "$KUBECONFIG" --retain
-  echo "kind: up; KUBECONFIG=$KUBECONFIG"
-}
 
 down() {
-  if [ -f "$rig/docker.pid" ] && command -v e2e/kind/bin/kind >/dev/null 2>&1; then
+  if [ -f "$rig/docker.pid" ] && [ -x e2e/kind/bin/kind ]; then
     e2e/kind/bin/kind delete cluster --name "$cluster" --kubeconfig "$KUBECONFIG" || true
   fi
   docker_down
