@@ -32,7 +32,6 @@ mod support;
 
 const CLUSTER: &str = "stowage";
 const DOCKER_HOST: &str = "unix:///run/stowage-rig/docker.sock";
-const BUSYBOX: &str = "localhost/busybox:stowage";
 
 /// The guide's kind section.
 fn section() -> String {
@@ -186,38 +185,12 @@ fn for_the_rig(line: &str, node_image: &str) -> String {
 }
 
 fn claim(name: &str, class: &str, size: &str) -> String {
-    format!(
-        r#"apiVersion: v1
-kind: PersistentVolumeClaim
-metadata: {{name: {name}, namespace: {NS}}}
-spec:
-  accessModes: [ReadWriteOnce]
-  storageClassName: {class}
-  resources: {{requests: {{storage: {size}}}}}
-"#
-    )
+    support::claim_of(name, class, "ReadWriteOnce", size)
 }
 
 /// A pod of `claim` that prints what the volume holds and its size, then appends its own name.
 fn pod(name: &str, claim: &str, node: Option<&str>) -> String {
-    let selector = node
-        .map(|n| format!("  nodeSelector: {{kubernetes.io/hostname: {n}}}\n"))
-        .unwrap_or_default();
-    format!(
-        r#"apiVersion: v1
-kind: Pod
-metadata: {{name: {name}, namespace: {NS}}}
-spec:
-  terminationGracePeriodSeconds: 1
-{selector}  containers:
-  - name: c
-    image: {BUSYBOX}
-    imagePullPolicy: Never
-    command: [sh, -c, 'echo "have: $(cat /data/f 2>/dev/null | tr "\n" " ")"; echo "size: $(df -k /data | tail -1 | tr -s " " | cut -d" " -f2)"; echo {name} >> /data/f && sync && echo "wrote {name}"; sleep 3600']
-    volumeMounts: [{{name: v, mountPath: /data}}]
-  volumes: [{{name: v, persistentVolumeClaim: {{claimName: {claim}}}}}]
-"#
-    )
+    support::writer_pod(name, claim, node)
 }
 
 /// The rig's node image, for this release.
@@ -424,15 +397,7 @@ fn the_kind_guide_runs_as_written() {
     k.wait_logs("data1", "have: data1 data1");
 
     // Delete and Retain.
-    k.apply(
-        r#"apiVersion: storage.k8s.io/v1
-kind: StorageClass
-metadata: {name: loop-retain}
-provisioner: loop.stowage.dev
-reclaimPolicy: Retain
-volumeBindingMode: WaitForFirstConsumer
-"#,
-    );
+    k.apply(support::RETAIN_CLASS);
     k.apply(&format!(
         "{}---\n{}",
         claim("kept", "loop-retain", "64Mi"),

@@ -15,6 +15,8 @@ use stowage_chart_tests::chart_dir;
 use stowage_testkit::realnode::{BUSYBOX_IMAGE, NODE_NAME};
 use support::{NS, claim, install, mounts_of, pod, poll, rollout, single_node};
 
+// Shared with the other real-node scenarios, which use helpers this one does not.
+#[allow(dead_code)]
 mod support;
 
 #[tokio::test(flavor = "multi_thread")]
@@ -404,15 +406,7 @@ spec:
     // 6. Delete pod and claim (Delete policy): unpublish, unstage, detach, VolumeAttachment
     //    gone, image removed, PV gone.
     // With Retain the image stays (the volume is Released, its data kept for an admin).
-    k.apply(
-        r#"apiVersion: storage.k8s.io/v1
-kind: StorageClass
-metadata: {name: loop-retain}
-provisioner: loop.stowage.dev
-reclaimPolicy: Retain
-volumeBindingMode: WaitForFirstConsumer
-"#,
-    );
+    k.apply(support::RETAIN_CLASS);
     k.apply(&claim("kept", "loop-retain", "ReadWriteOnce"));
     k.apply(&pod("keeper", "kept"));
     k.wait(&["pod", "-n", NS, "keeper"], "{.status.phase}", "Running");

@@ -291,6 +291,11 @@ spec:
 }
 
 pub fn claim(name: &str, class: &str, mode: &str) -> String {
+    claim_of(name, class, mode, "64Mi")
+}
+
+/// A claim of `size` in the test namespace.
+pub fn claim_of(name: &str, class: &str, mode: &str, size: &str) -> String {
     format!(
         r#"apiVersion: v1
 kind: PersistentVolumeClaim
@@ -298,10 +303,43 @@ metadata: {{name: {name}, namespace: {NS}}}
 spec:
   accessModes: [{mode}]
   storageClassName: {class}
-  resources: {{requests: {{storage: 64Mi}}}}
+  resources: {{requests: {{storage: {size}}}}}
 "#
     )
 }
+
+/// A pod of `claim` that prints what the volume holds (`have: a b `) and its file system's size
+/// in KiB (`size: N`), then appends its own name (`wrote <name>`) and stays. `node`: asked of
+/// the scheduler (which WaitForFirstConsumer needs), or anywhere.
+pub fn writer_pod(name: &str, claim: &str, node: Option<&str>) -> String {
+    let selector = node
+        .map(|n| format!("  nodeSelector: {{kubernetes.io/hostname: {n}}}\n"))
+        .unwrap_or_default();
+    format!(
+        r#"apiVersion: v1
+kind: Pod
+metadata: {{name: {name}, namespace: {NS}}}
+spec:
+  terminationGracePeriodSeconds: 1
+{selector}  containers:
+  - name: c
+    image: {BUSYBOX_IMAGE}
+    imagePullPolicy: Never
+    command: [sh, -c, 'echo "have: $(cat /data/f 2>/dev/null | tr "\n" " ")"; echo "size: $(df -k /data | tail -1 | tr -s " " | cut -d" " -f2)"; echo {name} >> /data/f && sync && echo "wrote {name}"; sleep 3600']
+    volumeMounts: [{{name: v, mountPath: /data}}]
+  volumes: [{{name: v, persistentVolumeClaim: {{claimName: {claim}}}}}]
+"#
+    )
+}
+
+/// The built-in driver's class whose volumes outlive their claims.
+pub const RETAIN_CLASS: &str = r#"apiVersion: storage.k8s.io/v1
+kind: StorageClass
+metadata: {name: loop-retain}
+provisioner: loop.stowage.dev
+reclaimPolicy: Retain
+volumeBindingMode: WaitForFirstConsumer
+"#;
 
 pub fn mounts_of(dir: &Path, needle: &str) -> Vec<String> {
     std::fs::read_to_string("/proc/self/mountinfo")

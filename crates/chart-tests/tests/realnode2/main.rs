@@ -13,7 +13,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use stowage_chart_tests::Helm;
-use stowage_testkit::realnode::{BUSYBOX_IMAGE, NODE_NAME, NODE2_NAME, RealNode};
+use stowage_testkit::realnode::{NODE_NAME, NODE2_NAME, RealNode};
 use support::{Kubectl, NS, archives, claim, control_plane, install, poll};
 
 // The single-node scenarios' helpers; not all of them are used here.
@@ -24,22 +24,7 @@ mod support;
 /// A pod pinned to `node` (through the scheduler, which WaitForFirstConsumer needs) that prints
 /// what the claim holds, then appends its own name to it.
 fn pod_on(name: &str, node: &str, claim: &str) -> String {
-    format!(
-        r#"apiVersion: v1
-kind: Pod
-metadata: {{name: {name}, namespace: {NS}}}
-spec:
-  terminationGracePeriodSeconds: 1
-  nodeSelector: {{kubernetes.io/hostname: {node}}}
-  containers:
-  - name: c
-    image: {BUSYBOX_IMAGE}
-    imagePullPolicy: Never
-    command: [sh, -c, 'echo "have: $(cat /data/f 2>/dev/null | tr "\n" " ")"; echo {name} >> /data/f && sync && echo "wrote {name}"; sleep 3600']
-    volumeMounts: [{{name: v, mountPath: /data}}]
-  volumes: [{{name: v, persistentVolumeClaim: {{claimName: {claim}}}}}]
-"#
-    )
+    support::writer_pod(name, claim, Some(node))
 }
 
 /// What an admin puts on a node that is shut down or cut off, so its pods and volumes move.

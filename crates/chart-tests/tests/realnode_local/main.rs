@@ -22,7 +22,7 @@ use std::time::Instant;
 
 use stowage_chart_tests::Helm;
 use stowage_testkit::host::Cleanup;
-use stowage_testkit::realnode::{BUSYBOX_IMAGE, NODE_NAME, NODE2_NAME, RealNode};
+use stowage_testkit::realnode::{NODE_NAME, NODE2_NAME, RealNode};
 use support::{Kubectl, NS, archives, control_plane, install_mode};
 
 // The single-node scenarios' helpers; not all of them are used here.
@@ -50,24 +50,7 @@ spec:
 }
 
 fn pod(name: &str, node: Option<&str>, claim: &str) -> String {
-    let selector = node
-        .map(|n| format!("  nodeSelector: {{kubernetes.io/hostname: {n}}}\n"))
-        .unwrap_or_default();
-    format!(
-        r#"apiVersion: v1
-kind: Pod
-metadata: {{name: {name}, namespace: {NS}}}
-spec:
-  terminationGracePeriodSeconds: 1
-{selector}  containers:
-  - name: c
-    image: {BUSYBOX_IMAGE}
-    imagePullPolicy: Never
-    command: [sh, -c, 'echo "have: $(cat /data/f 2>/dev/null | tr "\n" " ")"; echo {name} >> /data/f && sync && echo "wrote {name}"; sleep 3600']
-    volumeMounts: [{{name: v, mountPath: /data}}]
-  volumes: [{{name: v, persistentVolumeClaim: {{claimName: {claim}}}}}]
-"#
-    )
+    support::writer_pod(name, claim, node)
 }
 
 fn marker_id(store: &Path) -> String {
