@@ -262,6 +262,7 @@ impl Controller {
                 .map(|c| loop_room(c, class))
                 .unwrap_or_default()
         };
+        let publishing_fn = || capacities.as_ref().is_some_and(loop_publishing);
         let env = Env {
             class: &class_fn,
             default_class,
@@ -269,6 +270,7 @@ impl Controller {
             pods_of: &pods_fn,
             local: self.executor.store_mode.is_local(),
             room: &room_fn,
+            publishing: &publishing_fn,
         };
         let timer = self
             .executor
@@ -401,6 +403,18 @@ pub(crate) fn subject(t: &Target) -> String {
         Target::Claim(k) => format!("claim {k}"),
         Target::Volume(n) => format!("volume {n}"),
     }
+}
+
+/// Whether any node publishes room (for any class) under the driver's topology key.
+fn loop_publishing(
+    capacities: &kube::runtime::reflector::Store<k8s_openapi::api::storage::v1::CSIStorageCapacity>,
+) -> bool {
+    capacities.state().iter().any(|c| {
+        c.node_topology
+            .as_ref()
+            .and_then(|t| t.match_labels.as_ref())
+            .is_some_and(|l| l.contains_key(stowage_loopdriver::TOPOLOGY_KEY))
+    })
 }
 
 /// The room each node's store publishes for `class`: (node, bytes) of the CSIStorageCapacity

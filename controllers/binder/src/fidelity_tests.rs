@@ -134,6 +134,7 @@ mod sync {
             pods_of: pods,
             local: false,
             room: &no_room,
+            publishing: &|| false,
         }
     }
 

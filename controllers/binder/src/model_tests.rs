@@ -143,6 +143,7 @@ fn env() -> Env<'static> {
         pods_of: &no_pods,
         local: false,
         room: &no_room,
+        publishing: &|| false,
     }
 }
 

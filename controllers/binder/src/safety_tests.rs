@@ -39,6 +39,7 @@ fn env() -> Env<'static> {
         pods_of: &no_pods,
         local: false,
         room: &no_room,
+        publishing: &|| false,
     }
 }
 
@@ -516,6 +517,28 @@ mod local {
             "{out:?}"
         );
         assert!(failed_note(&out).contains("WaitForFirstConsumer"));
+        // The agents publish, but not yet for this class (made moments ago): a Normal Event that
+        // it waits for them, no Warning, nothing provisioned yet.
+        let unseen = Env {
+            node_labels: &nodes_ab,
+            publishing: &|| true,
+            ..local_env()
+        };
+        let out = core::sync_claim(&c, &cache(&[], &[&c]), &unseen);
+        assert!(
+            !out.iter().any(|a| matches!(a, Action::ProvisionLoop { .. })),
+            "{out:?}"
+        );
+        assert!(
+            out.iter().any(|a| matches!(a, Action::Event(e)
+                if e.reason == core::WAITING_FOR_CAPACITY && !e.warning
+                    && e.note.contains("not yet published room"))),
+            "{out:?}"
+        );
+        assert!(
+            !out.iter().any(|a| matches!(a, Action::Event(e) if e.warning)),
+            "no Warning while the agents catch up: {out:?}"
+        );
         // The same claim in shared mode is provisioned at once, pinned nowhere.
         let out = core::sync_claim(&c, &cache(&[], &[&c]), &env());
         assert!(

@@ -230,6 +230,7 @@ impl Row {
             pods_of: &pods,
             local: false,
             room: &|_: &str| Vec::new(),
+            publishing: &|| false,
         };
         let out = match self.sync {
             Sync::Claim => sync_claim(&cache.decode_claim(C).expect("row has claim ns/c"), &cache, &env),

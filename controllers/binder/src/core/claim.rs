@@ -275,7 +275,10 @@ pub(super) fn sync_claim_phase(claim: &PersistentVolumeClaim, cache: &Cache, env
                             class: name.into(),
                             node: Some(node),
                         }),
-                        Err(why) => out.push(ev(target, true, "ProvisioningFailed", why)),
+                        Err(NoNode::NotYetPublished(why)) => {
+                            out.push(ev(target, false, WAITING_FOR_CAPACITY, why))
+                        }
+                        Err(NoNode::Failed(why)) => out.push(ev(target, true, "ProvisioningFailed", why)),
                     }
                 } else {
                     out.push(Action::ProvisionLoop {
@@ -306,11 +309,25 @@ pub(super) fn sync_claim_phase(claim: &PersistentVolumeClaim, cache: &Cache, env
     out
 }
 
+/// Reason of the Normal Event on a claim of a class that binds at once while no node has
+/// published room for that class yet (local mode; a class made moments ago).
+pub const WAITING_FOR_CAPACITY: &str = "WaitingForCapacity";
+
+/// Why no node was picked for a claim of a class that binds at once.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum NoNode {
+    /// The agents publish room for other classes but not yet for this one: they publish a new
+    /// class within seconds, and the claim is provisioned then.
+    NotYetPublished(String),
+    /// Nothing fits, or no agent publishes at all.
+    Failed(String),
+}
+
 /// Local mode, a class that binds at once: the node to make the volume on, as the anchors'
 /// distributed provisioners pick one: among the nodes whose agents publish room for the class
 /// (CSIStorageCapacity), that exist and that the class's allowed topologies admit, the one with
 /// the most room that can hold the request (ties by name). The reason when none can.
-pub fn pick_node(claim: &PersistentVolumeClaim, class: &StorageClass, env: &Env) -> Result<String, String> {
+pub fn pick_node(claim: &PersistentVolumeClaim, class: &StorageClass, env: &Env) -> Result<String, NoNode> {
     let want = claim_request(claim).unwrap_or(0);
     let name = class.name_any();
     let rooms: Vec<(String, u128)> = (env.room)(&name)
@@ -323,14 +340,19 @@ pub fn pick_node(claim: &PersistentVolumeClaim, class: &StorageClass, env: &Env)
         return Ok(node.clone());
     }
     match rooms.iter().max_by(most) {
-        None => Err(format!(
+        // Nothing published for this class, though the agents publish: a class they have not
+        // seen yet (they publish every class of the driver as it appears).
+        None if (env.room)(&name).is_empty() && (env.publishing)() => Err(NoNode::NotYetPublished(format!(
+            "storage class {name:?} binds immediately, and the nodes' agents have not yet published room for it (they publish each new class of {LOOP_DRIVER} within seconds): the volume is made on the node with the most room once they have"
+        ))),
+        None => Err(NoNode::Failed(format!(
             "storage class {name:?} binds immediately, and no node publishes room for it: in local mode a volume is made in the image store of a node whose agent runs (its CSIStorageCapacity objects); check the agents, or set volumeBindingMode: WaitForFirstConsumer so the scheduler picks the node with its pod"
-        )),
-        Some((node, bytes)) => Err(format!(
+        ))),
+        Some((node, bytes)) => Err(NoNode::Failed(format!(
             "no node's image store has room for {} of storage class {name:?} (the most is {} on node {node}); free space on a node, or ask for less",
             human(want),
             human(*bytes)
-        )),
+        ))),
     }
 }
 

@@ -192,6 +192,10 @@ pub struct Env<'a> {
     /// Local mode: the room each node's store publishes for a class (CSIStorageCapacity), as
     /// (node, bytes).
     pub room: &'a dyn Fn(&str) -> Vec<(String, u128)>,
+    /// Local mode: whether any node publishes room for any class of the driver (its agents run
+    /// and publish). Asked only when a class has none: then it tells a class the agents have
+    /// not published yet (a new class) from agents that publish nothing.
+    pub publishing: &'a dyn Fn() -> bool,
 }
 
 /// A pod that uses a claim (in the claim's namespace).
