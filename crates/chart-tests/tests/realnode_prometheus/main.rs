@@ -18,7 +18,7 @@ use std::time::Instant;
 
 use serde_json::{Value, json};
 use stowage_chart_tests::chart_dir;
-use support::{Kubectl, claim, install, pod, poll, rollout, single_node};
+use support::{Kubectl, claim, install_mode, pod, poll, rollout, single_node};
 use translate::Discovery;
 
 #[allow(dead_code)]
@@ -187,7 +187,8 @@ spec:
             &format!("crd/{plural}.monitoring.coreos.com"),
         ]);
     }
-    install(&helm, &k, &cp, &images, &node.kubelet_dir, || {
+    // Local mode, the chart's default: the node's own store.
+    install_mode(&helm, &k, &cp, &images, &node.kubelet_dir, "local", || {
         node.log_tail("kubelet")
     })
     .await;

@@ -12,7 +12,7 @@ use std::time::Instant;
 
 use stowage_chart_tests::chart_dir;
 use stowage_testkit::realnode::NODE_NAME;
-use support::{Kubectl, NS, claim, install, pod, poll, single_node};
+use support::{Kubectl, NS, claim, install_mode, pod, poll, single_node};
 
 // The single-node scenarios' helpers; not all of them are used here.
 #[allow(dead_code)]
@@ -87,7 +87,8 @@ fn binds(k: &Kubectl, name: &str) -> String {
 async fn moving_back_to_kcm_and_uninstalling_leaves_pods_their_volumes_and_nothing_stuck() {
     let started = Instant::now();
     let (cp, images, _cleanup, node, k, helm) = single_node().await;
-    install(&helm, &k, &cp, &images, &node.kubelet_dir, || {
+    // Local mode, the chart's default: the node's own store.
+    install_mode(&helm, &k, &cp, &images, &node.kubelet_dir, "local", || {
         node.log_tail("kubelet")
     })
     .await;
