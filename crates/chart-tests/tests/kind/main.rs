@@ -33,11 +33,28 @@ mod support;
 const CLUSTER: &str = "stowage";
 const DOCKER_HOST: &str = "unix:///run/stowage-rig/docker.sock";
 
+/// A section of docs/distributions.md, by its heading.
+fn guide_section(heading: &str) -> String {
+    let guide = std::fs::read_to_string(repo_root().join("docs/distributions.md")).unwrap();
+    let after = guide
+        .split(&format!("\n## {heading}\n"))
+        .nth(1)
+        .unwrap_or_else(|| panic!("a {heading} section"));
+    after.split("\n## ").next().unwrap().to_string()
+}
+
 /// The guide's kind section.
 fn section() -> String {
-    let guide = std::fs::read_to_string(repo_root().join("docs/distributions.md")).unwrap();
-    let after = guide.split("\n## kind\n").nth(1).expect("a kind section");
-    after.split("\n## ").next().unwrap().to_string()
+    guide_section("kind")
+}
+
+/// The first block of `lang` in `text` that holds `needle`, its continuation lines joined.
+fn block(text: &str, lang: &str, needle: &str) -> String {
+    blocks(text, lang)
+        .into_iter()
+        .find(|b| b.contains(needle))
+        .unwrap_or_else(|| panic!("no {lang} block with {needle:?} in the guide"))
+        .replace("\\\n", " ")
 }
 
 /// The fenced blocks of `lang` in `text`, in order, without the indentation of a list item.
@@ -230,10 +247,7 @@ fn the_kind_guide_runs_as_written() {
     let node_image = node_image(&rig);
 
     // The cluster configuration, saved under the name the guide's commands use.
-    let config = blocks(&section, "yaml")
-        .into_iter()
-        .find(|b| b.contains("kind: Cluster"))
-        .expect("the guide's cluster configuration");
+    let config = block(&section, "yaml", "kind: Cluster");
     assert!(
         section.contains("in a file `kind-stowage.yaml`"),
         "the guide names the file"
@@ -280,12 +294,12 @@ fn the_kind_guide_runs_as_written() {
     ));
 
     // The guide's check: every KCM pod runs with the documented value.
-    let kubeadm_check = std::fs::read_to_string(repo_root().join("docs/distributions.md")).unwrap();
-    let check = blocks(kubeadm_check.split("\n## kubeadm\n").nth(1).unwrap(), "sh")
-        .into_iter()
-        .find(|b| b.contains("component=kube-controller-manager"))
-        .expect("the guide's KCM check");
-    let flags = rig.must(&check.replace("\\\n", " "));
+    let check = block(
+        &guide_section("kubeadm"),
+        "sh",
+        "component=kube-controller-manager",
+    );
+    let flags = rig.must(&check);
     let value = config
         .lines()
         .find_map(|l| l.trim().strip_prefix("value: "))
@@ -441,14 +455,7 @@ fn move_back(rig: &Rig, k: &Kubectl, value: &str, workers: &[String]) {
     ]);
     // 2. KCM's controllers on again, with the guide's command for kind.
     let section = section();
-    let back = blocks(&section, "sh")
-        .into_iter()
-        .chain(blocks(
-            &std::fs::read_to_string(repo_root().join("docs/distributions.md")).unwrap(),
-            "sh",
-        ))
-        .find(|b| b.contains("docker exec") && b.contains("kube-controller-manager.yaml"))
-        .expect("the guide's command that turns KCM's controllers on again in kind");
+    let back = block(&section, "sh", "docker exec");
     for line in back.lines().filter(|l| !l.trim().is_empty()) {
         rig.must(line);
     }
@@ -516,13 +523,7 @@ spec:
 #[test]
 fn the_kubeadm_guide_runs_as_written_and_a_node_joins_after_install() {
     let guide = std::fs::read_to_string(repo_root().join("docs/distributions.md")).unwrap();
-    let section = guide
-        .split("\n## kubeadm\n")
-        .nth(1)
-        .unwrap()
-        .split("\n## ")
-        .next()
-        .unwrap();
+    let section = guide_section("kubeadm");
     let rig = Rig::new("kubeadm");
     let node_image = node_image(&rig);
     let config = rig.dir.path().join("cluster.yaml");
@@ -545,11 +546,7 @@ fn the_kubeadm_guide_runs_as_written_and_a_node_joins_after_install() {
     );
 
     // Step 1: the guide's sed, on the control-plane node, as written (sudo included).
-    let sed = blocks(section, "sh")
-        .into_iter()
-        .find(|b| b.contains("sed -i"))
-        .expect("step 1's sed")
-        .replace("\\\n", " ");
+    let sed = block(&section, "sh", "sed -i");
     rig.node(cp, sed.trim());
     let value = guide
         .lines()
@@ -572,10 +569,7 @@ fn the_kubeadm_guide_runs_as_written_and_a_node_joins_after_install() {
         "-o",
         "jsonpath={.data.ClusterConfiguration}",
     ]);
-    let entry: String = blocks(section, "yaml")
-        .into_iter()
-        .find(|b| b.starts_with("controllerManager:"))
-        .expect("step 2's ClusterConfiguration")
+    let entry: String = block(&section, "yaml", "controllerManager:")
         .lines()
         .skip_while(|l| l.trim() != "extraArgs:")
         .skip(1)
@@ -618,11 +612,7 @@ fn the_kubeadm_guide_runs_as_written_and_a_node_joins_after_install() {
     );
 
     // Step 3: the guide's check, once the kubelet has restarted KCM with it.
-    let check = blocks(section, "sh")
-        .into_iter()
-        .find(|b| b.contains("component=kube-controller-manager"))
-        .expect("step 3's check")
-        .replace("\\\n", " ");
+    let check = block(&section, "sh", "component=kube-controller-manager");
     poll(|| match rig.sh(check.trim()) {
         Ok(out) if out.trim() == format!("--controllers={value}") => Ok(()),
         other => Err(format!("the guide's check: {other:?}")),
