@@ -330,7 +330,9 @@ pub enum NoNode {
 pub fn pick_node(claim: &PersistentVolumeClaim, class: &StorageClass, env: &Env) -> Result<String, NoNode> {
     let want = claim_request(claim).unwrap_or(0);
     let name = class.name_any();
-    let rooms: Vec<(String, u128)> = (env.room)(&name)
+    let published = (env.room)(&name);
+    let nothing_published = published.is_empty();
+    let rooms: Vec<(String, u128)> = published
         .into_iter()
         .filter(|(node, _)| (env.node_labels)(node).is_some_and(|l| admits(class, &l)))
         .collect();
@@ -342,7 +344,7 @@ pub fn pick_node(claim: &PersistentVolumeClaim, class: &StorageClass, env: &Env)
     match rooms.iter().max_by(most) {
         // Nothing published for this class, though the agents publish: a class they have not
         // seen yet (they publish every class of the driver as it appears).
-        None if (env.room)(&name).is_empty() && (env.publishing)() => Err(NoNode::NotYetPublished(format!(
+        None if nothing_published && (env.publishing)() => Err(NoNode::NotYetPublished(format!(
             "storage class {name:?} binds immediately, and the nodes' agents have not yet published room for it (they publish each new class of {LOOP_DRIVER} within seconds): the volume is made on the node with the most room once they have"
         ))),
         None => Err(NoNode::Failed(format!(

@@ -272,21 +272,14 @@ pub fn archives() -> Vec<PathBuf> {
     list.to_vec()
 }
 
+/// A pod of `claim` that writes `data-1` to a fresh volume or prints what it found, then its
+/// file system's `df` line, and stays.
 pub fn pod(name: &str, claim: &str) -> String {
-    format!(
-        r#"apiVersion: v1
-kind: Pod
-metadata: {{name: {name}, namespace: {NS}}}
-spec:
-  terminationGracePeriodSeconds: 1
-  containers:
-  - name: c
-    image: {BUSYBOX_IMAGE}
-    imagePullPolicy: Never
-    command: [sh, -c, 'if [ -f /data/f ]; then echo "found $(cat /data/f)"; else echo data-1 > /data/f && sync && echo wrote; fi; df -k /data | tail -1; sleep 3600']
-    volumeMounts: [{{name: v, mountPath: /data}}]
-  volumes: [{{name: v, persistentVolumeClaim: {{claimName: {claim}}}}}]
-"#
+    busybox_pod(
+        name,
+        claim,
+        None,
+        r#"if [ -f /data/f ]; then echo "found $(cat /data/f)"; else echo data-1 > /data/f && sync && echo wrote; fi; df -k /data | tail -1"#,
     )
 }
 
@@ -312,6 +305,16 @@ spec:
 /// in KiB (`size: N`), then appends its own name (`wrote <name>`) and stays. `node`: asked of
 /// the scheduler (which WaitForFirstConsumer needs), or anywhere.
 pub fn writer_pod(name: &str, claim: &str, node: Option<&str>) -> String {
+    let script = format!(
+        r#"echo "have: $(cat /data/f 2>/dev/null | tr "\n" " ")"; echo "size: $(df -k /data | tail -1 | tr -s " " | cut -d" " -f2)"; echo {name} >> /data/f && sync && echo "wrote {name}""#
+    );
+    busybox_pod(name, claim, node, &script)
+}
+
+/// A busybox pod of the test namespace with `claim` at /data that runs `script` (single-quoted
+/// in the manifest: no `'` in it), then sleeps. `node`: asked of the scheduler, or anywhere.
+fn busybox_pod(name: &str, claim: &str, node: Option<&str>, script: &str) -> String {
+    assert!(!script.contains('\''), "{script}");
     let selector = node
         .map(|n| format!("  nodeSelector: {{kubernetes.io/hostname: {n}}}\n"))
         .unwrap_or_default();
@@ -325,7 +328,7 @@ spec:
   - name: c
     image: {BUSYBOX_IMAGE}
     imagePullPolicy: Never
-    command: [sh, -c, 'echo "have: $(cat /data/f 2>/dev/null | tr "\n" " ")"; echo "size: $(df -k /data | tail -1 | tr -s " " | cut -d" " -f2)"; echo {name} >> /data/f && sync && echo "wrote {name}"; sleep 3600']
+    command: [sh, -c, '{script}; sleep 3600']
     volumeMounts: [{{name: v, mountPath: /data}}]
   volumes: [{{name: v, persistentVolumeClaim: {{claimName: {claim}}}}}]
 "#

@@ -216,11 +216,6 @@ pub fn refers_to(pv: &PersistentVolume, claim: &PersistentVolumeClaim) -> bool {
 /// ext4 on a loop image cannot be mounted read-write by two kernels at once.
 pub const MULTI_NODE_WRITER_MODES: &[&str] = &["ReadWriteMany"];
 
-/// Whether a volume is made with its file system at creation: a Filesystem volume whose only
-/// access mode is ReadOnlyMany, of file-system type `fs` (or none given). Every node stages such a
-/// volume read-only and never formats a device it cannot write, so an image left blank could
-/// never be mounted. Block volumes and volumes with a writer mode stay blank: a writer's first
-/// stage formats them on its node.
 /// The file-system type a CSI volume names (`spec.csi.fsType`), if it names one.
 pub fn csi_fs_type(pv: &PersistentVolume) -> Option<&str> {
     pv.spec
@@ -232,6 +227,11 @@ pub fn csi_fs_type(pv: &PersistentVolume) -> Option<&str> {
         .filter(|t| !t.is_empty())
 }
 
+/// Whether a volume is made with its file system at creation: a Filesystem volume whose only
+/// access mode is ReadOnlyMany, of file-system type `fs` (or none given). Every node stages such a
+/// volume read-only and never formats a device it cannot write, so an image left blank could
+/// never be mounted. Block volumes and volumes with a writer mode stay blank: a writer's first
+/// stage formats them on its node.
 pub fn formatted_at_creation(pv: &PersistentVolume, fs: &str) -> bool {
     let Some(spec) = pv.spec.as_ref() else {
         return false;
