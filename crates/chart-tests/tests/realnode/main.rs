@@ -1,6 +1,7 @@
 //! stowage on a real node, installed the way a user installs it: the test control plane plus a
 //! kubelet, containerd and runc (`stowage_testkit::realnode`), `helm install` of charts/stowage
-//! with the image `make image` builds, then claims and pods of a WaitForFirstConsumer class:
+//! with the image `make image` builds in the chart's default mode (the node's own image store),
+//! then claims and pods of a WaitForFirstConsumer class: the node's agent makes the images, and
 //! the kubelet stages and publishes through the agent's CSI node service; `helm test` passing on
 //! a fresh install and failing with its reasons on a broken class. Each step prints
 //! `kubectl get pv,pvc,volumeattachment,pod` so CI logs show what was observed.
@@ -13,7 +14,7 @@ use std::time::Instant;
 
 use stowage_chart_tests::chart_dir;
 use stowage_testkit::realnode::{BUSYBOX_IMAGE, NODE_NAME};
-use support::{NS, claim, install, mounts_of, pod, poll, rollout, single_node};
+use support::{NS, claim, install_mode, mounts_of, pod, poll, rollout, single_node};
 
 // Shared with the other real-node scenarios, which use helpers this one does not.
 #[allow(dead_code)]
@@ -24,7 +25,8 @@ async fn a_kubelet_runs_pods_on_loop_volumes_installed_by_helm() {
     let started = Instant::now();
     let (cp, images, _cleanup, node, k, helm) = single_node().await;
     println!("real node up after {:?}", started.elapsed());
-    install(&helm, &k, &cp, &images, &node.kubelet_dir, || {
+    // The chart's default mode: the node's own store (local).
+    install_mode(&helm, &k, &cp, &images, &node.kubelet_dir, "local", || {
         node.log_tail("kubelet")
     })
     .await;
@@ -99,55 +101,36 @@ async fn a_kubelet_runs_pods_on_loop_volumes_installed_by_helm() {
     );
     k.show("0: helm test passed and left no claim, volume or attachment behind");
 
-    // 1. WaitForFirstConsumer: claim + pod → provisioned on the pod's node, attached, staged and
-    //    published by the kubelet through the agent; the pod writes a file. First without the
-    //    image store's marker (as on a node where the shared file system is not mounted): no
-    //    image, ImageStoreNotReady on the claim and on the Node, the controller's gauge at 0;
-    //    then the marker is back and everything goes on by itself.
+    // 1. WaitForFirstConsumer: claim + pod → the image made by the agent of the pod's node in
+    //    that node's store, attached, staged and published by the kubelet through the agent; the
+    //    pod writes a file. The store's marker is removed first, as on a node whose disk was just
+    //    replaced: local mode needs no install step, so the agent marks its store anew, with an id
+    //    of its own, and the volume records that id and is pinned to the node.
     let marker = images.join(stowage_loopdriver::image::MARKER);
-    let saved = std::fs::read(&marker).unwrap();
+    let old_id = support::marker_id(&images);
     std::fs::remove_file(&marker).unwrap();
     k.apply(&claim("data", "loop", "ReadWriteOnce"));
     k.apply(&pod("writer", "data"));
-    poll(|| {
-        let seen = k.event_objects("ImageStoreNotReady");
-        match seen.contains("PersistentVolumeClaim/data") && seen.contains(&format!("Node/{NODE_NAME}")) {
-            true => Ok(()),
-            false => Err(format!(
-                "ImageStoreNotReady events on {seen:?}; the claim:\n{}",
-                k.run(&["describe", "pvc", "-n", NS, "data"])
-                    .unwrap_or_else(|e| e)
-            )),
-        }
-    });
-    let controller_pod = k.must(&[
-        "get",
-        "pods",
-        "-n",
-        "stowage",
-        "-l",
-        "app.kubernetes.io/component=controller",
-        "-o",
-        "jsonpath={.items[0].metadata.name}:{.items[0].spec.containers[0].ports[?(@.name==\"metrics\")].containerPort}",
-    ]);
-    let m = k
-        .metrics(&format!(
-            "/api/v1/namespaces/stowage/pods/{}/proxy/metrics",
-            controller_pod.trim()
-        ))
-        .unwrap();
-    assert_eq!(m.sum("stowage_binder_image_store_ready"), 0.0);
-    let made: Vec<_> = std::fs::read_dir(&images)
-        .unwrap()
-        .flatten()
-        .map(|e| e.file_name())
-        .collect();
-    assert!(made.is_empty(), "images made on an unmarked store: {made:?}");
-    k.show("1a: no marker, no image; ImageStoreNotReady on the claim and the Node");
-    std::fs::write(&marker, saved).unwrap();
     k.wait(&["pod", "-n", NS, "writer"], "{.status.phase}", "Running");
     k.wait(&["pvc", "-n", NS, "data"], "{.status.phase}", "Bound");
     let pv = k.volume_of("data");
+    let new_id = support::marker_id(&images);
+    assert!(
+        !new_id.is_empty() && new_id != old_id,
+        "store marked anew: {old_id:?} → {new_id:?}"
+    );
+    let recorded = k.must(&[
+        "get",
+        "pv",
+        &pv,
+        "-o",
+        "jsonpath={.metadata.annotations.loop\\.stowage\\.dev/store-id}|{.spec.nodeAffinity.required.nodeSelectorTerms[0].matchExpressions[0].values[0]}",
+    ]);
+    assert_eq!(
+        recorded.trim(),
+        format!("{new_id}|{NODE_NAME}"),
+        "{pv} records its store and node"
+    );
     k.wait(&["volumeattachment"], "{.items[0].status.attached}", "true");
     k.wait_logs("writer", "wrote");
     k.show("1: pod Running on a provisioned, attached, staged and published volume");
@@ -248,21 +231,7 @@ async fn a_kubelet_runs_pods_on_loop_volumes_installed_by_helm() {
     // The controller's metrics through its pod's proxy, not the Service: with the kubelet
     // stopped, the node turns NotReady after its grace period and its pods (the controller's
     // too) leave the Service's endpoints, while the container keeps running and answering.
-    // (A pod proxy takes a port number, not a port name.)
-    let controller_pod = k.must(&[
-        "get",
-        "pods",
-        "-n",
-        "stowage",
-        "-l",
-        "app.kubernetes.io/component=controller",
-        "-o",
-        "jsonpath={.items[0].metadata.name}:{.items[0].spec.containers[0].ports[?(@.name==\"metrics\")].containerPort}",
-    ]);
-    let controller_metrics = format!(
-        "/api/v1/namespaces/stowage/pods/{}/proxy/metrics",
-        controller_pod.trim()
-    );
+    let controller_metrics = support::controller_metrics_path(&k);
     let controller = || k.metrics(&controller_metrics);
     // Until the attach/detach controller wants the detach and holds it back for the node's
     // volumesInUse, then has passed over it once more: it had its chance to detach.

@@ -139,26 +139,14 @@ impl Kubectl {
     }
 }
 
-/// `helm install` of the chart as a user installs it on the real-node cluster: the shared image
-/// store (the rig's nodes run on one machine and see one store directory; local mode's own
-/// two-node test is crates/controller/tests/local.rs), the local image,
-/// controller and agents on the host network reaching the apiserver at an address every node
-/// reaches (`cp.node_host()`), one `agent.kubeletDir` for all nodes, a WaitForFirstConsumer class,
-/// the controller's metrics on plain HTTP (the scenarios read them through the apiserver's pod
-/// proxy, which passes no credentials on; realnode_prometheus covers the secure default);
-/// then the test namespace, and both workloads rolled out (`logs` is printed if one is not).
-pub async fn install(
-    helm: &Helm,
-    k: &Kubectl,
-    cp: &ControlPlane,
-    images: &Path,
-    kubelet_dir: &Path,
-    logs: impl Fn() -> String,
-) {
-    install_mode(helm, k, cp, images, kubelet_dir, "shared", logs).await
-}
-
-/// `install` with the image store in `mode` (`local` or `shared`).
+/// `helm install` of the chart as a user installs it on the real-node cluster, the image store in
+/// `mode` (`local`, the chart's default: each node's own store; `shared`: one store every node
+/// reads, which the rig's nodes on one machine can also give): the local image, controller and
+/// agents on the host network reaching the apiserver at an address every node reaches
+/// (`cp.node_host()`), one `agent.kubeletDir` for all nodes, a WaitForFirstConsumer class, the
+/// controller's metrics on plain HTTP (the scenarios read them through the apiserver's pod proxy,
+/// which passes no credentials on; realnode_prometheus covers the secure default); then the test
+/// namespace, and both workloads rolled out (`logs` is printed if one is not).
 pub async fn install_mode(
     helm: &Helm,
     k: &Kubectl,
@@ -229,6 +217,33 @@ pub async fn control_plane(nodes: usize) -> (ControlPlane, PathBuf, Cleanup) {
         images: images.clone(),
     };
     (cp, images, cleanup)
+}
+
+/// The apiserver's proxy path to the controller pod's metrics: through the pod, not the Service,
+/// so they stay readable while the pod's node is NotReady and out of the endpoints. (A pod proxy
+/// takes a port number, not a port name.)
+pub fn controller_metrics_path(k: &Kubectl) -> String {
+    let pod = k.must(&[
+        "get",
+        "pods",
+        "-n",
+        "stowage",
+        "-l",
+        "app.kubernetes.io/component=controller",
+        "-o",
+        "jsonpath={.items[0].metadata.name}:{.items[0].spec.containers[0].ports[?(@.name==\"metrics\")].containerPort}",
+    ]);
+    format!("/api/v1/namespaces/stowage/pods/{}/proxy/metrics", pod.trim())
+}
+
+/// The id in a store's marker (empty when it has none).
+pub fn marker_id(store: &Path) -> String {
+    std::fs::read_to_string(store.join(stowage_loopdriver::image::MARKER))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("id: "))
+        .unwrap_or_default()
+        .to_string()
 }
 
 /// A fresh control plane with one real node, and kubectl and helm pointed at it: how every

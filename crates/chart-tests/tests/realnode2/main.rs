@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use stowage_chart_tests::Helm;
 use stowage_testkit::realnode::{NODE_NAME, NODE2_NAME, RealNode};
-use support::{Kubectl, NS, archives, claim, control_plane, install, poll};
+use support::{Kubectl, NS, archives, claim, control_plane, install_mode, poll};
 
 // The single-node scenarios' helpers; not all of them are used here.
 #[allow(dead_code)]
@@ -182,7 +182,7 @@ async fn a_kubelet_runs_pods_on_loop_volumes_across_two_nodes() {
         kubeconfig: cp.kubeconfig(),
     };
     let helm = Helm::new(Some(&cp.kubeconfig()));
-    install(&helm, &k, &cp, &images, &node1.kubelet_dir, || {
+    install_mode(&helm, &k, &cp, &images, &node1.kubelet_dir, "shared", || {
         format!("{}\n{}", node1.log_tail("kubelet"), node2.log_tail("kubelet"))
     })
     .await;
@@ -200,8 +200,41 @@ async fn a_kubelet_runs_pods_on_loop_volumes_across_two_nodes() {
     // a. A claim moves between the nodes with its data: written on node 1, read and added to on
     //    node 2, both read back on node 1. The attachment follows the pod, one node at a time.
     let attached_to = "{range .items[?(@.status.attached==true)]}{.spec.nodeName}{end}";
+    //    First without the shared store's marker, as where the shared file system is not
+    //    mounted: no image is made; ImageStoreNotReady on the claim (from the controller) and on
+    //    both Nodes (from their agents), the controller's gauge at 0. Then the marker is back and
+    //    everything goes on by itself.
+    let marker = images.join(stowage_loopdriver::image::MARKER);
+    let saved = std::fs::read(&marker).unwrap();
+    std::fs::remove_file(&marker).unwrap();
     k.apply(&claim("moving", "loop", "ReadWriteOnce"));
     k.apply(&pod_on("one", NODE_NAME, "moving"));
+    poll(|| {
+        let seen = k.event_objects("ImageStoreNotReady");
+        let want = [
+            "PersistentVolumeClaim/moving".to_string(),
+            format!("Node/{NODE_NAME}"),
+            format!("Node/{NODE2_NAME}"),
+        ];
+        match want.iter().all(|w| seen.contains(w)) {
+            true => Ok(()),
+            false => Err(format!(
+                "ImageStoreNotReady events on {seen:?}; the claim:\n{}",
+                k.run(&["describe", "pvc", "-n", NS, "moving"])
+                    .unwrap_or_else(|e| e)
+            )),
+        }
+    });
+    let m = k.metrics(&support::controller_metrics_path(&k)).unwrap();
+    assert_eq!(m.sum("stowage_binder_image_store_ready"), 0.0);
+    let made: Vec<_> = std::fs::read_dir(&images)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
+    assert!(made.is_empty(), "images made on an unmarked store: {made:?}");
+    k.show("a0: no marker, no image; ImageStoreNotReady on the claim and both Nodes");
+    std::fs::write(&marker, saved).unwrap();
     k.wait(&["pod", "-n", NS, "one"], "{.status.phase}", "Running");
     k.wait_logs("one", "wrote one");
     let pv = k.volume_of("moving");

@@ -17,13 +17,12 @@
 //!
 //! Needs root and the archives `make test` builds, like the other real-node scenarios.
 
-use std::path::Path;
 use std::time::Instant;
 
 use stowage_chart_tests::Helm;
 use stowage_testkit::host::Cleanup;
 use stowage_testkit::realnode::{NODE_NAME, NODE2_NAME, RealNode};
-use support::{Kubectl, NS, archives, control_plane, install_mode};
+use support::{Kubectl, NS, archives, control_plane, install_mode, marker_id};
 
 // The single-node scenarios' helpers; not all of them are used here.
 #[allow(dead_code)]
@@ -51,15 +50,6 @@ spec:
 
 fn pod(name: &str, node: Option<&str>, claim: &str) -> String {
     support::writer_pod(name, claim, node)
-}
-
-fn marker_id(store: &Path) -> String {
-    std::fs::read_to_string(store.join(".stowage-image-store"))
-        .unwrap_or_default()
-        .lines()
-        .find_map(|l| l.strip_prefix("id: "))
-        .unwrap_or_default()
-        .to_string()
 }
 
 #[tokio::test(flavor = "multi_thread")]
