@@ -4,7 +4,8 @@
 # (the side that runs first alternating by round), same harness (the bench binary of this tree),
 # stowage only, static-10000 and attach-1000x50 with client limits lifted; then the medians of
 # each build and whether the change stays within 5 % of throughput and 10 % of CPU per object of
-# the build before.
+# the build before; beside them the reads per object and the apiserver's time per object (the
+# same harness on both sides, so a difference is the build's).
 #
 #   e2e/scripts/ab-bench.sh <before> [after=HEAD]
 #   AB_ROUNDS=3 (runs per build, alternating)  AB_WORKLOADS=static,attach
@@ -70,28 +71,37 @@ for side in ("before", "after"):
             if r["implementation"] != "stowage" or not r["converged"]:
                 continue
             key = (r["workload"], side)
-            rows.setdefault(key, []).append((r["throughput_per_s"], r["cpu_s"] / max(r["done"], 1)))
-print(f"| workload | build | runs | objects/s (median) | CPU ms per object (median) |")
-print("| --- | --- | --- | --- | --- |")
+            n = max(r["done"], 1)
+            # Reads (the bench's own included: the same harness on both sides) other than
+            # watches, and the apiserver's time on all requests but watches, per object.
+            reads = sum(v for k, v in r.get("reads_by_resource", {}).items() if " WATCH " not in k)
+            served = sum(r.get("request_seconds_by_resource", {}).values())
+            rows.setdefault(key, []).append((r["throughput_per_s"], r["cpu_s"] / n, reads / n, served / n))
+print(f"| workload | build | runs | objects/s (median) | CPU ms per object (median) | reads per object | apiserver ms per object |")
+print("| --- | --- | --- | --- | --- | --- | --- |")
 verdict = True
 for w in sorted({k[0] for k in rows}):
     med = {}
     for side, commit in (("before", before), ("after", after)):
         runs = rows.get((w, side), [])
         if not runs:
-            print(f"| {w} | {side} {commit[:7]} | 0 | — | — |")
+            print(f"| {w} | {side} {commit[:7]} | 0 | — | — | — | — |")
             verdict = False
             continue
         t = statistics.median(x[0] for x in runs)
         c = statistics.median(x[1] for x in runs)
-        med[side] = (t, c)
-        print(f"| {w} | {side} {commit[:7]} | {len(runs)} | {t:.1f} | {c * 1000:.3f} |")
+        rd = statistics.median(x[2] for x in runs)
+        sv = statistics.median(x[3] for x in runs)
+        med[side] = (t, c, rd, sv)
+        print(f"| {w} | {side} {commit[:7]} | {len(runs)} | {t:.1f} | {c * 1000:.3f} | {rd:.2f} | {sv * 1000:.3f} |")
     if len(med) == 2:
         dt = med["after"][0] / med["before"][0]
         dc = med["after"][1] / med["before"][1]
         ok = dt >= 0.95 and dc <= 1.10
         verdict &= ok
-        print(f"| {w} | after/before | | {dt:.3f}× | {dc:.3f}× {'ok' if ok else 'OUT OF BOUNDS'} |")
+        dr = med["after"][2] / med["before"][2] if med["before"][2] else float("nan")
+        ds = med["after"][3] / med["before"][3] if med["before"][3] else float("nan")
+        print(f"| {w} | after/before | | {dt:.3f}× | {dc:.3f}× {'ok' if ok else 'OUT OF BOUNDS'} | {dr:.3f}× | {ds:.3f}× |")
 print()
 print("within bounds (throughput ≥ 0.95×, CPU per object ≤ 1.10×):", "yes" if verdict else "no")
 sys.exit(0 if verdict else 1)

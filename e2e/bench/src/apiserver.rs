@@ -1,5 +1,8 @@
-//! The apiserver's own count of write requests (`apiserver_request_total`), scraped through the
-//! admin client so every write of every client is counted, whoever sent it.
+//! The apiserver's own count of requests (`apiserver_request_total`) and the time it spent on
+//! them (`apiserver_request_duration_seconds`), scraped through the admin client so every request
+//! of every client is counted, whoever sent it. Writes are what the bench reports per object;
+//! reads and request time tell two builds with the same writes apart (one waiting longer on the
+//! apiserver, or asking it more).
 
 use std::collections::BTreeMap;
 
@@ -8,9 +11,17 @@ use kube::Client;
 
 const WRITE_VERBS: &[&str] = &["POST", "PUT", "PATCH", "DELETE", "DELETECOLLECTION", "APPLY"];
 
-/// Write requests so far, keyed `resource[/subresource] VERB code`.
+/// Requests so far.
 #[derive(Debug, Clone, Default)]
-pub struct Writes(pub BTreeMap<String, f64>);
+pub struct Writes {
+    /// Write requests, keyed `resource[/subresource] VERB code`.
+    pub writes: BTreeMap<String, f64>,
+    /// Every other request (GET, LIST, WATCH), keyed the same way.
+    pub reads: BTreeMap<String, f64>,
+    /// Seconds the apiserver spent serving requests, keyed `resource[/subresource] VERB`; not
+    /// WATCH (a watch's duration is its life, not work) nor CONNECT.
+    pub seconds: BTreeMap<String, f64>,
+}
 
 impl Writes {
     pub async fn scrape(client: &Client) -> anyhow::Result<Self> {
@@ -24,31 +35,51 @@ impl Writes {
 
     fn from_text(text: &str) -> anyhow::Result<Self> {
         let m = stowage_testkit::scrape::parse(text).map_err(|e| anyhow!("apiserver /metrics: {e}"))?;
-        let mut out = BTreeMap::new();
-        for (labels, v) in m.samples.get("apiserver_request_total").into_iter().flatten() {
+        let key = |labels: &BTreeMap<String, String>| {
             let get = |k: &str| labels.get(k).map(String::as_str).unwrap_or("");
-            if !WRITE_VERBS.contains(&get("verb")) {
-                continue;
-            }
             let resource = match get("subresource") {
                 "" => get("resource").to_string(),
                 sub => format!("{}/{sub}", get("resource")),
             };
-            *out.entry(format!("{resource} {} {}", get("verb"), get("code")))
-                .or_insert(0.0) += v;
+            (format!("{resource} {}", get("verb")), get("verb").to_string())
+        };
+        let mut out = Self::default();
+        for (labels, v) in m.samples.get("apiserver_request_total").into_iter().flatten() {
+            let (k, verb) = key(labels);
+            let code = labels.get("code").map(String::as_str).unwrap_or("");
+            let map = match WRITE_VERBS.contains(&verb.as_str()) {
+                true => &mut out.writes,
+                false => &mut out.reads,
+            };
+            *map.entry(format!("{k} {code}")).or_insert(0.0) += v;
         }
-        Ok(Self(out))
+        for (labels, v) in m
+            .samples
+            .get("apiserver_request_duration_seconds_sum")
+            .into_iter()
+            .flatten()
+        {
+            let (k, verb) = key(labels);
+            if verb != "WATCH" && verb != "CONNECT" {
+                *out.seconds.entry(k).or_insert(0.0) += v;
+            }
+        }
+        Ok(out)
     }
 
     /// What happened between `before` and `self`.
     pub fn since(&self, before: &Writes) -> Writes {
-        Writes(
-            self.0
-                .iter()
-                .map(|(k, v)| (k.clone(), v - before.0.get(k).copied().unwrap_or(0.0)))
+        fn delta(now: &BTreeMap<String, f64>, then: &BTreeMap<String, f64>) -> BTreeMap<String, f64> {
+            now.iter()
+                .map(|(k, v)| (k.clone(), v - then.get(k).copied().unwrap_or(0.0)))
                 .filter(|(_, v)| *v > 0.0)
-                .collect(),
-        )
+                .collect()
+        }
+        Writes {
+            writes: delta(&self.writes, &before.writes),
+            reads: delta(&self.reads, &before.reads),
+            seconds: delta(&self.seconds, &before.seconds),
+        }
     }
 
     /// All writes except kube-apiserver's own background ones: it renews its identity Lease and
@@ -56,7 +87,7 @@ impl Writes {
     /// slower implementation for time rather than work (neither controller writes these).
     pub fn controller_writes(&self) -> f64 {
         const BACKGROUND: &[&str] = &["leases ", "endpoints ", "endpointslices "];
-        self.0
+        self.writes
             .iter()
             .filter(|(k, _)| !BACKGROUND.iter().any(|b| k.starts_with(b)))
             .map(|(_, v)| v)
@@ -76,7 +107,7 @@ impl Writes {
 
     fn with_code(&self, code: &str) -> f64 {
         // `+ 0.0` turns the empty sum's -0.0 into 0.
-        self.0
+        self.writes
             .iter()
             .filter(|(k, _)| k.rsplit(' ').next() == Some(code))
             .map(|(_, v)| v)
@@ -103,8 +134,24 @@ apiserver_request_total{code=\"429\",component=\"apiserver\",resource=\"persiste
         assert_eq!(w.controller_writes(), 13.0);
         assert_eq!(w.conflicts(), 1.0);
         assert_eq!(w.throttled(), 4.0);
-        assert_eq!(w.0["persistentvolumes/status PUT 200"], 3.0);
-        let later = Writes(w.0.iter().map(|(k, v)| (k.clone(), v + 2.0)).collect());
+        assert_eq!(w.writes["persistentvolumes/status PUT 200"], 3.0);
+        assert_eq!(w.reads["persistentvolumes LIST 200"], 9.0);
+        let later = Writes {
+            writes: w.writes.iter().map(|(k, v)| (k.clone(), v + 2.0)).collect(),
+            ..w.clone()
+        };
         assert_eq!(later.since(&w).controller_writes(), 8.0);
+        assert!(later.since(&w).reads.is_empty());
+    }
+
+    #[test]
+    fn sums_request_seconds_without_watches() {
+        let text = "# TYPE apiserver_request_duration_seconds histogram\n\
+apiserver_request_duration_seconds_sum{component=\"apiserver\",dry_run=\"\",group=\"\",resource=\"persistentvolumes\",scope=\"resource\",subresource=\"\",verb=\"PUT\",version=\"v1\"} 1.5\n\
+apiserver_request_duration_seconds_count{component=\"apiserver\",dry_run=\"\",group=\"\",resource=\"persistentvolumes\",scope=\"resource\",subresource=\"\",verb=\"PUT\",version=\"v1\"} 3\n\
+apiserver_request_duration_seconds_sum{component=\"apiserver\",dry_run=\"\",group=\"\",resource=\"persistentvolumes\",scope=\"cluster\",subresource=\"\",verb=\"WATCH\",version=\"v1\"} 900\n";
+        let w = Writes::from_text(text).unwrap();
+        assert_eq!(w.seconds.get("persistentvolumes PUT"), Some(&1.5));
+        assert_eq!(w.seconds.len(), 1, "{:?}", w.seconds);
     }
 }

@@ -40,6 +40,11 @@ pub struct RunResult {
     /// Writes answered 429 by API Priority and Fairness (and retried by the client).
     pub throttled: f64,
     pub writes_by_resource: BTreeMap<String, f64>,
+    /// Read requests in the window (the bench's own watches and reads included), by resource.
+    pub reads_by_resource: BTreeMap<String, f64>,
+    /// Seconds the apiserver spent on requests in the window (watches excluded), by resource
+    /// and verb.
+    pub request_seconds_by_resource: BTreeMap<String, f64>,
     pub controller_log: String,
     /// The controller's own account of where the time went (stowage's attach rows).
     pub profile: Option<String>,
@@ -76,6 +81,8 @@ impl RunResult {
             conflicts: 0.0,
             throttled: 0.0,
             writes_by_resource: Default::default(),
+            reads_by_resource: Default::default(),
+            request_seconds_by_resource: Default::default(),
             controller_log: String::new(),
             profile: None,
         }

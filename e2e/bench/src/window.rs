@@ -1,5 +1,5 @@
 //! A measured window of one process (a controller, the agent): the CPU, memory and apiserver
-//! writes between its opening and its end, and the wait for the objects' progress that ends it.
+//! requests between its opening and its end, and the wait for the objects' progress that ends it.
 
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -76,7 +76,9 @@ impl WindowEnd {
             writes_per_object: if done > 0 { writes / done as f64 } else { 0.0 },
             conflicts: self.delta.conflicts(),
             throttled: self.delta.throttled(),
-            writes_by_resource: self.delta.0,
+            writes_by_resource: self.delta.writes,
+            reads_by_resource: self.delta.reads,
+            request_seconds_by_resource: self.delta.seconds,
             ..base
         }
     }
