@@ -66,9 +66,10 @@ test: deps controlplane csi-sanity promtool kubeadm storage-e2e-suite sidecars #
 	@# Kubernetes' own storage e2e suite: the tests of e2e/storage/subset.txt on two real nodes
 	@# (make e2e-storage runs all of it). Its counts close the log.
 	./e2e/scripts/curl-image.sh
-	@start=$$(date +%s); E2E_SUBSET=1 ./e2e/scripts/e2e-storage.sh && \
+	@start=$$(date +%s); E2E_SUITES=external E2E_SUBSET=1 ./e2e/scripts/e2e-storage.sh && \
 	  echo "storage e2e subset: $$(( $$(date +%s) - start ))s"
-	@# The same on two nodes that share no image store: topology and capacity (subset-local.txt).
+	@# The same on two nodes that share no image store (the chart's default): topology and
+	@# capacity (subset-local.txt), and the storage controllers' own tests (subset-controllers.txt).
 	@start=$$(date +%s); E2E_STORE=local E2E_SUBSET=1 ./e2e/scripts/e2e-storage.sh && \
 	  echo "storage e2e subset, local stores: $$(( $$(date +%s) - start ))s"
 
@@ -155,8 +156,8 @@ soak: deps controlplane ## Chaos soak: HA controller, agents, churn and faults; 
 	$(TARGET_DIR)/debug/stowage-soak --duration $(or $(DURATION),30m) $(if $(SEED),--seed $(SEED)) --results e2e/results
 
 .PHONY: e2e-storage
-e2e-storage: deps controlplane storage-e2e-suite node-images ## Kubernetes' storage e2e suite (External Storage, loop.stowage.dev) on two real nodes; E2E_NODES, E2E_PROCS, E2E_FOCUS; results in e2e/results/
-	./e2e/scripts/e2e-storage.sh
+e2e-storage: deps controlplane storage-e2e-suite node-images sidecars ## Kubernetes' storage e2e tests on two real nodes: External Storage and the controllers' own tests, the latter under stowage and KCM side by side; E2E_STORE, E2E_FOCUS; results in e2e/results/
+	./e2e/scripts/e2e-storage-all.sh
 
 .PHONY: bench
 bench: deps controlplane ## Side-by-side benchmarks against upstream kube-controller-manager

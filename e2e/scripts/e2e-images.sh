@@ -10,6 +10,8 @@
 #                      HTTP on :80 with busybox httpd when started without a command
 #   glibc-dns-testing  as upstream, Debian (the machine's suite, minbase: GNU coreutils) with
 #                      dnsutils; the multiVolume tests' pods write with GNU dd's oflag=nocache
+#   agnhost-prev       the tag of the previous agnhost that StatefulSet pods run (test-webserver):
+#                      the same image as agnhost, under that name
 # The names and tags come from `e2e.test -list-storage-images` (e2e/storage/suite), so a new
 # release renames them itself.
 # Output: target/image/e2e-<name>.oci.tar and the list of their names e2e-images.refs, cached by the busybox-static version, the agnhost
@@ -26,11 +28,11 @@ done
   echo "e2e-images: e2e/storage/bin is not built (e2e/scripts/build-storage-e2e.sh)" >&2; exit 1; }
 
 # In this order: the suite's test main prints the exact names its pods ask for.
-names=(busybox agnhost nginx glibc-dns-testing)
+names=(busybox agnhost nginx glibc-dns-testing agnhost-prev)
 mapfile -t refs < <("$bin/e2e.test" -list-storage-images)
 [ "${#refs[@]}" = "${#names[@]}" ] || { echo "e2e-images: e2e.test -list-storage-images: ${refs[*]}" >&2; exit 1; }
 for i in "${!names[@]}"; do
-  case "${refs[$i]}" in */"${names[$i]}":*) ;; *) echo "e2e-images: ${refs[$i]} is not ${names[$i]}" >&2; exit 1 ;; esac
+  case "${refs[$i]}" in */"${names[$i]%-prev}":*) ;; *) echo "e2e-images: ${refs[$i]} is not ${names[$i]}" >&2; exit 1 ;; esac
 done
 
 # shellcheck source=e2e/scripts/oci.sh
@@ -58,6 +60,10 @@ ln -s agnhost "$tmp/agnhost/agnhost-2"
 echo 'user-defined-in-image:x:1000:1000::/home/user-defined-in-image:/bin/sh' >>"$tmp/agnhost/etc/passwd"
 echo 'group-defined-in-image:x:50000:user-defined-in-image' >>"$tmp/agnhost/etc/group"
 mkdir -p "$tmp/agnhost/uploads"
+# porter's certificate and key at /, as upstream adds them: the StatefulSet tests' readiness probe
+# fetches /localhost.crt from test-webserver (which serves /), and breaks it by moving the file.
+porter="$(cd "$top/e2e/storage" && go list -m -f '{{.Dir}}' k8s.io/kubernetes)/test/images/agnhost/porter"
+install -m 0644 "$porter/localhost.crt" "$porter/localhost.key" "$tmp/agnhost/"
 agnhost_diff=$(tar_layer "$tmp/agnhost" "$tmp/agnhost.tar.gz")
 
 env='"Env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"], "WorkingDir": "/"'
@@ -65,7 +71,7 @@ for i in "${!names[@]}"; do
   n=${names[$i]} ref=${refs[$i]}
   layer="$tmp/busybox.tar.gz" diff=$busybox_diff
   case "$n" in
-    agnhost) layer="$tmp/agnhost.tar.gz" diff=$agnhost_diff
+    agnhost|agnhost-prev) layer="$tmp/agnhost.tar.gz" diff=$agnhost_diff
       config="{\"Entrypoint\": [\"/agnhost\"], \"Cmd\": [\"pause\"], $env}" ;;
     nginx) config="{\"Cmd\": [\"httpd\", \"-f\", \"-p\", \"80\", \"-h\", \"/tmp\"], $env}" ;;
     glibc-dns-testing) layer="$debian/layer.tar.gz" diff=$(cat "$debian/diff_id")

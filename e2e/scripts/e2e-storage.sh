@@ -1,25 +1,29 @@
 #!/usr/bin/env bash
-# Kubernetes' storage e2e suite (the External Storage tests of test/e2e/storage/external) against
-# loop.stowage.dev with stowage as the storage control plane, on the real-node cluster:
+# Kubernetes' storage e2e tests against loop.stowage.dev with stowage as the storage control plane,
+# on the real-node cluster:
 #   1. build e2e.test, ginkgo and agnhost (cached, e2e/scripts/build-storage-e2e.sh) and the test
-#      images under the names the suite asks for (e2e/scripts/e2e-images.sh);
+#      images under the names the tests ask for (e2e/scripts/e2e-images.sh);
 #   2. bring the real-node cluster up with E2E_NODES kubelets (default 2), stowage installed by helm
 #      from the locally built image, the test images imported into every node's containerd; check
 #      that every node reports every test image before anything runs (a missing one would be pulled,
 #      and pulls are refused on this machine);
-#   3. run the suite for this driver (focus External.Storage.*loop.stowage.dev; [Disruptive],
-#      [Serial], [Feature:…] and [Flaky] skipped) in E2E_PROCS parallel ginkgo processes;
-#   4. write JUnit, ginkgo's JSON report and a Markdown summary (per suite: ran, passed, failed,
+#   3. run, in E2E_PROCS parallel ginkgo processes, the External Storage suites for this driver
+#      (focus External.Storage.*loop.stowage.dev) and the storage controllers' own tests
+#      (e2e/storage/controllers.txt: protection, the PV lifecycle, VolumeAttachment, StatefulSets),
+#      [Disruptive], [Serial], [Feature:…] and [Flaky] skipped; then the controllers' [Serial] and
+#      [Disruptive] tests in a one-process pass of their own;
+#   4. write JUnit, ginkgo's JSON reports and a Markdown summary (per suite: ran, passed, failed,
 #      skipped, time) to e2e/results/storage-<time>/, print the summary, take the cluster down.
-# Environment: E2E_NODES (2), E2E_PROCS (3), E2E_SUBSET=1 (only the tests of
-# e2e/storage/subset.txt, as make test runs them), E2E_FOCUS (a regex narrowing the focus further),
+# Environment: E2E_NODES (2), E2E_PROCS (3), E2E_SUITES (all, external: the driver's suites, or
+# controllers: the controllers' tests), E2E_SUBSET=1 (only the tests of e2e/storage/subset.txt and
+# subset-controllers.txt, as make test runs them), E2E_FOCUS (a regex narrowing the focus further),
 # E2E_RESULTS (the results dir), E2E_DRIVER (loop.stowage.dev, or ext.loop.stowage.dev: the loop
 # driver as a third-party driver behind the upstream sidecars, e2e/storage/<driver>.yaml),
 # E2E_CONTROLLERS (stowage, or kcm: kube-controller-manager's own storage controllers, stowage's
 # controller scaled to zero; for side-by-side runs), E2E_STORE (shared, or local: every node its
 # own image store and stowage in local mode; the driver then claims topology, capacity and single-
-# node volumes, and E2E_SUBSET runs e2e/storage/subset-local.txt). Exit status: the suite's. Root
-# is needed.
+# node volumes, and E2E_SUBSET runs e2e/storage/subset-local.txt). Exit status: 0 when every pass
+# did. Root is needed.
 set -euo pipefail
 top=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$top"
@@ -27,6 +31,8 @@ nodes=${E2E_NODES:-2}
 procs=${E2E_PROCS:-3}
 driver_name=${E2E_DRIVER:-loop.stowage.dev}
 controllers=${E2E_CONTROLLERS:-stowage}
+suites=${E2E_SUITES:-all}
+case "$suites" in all|external|controllers) ;; *) echo "e2e-storage: E2E_SUITES=$suites: all, external or controllers" >&2; exit 2 ;; esac
 tag=""
 [ "$driver_name" != loop.stowage.dev ] && tag="$tag-$driver_name"
 [ "$controllers" != stowage ] && tag="$tag-$controllers"
@@ -103,25 +109,71 @@ for node in $("$kubectl" get nodes -o jsonpath='{.items[*].metadata.name}'); do
 done
 [ "$missing" = 0 ] || exit 1
 
-kubelet_dir=$(sed -n 's/^agent: {mode: csi, kubeletDir: \([^,]*\),.*/\1/p' .realnode/values.yaml)
-focus="External.Storage.*Driver: ${driver_name//./\\.}\\]"
-if [ "${E2E_SUBSET:-0}" = 1 ]; then
-  subset=e2e/storage/subset.txt
-  [ "$store" = local ] && subset=e2e/storage/subset-local.txt
-  focus="$focus.*($(grep -v '^#' "$subset" | paste -sd'|'))"
+# The controllers' tests use the cluster's default class: the driver under test owns it. For the
+# third-party driver that is a class of its own (the chart's class stays, not default), so that
+# stowage's and KCM's controllers are compared on one driver behind the same upstream sidecars.
+if [ "$suites" != external ] && [ "$driver_name" != loop.stowage.dev ]; then
+  "$kubectl" annotate storageclass loop storageclass.kubernetes.io/is-default-class=false --overwrite >/dev/null
+  "$kubectl" apply -f - >/dev/null <<CLASS
+apiVersion: storage.k8s.io/v1
+kind: StorageClass
+metadata:
+  name: ext-loop
+  annotations: {storageclass.kubernetes.io/is-default-class: "true"}
+provisioner: $driver_name
+volumeBindingMode: WaitForFirstConsumer
+CLASS
+  echo "e2e-storage: default class ext-loop ($driver_name) for the controllers' tests"
 fi
-[ -n "${E2E_FOCUS:-}" ] && focus="$focus.*($E2E_FOCUS)"
+
+kubelet_dir=$(sed -n 's/^agent: {mode: csi, kubeletDir: \([^,]*\),.*/\1/p' .realnode/values.yaml)
+# The focus: one expression per selected test group (ginkgo ORs its --focus flags), each narrowed
+# by E2E_FOCUS; `scope` tells the summary which of the binary's tests the run is about.
+focus=() scope=()
+narrow() { if [ -n "${E2E_FOCUS:-}" ]; then echo "$1.*($E2E_FOCUS)"; else echo "$1"; fi; }
+if [ "$suites" != controllers ]; then
+  external="External.Storage.*Driver: ${driver_name//./\\.}\\]"
+  scope+=("$external")
+  if [ "${E2E_SUBSET:-0}" = 1 ]; then
+    subset=e2e/storage/subset.txt
+    [ "$store" = local ] && subset=e2e/storage/subset-local.txt
+    external="$external.*($(grep -v '^#' "$subset" | paste -sd'|'))"
+  fi
+  focus+=("$(narrow "$external")")
+fi
+if [ "$suites" != external ]; then
+  list=e2e/storage/controllers.txt
+  [ "${E2E_SUBSET:-0}" = 1 ] && list=e2e/storage/subset-controllers.txt
+  mapfile -t own < <(grep -v '^#' e2e/storage/controllers.txt)
+  scope+=("${own[@]}")
+  while read -r line; do focus+=("$(narrow "$line")"); done < <(grep -v '^#' "$list")
+fi
+focus_flags=()
+for f in "${focus[@]}"; do focus_flags+=("--focus=$f"); done
+scope_flags=()
+for f in "${scope[@]}"; do scope_flags+=("--scope=$f"); done
+suite_args=(-kubeconfig="$KUBECONFIG" -storage.testdriver="$driver" -kubelet-root-dir="$kubelet_dir"
+  -provider=skeleton -node-os-distro=debian)
+rc=0
 set +e
 "$bin/ginkgo" --procs="$procs" --timeout=3h --no-color --poll-progress-after=10m \
-  --focus="$focus" --skip="$skip" \
+  "${focus_flags[@]}" --skip="$skip" \
   --output-dir="$results" --junit-report=junit.xml --json-report=report.json \
-  "$bin/e2e.test" -- \
-  -kubeconfig="$KUBECONFIG" -storage.testdriver="$driver" -kubelet-root-dir="$kubelet_dir" \
-  -provider=skeleton -node-os-distro=debian \
-  >"$results/e2e.log" 2>&1
-rc=$?
+  "$bin/e2e.test" -- "${suite_args[@]}" >"$results/e2e.log" 2>&1 || rc=1
+reports=("$results/report.json")
+# The controllers' [Serial] and [Disruptive] tests (a cordoned node, the default class changed),
+# one at a time with nothing else running. The External suites' disruptive ones restart a kubelet
+# over SSH, which these nodes do not serve (docs/csi.md).
+if [ "$suites" != external ]; then
+  "$bin/ginkgo" --procs=1 --timeout=1h --no-color --poll-progress-after=10m \
+    "${focus_flags[@]}" --label-filter='Serial || Disruptive' --skip='External.Storage|\[Feature:[^]]*\]|\[Flaky\]' \
+    --output-dir="$results" --junit-report=junit-serial.xml --json-report=report-serial.json \
+    "$bin/e2e.test" -- "${suite_args[@]}" >"$results/e2e-serial.log" 2>&1 || rc=1
+  reports+=("$results/report-serial.json")
+fi
 set -e
-python3 e2e/scripts/e2e-summary.py "$results/report.json" "$(( $(date +%s) - start ))" >"$results/summary.md" || rc=1
+python3 e2e/scripts/e2e-summary.py "${scope_flags[@]}" --wall "$(( $(date +%s) - start ))" "${reports[@]}" \
+  >"$results/summary.md" || rc=1
 cat "$results/summary.md"
-echo "e2e-storage: log, JUnit and report in $results"
+echo "e2e-storage: logs, JUnit and reports in $results"
 exit $rc

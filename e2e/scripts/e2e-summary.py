@@ -1,11 +1,21 @@
 #!/usr/bin/env python3
-"""Markdown summary of a ginkgo JSON report of the storage e2e suite: per suite (provisioning,
-volumes, subPath, …) how many tests ran, passed, failed and were skipped, and their time; then
-per suite and test pattern the same with why tests were skipped; then each failure with the first
+"""Markdown summary of ginkgo JSON reports of the storage e2e suite (a parallel pass and a serial
+one): per suite (provisioning, volumes, subPath, …, PV Protection, StatefulSet) how many tests
+ran, passed, failed and were skipped, and their time; then per suite and test pattern (or the
+controller test's group) the same with why tests were skipped; then each failure with the first
 lines of its message. The last line is the plain count.
 
-    e2e-summary.py <report.json> [wall seconds]
+    e2e-summary.py [--scope REGEX]... [--wall SECONDS] <report.json>...
+    e2e-summary.py [--scope REGEX]... --compare <name>=<results dir>...
+
+--compare sets runs of the same tests side by side (stowage's controllers and
+kube-controller-manager's on one cluster): each run's counts, then every test whose ending differs.
+
+Only tests whose full name matches a --scope expression count (the binary also registers tests
+of in-tree drivers and areas no run selects); without --scope, only the External Storage ones.
+A test that passed or failed in one report counts once, as it ended there.
 """
+import argparse
 import json
 import re
 import sys
@@ -16,11 +26,23 @@ from collections import defaultdict
 PATTERN = re.compile(r"\[Testpattern: ([^\]]*)\]\s*(?:\[[^\]]*\]\s*)*([^\s\[]+)")
 
 
+SIG = re.compile(r"^\[sig-[^\]]*\]\s*")
+
+
+def full_name(spec):
+    return " ".join((spec.get("ContainerHierarchyTexts") or []) + [spec.get("LeafNodeText", "")])
+
+
 def suite_and_pattern(spec):
-    for text in spec.get("ContainerHierarchyTexts") or []:
+    """The External Storage suite and test pattern; for a controller test, its top-level
+    Describe (without the SIG) and the groups under it."""
+    texts = spec.get("ContainerHierarchyTexts") or []
+    for text in texts:
         m = PATTERN.search(text)
         if m:
             return m.group(2), m.group(1)
+    if texts and SIG.match(texts[0]):
+        return SIG.sub("", texts[0]), " ".join(texts[1:]) or "-"
     return None, None
 
 
@@ -29,44 +51,105 @@ def skip_reason(spec):
     volume type, node count), or the run's filter for tests it did not select."""
     msg = ((spec.get("Failure") or {}).get("Message") or "").strip().splitlines()
     if not msg:
-        return "not selected ([Serial], [Disruptive], [Feature:…] or [Flaky])"
+        return "not selected ([Feature:…], [Flaky], or [Serial]/[Disruptive] without their pass)"
     text = re.sub(r"\s+", " ", msg[0])
     text = re.sub(r"Driver \"?loop\.stowage\.dev\"? ", "", text)
     return text[:110].replace("|", "/")
 
 
+def specs_in_scope(paths, scope):
+    """Each test in scope once: its ending in the report where it ran (passed or failed), else
+    where it was skipped. Set-up and tear-down nodes count only when they fail."""
+    chosen = {}
+    setup_failures = []
+    for path in paths:
+        with open(path) as f:
+            reports = json.load(f)
+        for report in reports:
+            for spec in report.get("SpecReports") or []:
+                if spec.get("LeafNodeType") != "It":
+                    if spec.get("State") not in ("passed", "skipped"):
+                        setup_failures.append(spec)
+                    continue
+                name = full_name(spec)
+                if not any(r.search(name) for r in scope):
+                    continue
+                ran = spec.get("State") not in ("skipped", "pending")
+                if name not in chosen or ran:
+                    chosen[name] = spec
+    return list(chosen.values()), setup_failures
+
+
+def ending(spec):
+    state = spec.get("State")
+    return "skipped" if state in ("skipped", "pending") else state
+
+
+def compare(sides, scope):
+    """Each side's counts, then the tests whose ending differs between the sides."""
+    import glob
+    endings = {}
+    for side in sides:
+        name, _, path = side.partition("=")
+        specs, setup = specs_in_scope(sorted(glob.glob(f"{path}/report*.json")), scope)
+        endings[name] = {full_name(s): ending(s) for s in specs}
+        if setup:
+            endings[name]["(set-up or tear-down)"] = "failed"
+    names = list(endings)
+    print("| run | ran | passed | failed | skipped |")
+    print("| --- | --- | --- | --- | --- |")
+    for n in names:
+        c = defaultdict(int)
+        for e in endings[n].values():
+            c[e] += 1
+        print(f"| {n} | {c['passed'] + c['failed']} | {c['passed']} | {c['failed']} | {c['skipped']} |")
+    tests = sorted(set().union(*(endings[n] for n in names)))
+    differ = [t for t in tests if len({endings[n].get(t, "absent") for n in names}) > 1]
+    if differ:
+        print("\n| test | " + " | ".join(names) + " |")
+        print("| --- | " + " | ".join("---" for _ in names) + " |")
+        for t in differ:
+            print(f"| {SIG.sub('', t)[:160].replace('|', '/')} | " + " | ".join(endings[n].get(t, "absent") for n in names) + " |")
+    print(f"\nstorage-e2e compare: {len(tests)} tests, {len(differ)} ending differently")
+    return 0
+
+
 def main():
-    with open(sys.argv[1]) as f:
-        reports = json.load(f)
-    wall = int(sys.argv[2]) if len(sys.argv) > 2 else None
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--scope", action="append", default=[])
+    parser.add_argument("--wall", type=int)
+    parser.add_argument("--compare", action="store_true")
+    parser.add_argument("reports", nargs="+")
+    args = parser.parse_args()
+    scope = [re.compile(r) for r in (args.scope or [r"External Storage"])]
+    if args.compare:
+        return compare(args.reports, scope)
+    wall = args.wall
+    specs, setup_failures = specs_in_scope(args.reports, scope)
     rows = defaultdict(lambda: {"passed": 0, "failed": 0, "skipped": 0, "seconds": 0.0})
     by_pattern = defaultdict(lambda: {"passed": 0, "failed": 0, "skipped": 0, "why": defaultdict(int)})
     failures = []
-    for report in reports:
-        for spec in report.get("SpecReports") or []:
-            if spec.get("LeafNodeType") != "It":
-                # Suite set-up and tear-down count only when they fail.
-                if spec.get("State") not in ("passed", "skipped"):
-                    failures.append((spec.get("LeafNodeType"), "", spec))
-                continue
-            suite, pattern = suite_and_pattern(spec)
-            if suite is None:
-                continue
-            state = spec.get("State")
-            row = rows[suite]
-            cell = by_pattern[(suite, pattern)]
-            row["seconds"] += spec.get("RunTime", 0) / 1e9
-            if state == "passed":
-                row["passed"] += 1
-                cell["passed"] += 1
-            elif state in ("skipped", "pending"):
-                row["skipped"] += 1
-                cell["skipped"] += 1
-                cell["why"][skip_reason(spec)] += 1
-            else:
-                row["failed"] += 1
-                cell["failed"] += 1
-                failures.append((suite, pattern, spec))
+    for spec in setup_failures:
+        failures.append((spec.get("LeafNodeType"), "", spec))
+    for spec in specs:
+        suite, pattern = suite_and_pattern(spec)
+        if suite is None:
+            continue
+        state = spec.get("State")
+        row = rows[suite]
+        cell = by_pattern[(suite, pattern)]
+        row["seconds"] += spec.get("RunTime", 0) / 1e9
+        if state == "passed":
+            row["passed"] += 1
+            cell["passed"] += 1
+        elif state in ("skipped", "pending"):
+            row["skipped"] += 1
+            cell["skipped"] += 1
+            cell["why"][skip_reason(spec)] += 1
+        else:
+            row["failed"] += 1
+            cell["failed"] += 1
+            failures.append((suite, pattern, spec))
     total = {k: sum(r[k] for r in rows.values()) for k in ("passed", "failed", "skipped")}
     print("| suite | ran | passed | failed | skipped | time (s) |")
     print("| --- | --- | --- | --- | --- | --- |")

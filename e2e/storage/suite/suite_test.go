@@ -1,9 +1,15 @@
-// Package suite is Kubernetes' storage e2e suite for an external CSI driver, and nothing else:
-// the "External Storage" test suites of test/e2e/storage/external, driven by a driver-definition
-// file given with -storage.testdriver. It stands in for test/e2e's own TestMain and RunE2ETests,
-// which import every e2e area and the cloud providers; only the storage area is compiled here,
-// so a cold build is a fraction of the whole e2e.test's and the binary does not offer tests that
-// cannot apply to a CSI driver.
+// Package suite is Kubernetes' storage e2e suite, as test/e2e's own TestMain and RunE2ETests run
+// it, with only the areas that test storage compiled in (not every e2e area and cloud provider, so
+// a cold build is a fraction of the whole e2e.test's):
+//   - the "External Storage" suites of test/e2e/storage/external, driven by a driver-definition
+//     file given with -storage.testdriver: they certify a CSI driver;
+//   - the tests Kubernetes wrote for the storage controllers themselves: test/e2e/storage (PV and
+//     PVC protection, the PV lifecycle, VolumeAttachment, local PVs, the default class),
+//     test/e2e/storage/csimock (the CSI mock driver), and the StatefulSet tests of
+//     test/e2e/apps, whose claims exercise the binder, attach/detach and pvc-protection.
+//
+// A run picks its tests with ginkgo's --focus (e2e/scripts/e2e-storage.sh); the in-tree drivers
+// that test/e2e/storage also registers are never focused.
 package suite
 
 import (
@@ -31,6 +37,10 @@ import (
 	_ "k8s.io/kubernetes/test/e2e/feature"
 	// The External Storage suites; -storage.testdriver registers one driver's tests.
 	_ "k8s.io/kubernetes/test/e2e/storage/external"
+	// The storage controllers' own tests.
+	_ "k8s.io/kubernetes/test/e2e/apps"
+	_ "k8s.io/kubernetes/test/e2e/storage"
+	_ "k8s.io/kubernetes/test/e2e/storage/csimock"
 
 	// As test/e2e does: debug dumps on failure, node checks, and the test value formatters.
 	_ "k8s.io/kubernetes/test/e2e/framework/debug/init"
@@ -44,7 +54,7 @@ import (
 func TestMain(m *testing.M) {
 	showVersion := flag.Bool("version", false, "Print the version of the suite and exit.")
 	listImages := flag.Bool("list-storage-images", false,
-		"Print the images the storage suites run (busybox, agnhost, nginx, glibc-dns-testing) and exit.")
+		"Print the images the storage tests run (busybox, agnhost, nginx, glibc-dns-testing, the previous agnhost) and exit.")
 	config.CopyFlags(config.Flags, flag.CommandLine)
 	framework.RegisterCommonFlags(flag.CommandLine)
 	framework.RegisterClusterFlags(flag.CommandLine)
@@ -56,7 +66,7 @@ func TestMain(m *testing.M) {
 	if *listImages {
 		// -list-images prints every image of the release, several versions of some; these are
 		// the exact names the storage suites' pods ask for.
-		for _, id := range []imageutils.ImageID{imageutils.BusyBox, imageutils.Agnhost, imageutils.Nginx, imageutils.GlibcDnsTesting} {
+		for _, id := range []imageutils.ImageID{imageutils.BusyBox, imageutils.Agnhost, imageutils.Nginx, imageutils.GlibcDnsTesting, imageutils.AgnhostPrev} {
 			fmt.Println(imageutils.GetE2EImage(id))
 		}
 		os.Exit(0)
