@@ -105,15 +105,16 @@ pub fn claim_names(pod: &StoredPod) -> Vec<String> {
     out
 }
 
-/// Whether `pod` uses `pvc`, by upstream's rule (`podUsesPVCForDeletion`): any pod that names the
-/// claim in a `persistentVolumeClaim` volume, whatever its phase or deletion state (a Succeeded,
-/// Failed or force-deleted pod may still have the volume mounted on its node until the kubelet
-/// has torn it down and the pod object is gone); a generic ephemeral volume's claim only while
-/// the pod owns it and is not shut down (`pod_is_shut_down`). Unlike upstream, a pod not yet
-/// scheduled counts too: it may be bound to a node any moment, and keeping the claim a little
-/// longer is the safe mistake.
+/// Whether `pod` uses `pvc`, by upstream's rule (`podUsesPVCForDeletion`): a pod scheduled to a
+/// node that names the claim in a `persistentVolumeClaim` volume, whatever its phase or deletion
+/// state (a Succeeded, Failed or force-deleted pod may still have the volume mounted on its node
+/// until the kubelet has torn it down and the pod object is gone); a generic ephemeral volume's
+/// claim only while the pod owns it and is not shut down (`pod_is_shut_down`). A pod not yet
+/// scheduled never counts: the scheduler will not place a pod whose claim is being deleted, so
+/// counting it would keep the claim for ever (a StatefulSet's pod pending for a claim it then
+/// recreates waits on exactly that).
 pub fn pod_uses_claim(pod: &StoredPod, pvc: &PersistentVolumeClaim) -> bool {
-    if pod.meta().namespace != pvc.metadata.namespace {
+    if pod.meta().namespace != pvc.metadata.namespace || pod.node_name().is_none() {
         return false;
     }
     let Some(claim) = pvc.metadata.name.as_deref() else {
@@ -203,7 +204,12 @@ mod tests {
         Other(String),
     }
 
+    /// A pod scheduled to node `n1`.
     fn pod(name: &str, uid: &str, phase: Option<&str>, vols: &[Vol]) -> StoredPod {
+        pod_on(name, uid, phase, vols, Some("n1"))
+    }
+
+    fn pod_on(name: &str, uid: &str, phase: Option<&str>, vols: &[Vol], node: Option<&str>) -> StoredPod {
         let volumes = vols
             .iter()
             .map(|v| match v {
@@ -236,6 +242,7 @@ mod tests {
             },
             spec: Some(PodSpec {
                 volumes: Some(volumes),
+                node_name: node.map(Into::into),
                 ..Default::default()
             }),
             status: Some(PodStatus {
@@ -313,11 +320,21 @@ mod tests {
         assert_eq!(decide_pvc(&c.metadata, &users(&c, [&p])), Action::RemoveFinalizer);
     }
 
+    /// Upstream's StatefulSet test "PVC should be recreated when pod is pending due to missing
+    /// PVC": the pod is recreated while its node is cordoned, so it stays Pending, and its claim
+    /// is deleted. The scheduler refuses a pod whose claim is being deleted; had the pending pod
+    /// counted, the claim would never have gone and the StatefulSet could not recreate it.
     #[test]
-    fn unscheduled_pending_pod_counts() {
+    fn an_unscheduled_pod_does_not_hold_a_claim_being_deleted() {
         let c = claim("data", true, true);
-        let p = pod("p", "u1", None, &[Vol::Claim("data".into())]);
-        assert!(pod_uses_claim(&p, &c));
+        let pending = pod_on("p", "u1", Some("Pending"), &[Vol::Claim("data".into())], None);
+        assert!(!pod_uses_claim(&pending, &c));
+        assert_eq!(
+            decide_pvc(&c.metadata, &users(&c, [&pending])),
+            Action::RemoveFinalizer
+        );
+        let scheduled = pod("p", "u1", Some("Pending"), &[Vol::Claim("data".into())]);
+        assert!(pod_uses_claim(&scheduled, &c), "once scheduled it does");
     }
 
     #[test]
@@ -423,9 +440,11 @@ mod tests {
             ],
             proptest::collection::vec(arb_vol(), 0..4),
             proptest::option::of(0i64..2),
+            any::<bool>(),
         )
-            .prop_map(|(i, phase, vols, grace)| {
-                let mut p = pod(&format!("p{i}"), &format!("u{i}"), phase, &vols);
+            .prop_map(|(i, phase, vols, grace, scheduled)| {
+                let node = scheduled.then_some("n1");
+                let mut p = pod_on(&format!("p{i}"), &format!("u{i}"), phase, &vols, node);
                 if let Some(g) = grace {
                     p.meta_mut().deletion_timestamp = Some(ts());
                     p.meta_mut().deletion_grace_period_seconds = Some(g);
@@ -461,9 +480,10 @@ mod tests {
             let u = users(&c, &pods);
             let action = decide_pvc(&c.metadata, &u);
             let name = c.metadata.name.clone().unwrap();
-            // Upstream's rule: a named claim whatever the pod's state; an owned ephemeral claim
-            // unless the pod is shut down (deleted with a zero grace period).
-            let live_user = pods.iter().any(|p| {
+            // Upstream's rule, for scheduled pods only: a named claim whatever the pod's state;
+            // an owned ephemeral claim unless the pod is shut down (deleted with a zero grace
+            // period).
+            let live_user = pods.iter().filter(|p| p.node_name().is_some()).any(|p| {
                 let shut_down = p.meta().deletion_timestamp.is_some() && p.meta().deletion_grace_period_seconds == Some(0);
                 p.volumes().iter().any(|v| {
                     v.persistent_volume_claim.as_ref().is_some_and(|s| s.claim_name == name)

@@ -143,6 +143,58 @@ fn force() -> DeleteParams {
     }
 }
 
+/// Upstream's StatefulSet test "PVC should be recreated when pod is pending due to missing PVC",
+/// reduced to what pvc-protection sees: a pod naming the claim that is not scheduled (its node
+/// was cordoned) when the claim is deleted. The scheduler refuses a pod whose claim is being
+/// deleted, so the pod would never be scheduled: the claim goes at once, as with
+/// kube-controller-manager, and the StatefulSet can make a new one.
+#[tokio::test]
+async fn a_pending_unscheduled_pod_does_not_hold_a_claim_being_deleted() {
+    let env = start(Which::Pvc).await;
+    let ns = "pending";
+    env.namespace(ns).await;
+    let claims: Api<PersistentVolumeClaim> = Api::namespaced(env.client.clone(), ns);
+    let pods: Api<Pod> = Api::namespaced(env.client.clone(), ns);
+    claims
+        .create(&PostParams::default(), &builders::pvc(ns, "datadir-ss-0").build())
+        .await
+        .unwrap();
+    pods.create(
+        &PostParams::default(),
+        &builders::pod(ns, "ss-0").claim("datadir", "datadir-ss-0").build(),
+    )
+    .await
+    .unwrap();
+    // The finalizer is on before the deletion, so its removal is the controller's decision.
+    eventually(BOUND, || async {
+        let c = claims.get("datadir-ss-0").await.map_err(|e| e.to_string())?;
+        match c
+            .metadata
+            .finalizers
+            .iter()
+            .flatten()
+            .any(|f| f == "kubernetes.io/pvc-protection")
+        {
+            true => Ok(()),
+            false => Err("no pvc-protection finalizer yet".to_string()),
+        }
+    })
+    .await;
+    claims
+        .delete("datadir-ss-0", &DeleteParams::default())
+        .await
+        .unwrap();
+    eventually(BOUND, || async {
+        match claims.get_opt("datadir-ss-0").await.map_err(|e| e.to_string())? {
+            None => Ok(()),
+            Some(_) => Err("the claim is still there".to_string()),
+        }
+    })
+    .await;
+    assert!(env.in_use_notes(ns, "datadir-ss-0").await.is_empty());
+    assert_eq!(env.metric("stowage_protection_claims_waiting_on_pods", None), 0.0);
+}
+
 #[tokio::test]
 async fn claim_used_by_a_running_pod_waits_with_an_event_then_goes() {
     let env = start(Which::Pvc).await;
