@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Kubernetes' storage e2e tests against loop.stowage.dev with stowage as the storage control plane,
 # on the real-node cluster:
-#   1. build e2e.test, ginkgo and agnhost (cached, e2e/scripts/build-storage-e2e.sh) and the test
-#      images under the names the tests ask for (e2e/scripts/e2e-images.sh);
+#   1. build e2e.test, ginkgo, agnhost and the CSI mock stand-ins (cached, build-storage-e2e.sh) and the test
+#      images under the names the tests ask for (e2e-images.sh, csimock-images.sh);
 #   2. bring the real-node cluster up with E2E_NODES kubelets (default 2), stowage installed by helm
 #      from the locally built image, the test images imported into every node's containerd; check
 #      that every node reports every test image before anything runs (a missing one would be pulled,
@@ -44,7 +44,8 @@ start=$(date +%s)
 
 ./e2e/scripts/build-storage-e2e.sh
 ./e2e/scripts/e2e-images.sh
-mapfile -t images <target/image/e2e-images.refs
+./e2e/scripts/csimock-images.sh
+mapfile -t images < <(cat target/image/e2e-images.refs target/image/e2e-csimock-images.refs)
 bin="$top/e2e/storage/bin"
 
 # The driver definition as the machine allows: without CAP_SYS_RESOURCE (bit 24 of the effective
