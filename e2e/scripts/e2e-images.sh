@@ -12,6 +12,8 @@
 #                      dnsutils; the multiVolume tests' pods write with GNU dd's oflag=nocache
 #   agnhost-prev       the tag of the previous agnhost that StatefulSet pods run (test-webserver):
 #                      the same image as agnhost, under that name
+#   pause              the CSI mock tests' pods: busybox sleeping until TERM, as the real node's
+#                      sandbox image (no registry serves the upstream pause)
 # The names and tags come from `e2e.test -list-storage-images` (e2e/storage/suite), so a new
 # release renames them itself.
 # Output: target/image/e2e-<name>.oci.tar and the list of their names e2e-images.refs, cached by the busybox-static version, the agnhost
@@ -28,7 +30,7 @@ done
   echo "e2e-images: e2e/storage/bin is not built (e2e/scripts/build-storage-e2e.sh)" >&2; exit 1; }
 
 # In this order: the suite's test main prints the exact names its pods ask for.
-names=(busybox agnhost nginx glibc-dns-testing agnhost-prev)
+names=(busybox agnhost nginx glibc-dns-testing agnhost-prev pause)
 mapfile -t refs < <("$bin/e2e.test" -list-storage-images)
 [ "${#refs[@]}" = "${#names[@]}" ] || { echo "e2e-images: e2e.test -list-storage-images: ${refs[*]}" >&2; exit 1; }
 for i in "${!names[@]}"; do
@@ -74,6 +76,7 @@ for i in "${!names[@]}"; do
     agnhost|agnhost-prev) layer="$tmp/agnhost.tar.gz" diff=$agnhost_diff
       config="{\"Entrypoint\": [\"/agnhost\"], \"Cmd\": [\"pause\"], $env}" ;;
     nginx) config="{\"Cmd\": [\"httpd\", \"-f\", \"-p\", \"80\", \"-h\", \"/tmp\"], $env}" ;;
+    pause) config="{\"Cmd\": [\"sh\", \"-c\", \"trap 'exit 0' TERM; while true; do sleep 3600 & wait \$!; done\"], $env}" ;;
     glibc-dns-testing) layer="$debian/layer.tar.gz" diff=$(cat "$debian/diff_id")
       config="{\"Cmd\": [\"bash\"], $env}" ;;
     *) config="{\"Cmd\": [\"sh\"], $env}" ;;

@@ -457,8 +457,8 @@ pub(crate) fn log_file(dir: &Path, name: &str) -> anyhow::Result<std::fs::File> 
     std::fs::File::create(dir.join(name)).with_context(|| format!("create {name}"))
 }
 
-/// A CA, a serving certificate for 127.0.0.1/localhost (and `node_host`) signed by it, and a
-/// service-account key.
+/// A CA, a serving certificate for 127.0.0.1/localhost (and `node_host`, and the `kubernetes`
+/// Service's IP and names) signed by it, and a service-account key.
 fn write_pki(dir: &Path, node_host: &str) -> anyhow::Result<()> {
     use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair, SanType};
     let ca_key = KeyPair::generate()?;
@@ -471,10 +471,21 @@ fn write_pki(dir: &Path, node_host: &str) -> anyhow::Result<()> {
     let issuer = Issuer::new(ca_params, ca_key);
 
     let key = KeyPair::generate()?;
-    let mut params = CertificateParams::new(vec!["localhost".to_string()])?;
+    // In-cluster clients dial the `kubernetes` Service by its cluster IP or its names.
+    let names = [
+        "localhost",
+        "kubernetes",
+        "kubernetes.default",
+        "kubernetes.default.svc",
+        "kubernetes.default.svc.cluster.local",
+    ];
+    let mut params = CertificateParams::new(names.map(String::from).to_vec())?;
     params
         .subject_alt_names
         .push(SanType::IpAddress(std::net::IpAddr::from([127, 0, 0, 1])));
+    params
+        .subject_alt_names
+        .push(SanType::IpAddress(crate::realnode::SERVICE_IP.parse()?));
     if node_host != "127.0.0.1" {
         params
             .subject_alt_names

@@ -44,6 +44,9 @@ pub const KCM_CONTROLLERS: &str = "*,-persistentvolume-binder-controller,-persis
 pub const BUSYBOX_IMAGE: &str = "localhost/busybox:stowage";
 pub const PAUSE_IMAGE: &str = "localhost/pause:stowage";
 const BRIDGE: &str = "stowbr0";
+/// The `kubernetes` Service's cluster IP (the first of the apiserver's service range), which
+/// in-cluster clients on the pod network dial (`KUBERNETES_SERVICE_HOST`).
+pub const SERVICE_IP: &str = "10.0.0.1";
 /// Every node's kubelet root, as on a real node: node 1's dir is bound here on the host, node 2's
 /// here in its mount namespace.
 pub const KUBELET_ROOT: &str = "/var/lib/kubelet";
@@ -88,6 +91,9 @@ pub struct RealNode {
     /// (name, process), stopped in reverse order.
     children: Mutex<Vec<(String, Child)>>,
     saved_sysctls: Vec<(String, String)>,
+    /// Where pods' `kubernetes` Service traffic goes (`service_route`): the apiserver's address
+    /// for nodes, on a cluster started for them.
+    apiserver_for_pods: Option<String>,
     /// The node's non-loopback address (the kubelet refuses a loopback node IP).
     pub node_ip: String,
 }
@@ -219,6 +225,8 @@ impl RealNode {
             kubelet_cmd: vec![],
             children: Mutex::new(vec![]),
             saved_sysctls,
+            apiserver_for_pods: (cp.node_host() != "127.0.0.1")
+                .then(|| format!("{}:{}", cp.node_host(), cp.port())),
             node_ip: match &isolation {
                 Some(iso) => iso.ip.clone(),
                 None => node_ip()?,
@@ -234,12 +242,47 @@ impl RealNode {
         for image in images {
             node.import(image)?;
         }
+        node.service_route("-A")?;
         if index == 0 {
             node.start_kcm_and_scheduler(cp, kcm_controllers)?;
         }
         node.start_kubelet(cp)?;
         node.wait_ready(cp, Duration::from_secs(120))?;
         Ok(node)
+    }
+
+    /// What kube-proxy does for the `kubernetes` Service on a real node, and nothing else: pods on
+    /// the pod network reach the apiserver at `SERVICE_IP:443` (in-cluster clients such as the CSI
+    /// mock tests' sidecars). A DNAT in the node's network namespace to the address every node
+    /// reaches; the bridge's masquerade rule takes care of the replies from node 2. Only on a
+    /// cluster started for nodes: a single node's apiserver listens on loopback alone. `op` is
+    /// `-A`, or `-D` when node 1 stops (node 2's rule goes with its network namespace).
+    fn service_route(&self, op: &str) -> anyhow::Result<()> {
+        let Some(to) = &self.apiserver_for_pods else {
+            return Ok(());
+        };
+        let out = self
+            .command("iptables")
+            .args([
+                "-t",
+                "nat",
+                op,
+                "PREROUTING",
+                "-d",
+                SERVICE_IP,
+                "-p",
+                "tcp",
+                "--dport",
+                "443",
+            ])
+            .args(["-m", "comment", "--comment", "stowage test kubernetes service"])
+            .args(["-j", "DNAT", "--to-destination", to])
+            .output()
+            .context("run iptables")?;
+        if op == "-A" && !out.status.success() {
+            bail!("iptables: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        Ok(())
     }
 
     /// `program` in the node's namespaces.
@@ -635,6 +678,7 @@ imageGCHighThresholdPercent: 100
                 remove_cgroups(&[&self.name]);
             }
             None => {
+                let _ = self.service_route("-D");
                 for m in crate::host::mounts_under(&self.kubelet_dir) {
                     let _ = Command::new("umount").arg("-l").arg(&m).status();
                 }

@@ -54,7 +54,7 @@ import (
 func TestMain(m *testing.M) {
 	showVersion := flag.Bool("version", false, "Print the version of the suite and exit.")
 	listImages := flag.Bool("list-storage-images", false,
-		"Print the images the storage tests run (busybox, agnhost, nginx, glibc-dns-testing, the previous agnhost) and exit.")
+		"Print the images the storage tests run (busybox, agnhost, nginx, glibc-dns-testing, the previous agnhost, pause) and exit.")
 	config.CopyFlags(config.Flags, flag.CommandLine)
 	framework.RegisterCommonFlags(flag.CommandLine)
 	framework.RegisterClusterFlags(flag.CommandLine)
@@ -66,7 +66,7 @@ func TestMain(m *testing.M) {
 	if *listImages {
 		// -list-images prints every image of the release, several versions of some; these are
 		// the exact names the storage suites' pods ask for.
-		for _, id := range []imageutils.ImageID{imageutils.BusyBox, imageutils.Agnhost, imageutils.Nginx, imageutils.GlibcDnsTesting, imageutils.AgnhostPrev} {
+		for _, id := range []imageutils.ImageID{imageutils.BusyBox, imageutils.Agnhost, imageutils.Nginx, imageutils.GlibcDnsTesting, imageutils.AgnhostPrev, imageutils.Pause} {
 			fmt.Println(imageutils.GetE2EImage(id))
 		}
 		os.Exit(0)
