@@ -161,7 +161,7 @@ func serveDriver(ctx context.Context, c *config, l net.Listener) error {
 	srv := grpc.NewServer(grpc.UnaryInterceptor(logCall))
 	csi.RegisterIdentityServer(srv, svc)
 	csi.RegisterControllerServer(srv, svc)
-	csi.RegisterNodeServer(srv, svc)
+	csi.RegisterNodeServer(srv, hostpathNode{svc})
 
 	served := make(chan error, 1)
 	go func() { served <- srv.Serve(l) }()
@@ -179,6 +179,36 @@ func serveDriver(ctx context.Context, c *config, l net.Listener) error {
 		srv.Stop()
 	}
 	return nil
+}
+
+// hostpathNode is the mock's node service with one difference, upstream's host-path driver's:
+// staging and publishing never need the "device" that ControllerPublishVolume returns. The
+// mock refuses a stage without it whenever attach is enabled, so a volume whose CSIDriver
+// stopped requiring attach (the attach tests flip attachRequired while a pod waits) could never
+// be mounted, where the real image mounts it.
+type hostpathNode struct{ csi.NodeServer }
+
+func (n hostpathNode) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRequest) (*csi.NodeStageVolumeResponse, error) {
+	if _, ok := req.PublishContext["device"]; !ok {
+		req.PublishContext = withDevice(req.PublishContext)
+	}
+	return n.NodeServer.NodeStageVolume(ctx, req)
+}
+
+func (n hostpathNode) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolumeRequest) (*csi.NodePublishVolumeResponse, error) {
+	if _, ok := req.PublishContext["device"]; !ok {
+		req.PublishContext = withDevice(req.PublishContext)
+	}
+	return n.NodeServer.NodePublishVolume(ctx, req)
+}
+
+// withDevice is a copy of ctx with the device the mock would have made up without attach.
+func withDevice(ctx map[string]string) map[string]string {
+	out := map[string]string{"device": "mock device"}
+	for k, v := range ctx {
+		out[k] = v
+	}
+	return out
 }
 
 // callLog is the JSON the e2e tests parse (test/e2e/storage/drivers/csi.go, MockCSICall).

@@ -215,3 +215,53 @@ func TestDriverMode(t *testing.T) {
 		t.Errorf("NodePublishVolume logged volume_context %v, secrets %v", c.Request.VolumeContext, c.Request.Secrets)
 	}
 }
+
+// With attach enabled, a volume is staged and published without ControllerPublishVolume's
+// "device", as upstream's host-path driver does (the mock alone would refuse it): what a pod
+// needs after its CSIDriver stopped requiring attach.
+func TestStageWithoutPublishContextWhileAttachIsEnabled(t *testing.T) {
+	dir := t.TempDir()
+	socket := filepath.Join(dir, "csi.sock")
+	fs := flag.NewFlagSet("hostpathplugin", flag.ContinueOnError)
+	cfg := addFlags(fs)
+	if err := fs.Parse([]string{"--drivername=csi-mock-attach", "--endpoint=" + socket, "--enable-attach"}); err != nil {
+		t.Fatal(err)
+	}
+	l, err := listen(cfg.endpoint)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	served := make(chan error, 1)
+	go func() { served <- serveDriver(ctx, cfg, l) }()
+	defer func() {
+		cancel()
+		if err := <-served; err != nil {
+			t.Errorf("serveDriver: %v", err)
+		}
+	}()
+	conn := dialUnix(t, socket)
+	callCtx, callCancel := context.WithTimeout(ctx, 10*time.Second)
+	defer callCancel()
+	controller, node := csi.NewControllerClient(conn), csi.NewNodeClient(conn)
+	mount := &csi.VolumeCapability{
+		AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{}},
+		AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER},
+	}
+	vol, err := controller.CreateVolume(callCtx, &csi.CreateVolumeRequest{Name: "pvc-2", VolumeCapabilities: []*csi.VolumeCapability{mount}})
+	if err != nil {
+		t.Fatalf("CreateVolume: %v", err)
+	}
+	staging := filepath.Join(dir, "staging")
+	if _, err := node.NodeStageVolume(callCtx, &csi.NodeStageVolumeRequest{
+		VolumeId: vol.Volume.VolumeId, StagingTargetPath: staging, VolumeCapability: mount,
+	}); err != nil {
+		t.Fatalf("NodeStageVolume without a publish context: %v", err)
+	}
+	if _, err := node.NodePublishVolume(callCtx, &csi.NodePublishVolumeRequest{
+		VolumeId: vol.Volume.VolumeId, StagingTargetPath: staging, TargetPath: filepath.Join(dir, "target"),
+		VolumeCapability: mount,
+	}); err != nil {
+		t.Fatalf("NodePublishVolume without a publish context: %v", err)
+	}
+}
