@@ -99,6 +99,36 @@ func dialUnix(t *testing.T, socket string) *grpc.ClientConn {
 	return conn
 }
 
+// startDriver serves driver mode with the flags, plus an endpoint in a temporary directory,
+// until the test ends; it returns a connection to it, a context for calls and the directory.
+func startDriver(t *testing.T, flags ...string) (*grpc.ClientConn, context.Context, string) {
+	t.Helper()
+	dir := t.TempDir()
+	socket := filepath.Join(dir, "csi.sock")
+	fs := flag.NewFlagSet("hostpathplugin", flag.ContinueOnError)
+	cfg := addFlags(fs)
+	if err := fs.Parse(append(flags, "--endpoint="+socket)); err != nil {
+		t.Fatal(err)
+	}
+	l, err := listen(cfg.endpoint)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	served := make(chan error, 1)
+	go func() { served <- serveDriver(ctx, cfg, l) }()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-served; err != nil {
+			t.Errorf("serveDriver: %v", err)
+		}
+	})
+	conn := dialUnix(t, socket)
+	callCtx, callCancel := context.WithTimeout(ctx, 10*time.Second)
+	t.Cleanup(callCancel)
+	return conn, callCtx, dir
+}
+
 func TestParseEndpoint(t *testing.T) {
 	for ep, want := range map[string][2]string{
 		"/csi/csi.sock":        {"unix", "/csi/csi.sock"},
@@ -119,36 +149,13 @@ func TestParseEndpoint(t *testing.T) {
 }
 
 func TestDriverMode(t *testing.T) {
-	dir := t.TempDir()
-	socket := filepath.Join(dir, "csi.sock")
 	// Flags as csi-mock-driver.yaml plus csi.go pass them.
-	fs := flag.NewFlagSet("hostpathplugin", flag.ContinueOnError)
-	cfg := addFlags(fs)
-	if err := fs.Parse([]string{
-		"--drivername=csi-mock-test", "--nodeid=node-1", "--endpoint=" + socket,
+	conn, callCtx, dir := startDriver(t,
+		"--drivername=csi-mock-test", "--nodeid=node-1",
 		"--statedir=/tmp/csi-hostpath-data", "--enable-topology", "--attach-limit", "2",
 		"--node-expand-required=true",
-	}); err != nil {
-		t.Fatal(err)
-	}
-	l, err := listen(cfg.endpoint)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	served := make(chan error, 1)
-	go func() { served <- serveDriver(ctx, cfg, l) }()
-	defer func() {
-		cancel()
-		if err := <-served; err != nil {
-			t.Errorf("serveDriver: %v", err)
-		}
-	}()
+	)
 	logStart := len(logs.String())
-
-	conn := dialUnix(t, socket)
-	callCtx, callCancel := context.WithTimeout(ctx, 10*time.Second)
-	defer callCancel()
 	identity, controller, node := csi.NewIdentityClient(conn), csi.NewControllerClient(conn), csi.NewNodeClient(conn)
 
 	info, err := identity.GetPluginInfo(callCtx, &csi.GetPluginInfoRequest{})
@@ -220,29 +227,7 @@ func TestDriverMode(t *testing.T) {
 // "device", as upstream's host-path driver does (the mock alone would refuse it): what a pod
 // needs after its CSIDriver stopped requiring attach.
 func TestStageWithoutPublishContextWhileAttachIsEnabled(t *testing.T) {
-	dir := t.TempDir()
-	socket := filepath.Join(dir, "csi.sock")
-	fs := flag.NewFlagSet("hostpathplugin", flag.ContinueOnError)
-	cfg := addFlags(fs)
-	if err := fs.Parse([]string{"--drivername=csi-mock-attach", "--endpoint=" + socket, "--enable-attach"}); err != nil {
-		t.Fatal(err)
-	}
-	l, err := listen(cfg.endpoint)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	served := make(chan error, 1)
-	go func() { served <- serveDriver(ctx, cfg, l) }()
-	defer func() {
-		cancel()
-		if err := <-served; err != nil {
-			t.Errorf("serveDriver: %v", err)
-		}
-	}()
-	conn := dialUnix(t, socket)
-	callCtx, callCancel := context.WithTimeout(ctx, 10*time.Second)
-	defer callCancel()
+	conn, callCtx, dir := startDriver(t, "--drivername=csi-mock-attach", "--enable-attach")
 	controller, node := csi.NewControllerClient(conn), csi.NewNodeClient(conn)
 	mount := &csi.VolumeCapability{
 		AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{}},
