@@ -1,22 +1,24 @@
 #!/usr/bin/env bash
 # Kubernetes' storage e2e tests against loop.stowage.dev with stowage as the storage control plane,
 # on the real-node cluster:
-#   1. build e2e.test, ginkgo, agnhost and the CSI mock stand-ins (cached, build-storage-e2e.sh) and the test
-#      images under the names the tests ask for (e2e-images.sh, csimock-images.sh);
+#   1. build e2e.test, ginkgo, agnhost and the CSI mock stand-ins (cached, build-storage-e2e.sh)
+#      and the test images under the names the tests ask for (e2e-images.sh, csimock-images.sh);
 #   2. bring the real-node cluster up with E2E_NODES kubelets (default 2), stowage installed by helm
 #      from the locally built image, the test images imported into every node's containerd; check
 #      that every node reports every test image before anything runs (a missing one would be pulled,
 #      and pulls are refused on this machine);
 #   3. run, in E2E_PROCS parallel ginkgo processes, the External Storage suites for this driver
 #      (focus External.Storage.*loop.stowage.dev) and the storage controllers' own tests
-#      (e2e/storage/controllers.txt: protection, the PV lifecycle, VolumeAttachment, StatefulSets),
+#      (e2e/storage/controllers.txt: protection, the PV lifecycle, VolumeAttachment, StatefulSets,
+#      the CSI mock suite's attach, reclaim, capacity and limit tests),
 #      [Disruptive], [Serial], [Feature:…] and [Flaky] skipped; then the controllers' [Serial] and
 #      [Disruptive] tests in a one-process pass of their own;
 #   4. write JUnit, ginkgo's JSON reports and a Markdown summary (per suite: ran, passed, failed,
 #      skipped, time) to e2e/results/storage-<time>/, print the summary, take the cluster down.
 # Environment: E2E_NODES (2), E2E_PROCS (3), E2E_SUITES (all, external: the driver's suites, or
 # controllers: the controllers' tests), E2E_SUBSET=1 (only the tests of e2e/storage/subset.txt and
-# subset-controllers.txt, as make test runs them), E2E_FOCUS (a regex narrowing the focus further),
+# subset-controllers.txt, as make test runs them), E2E_FOCUS (a regex narrowing each group's
+# focus: `<group>.*(E2E_FOCUS)`, so it names what follows the group's text),
 # E2E_RESULTS (the results dir), E2E_DRIVER (loop.stowage.dev, or ext.loop.stowage.dev: the loop
 # driver as a third-party driver behind the upstream sidecars, e2e/storage/<driver>.yaml),
 # E2E_CONTROLLERS (stowage, or kcm: kube-controller-manager's own storage controllers, stowage's
