@@ -50,8 +50,8 @@ test: deps controlplane csi-sanity promtool kubeadm storage-e2e-suite sidecars #
 	@# csi-sanity and the real-node scenarios run on their own, their output shown: CI logs keep
 	@# the csi-sanity counts and each real-node step's state.
 	$(CARGO) test --workspace --no-fail-fast -- --skip a_kubelet_runs_pods_on_loop_volumes --skip node_local_volumes_on_two_real_nodes --skip csi_sanity_passes --skip a_third_party_csi_driver --skip a_real_prometheus_scrapes --skip moving_back_to_kcm --skip the_kind_guide_runs --skip the_kubeadm_guide_runs
-	@# The CSI mock tests' stand-ins (e2e/storage/cmd), each tested on its own.
-	cd e2e/storage && go test ./cmd/...
+	@# The CSI mock tests' stand-ins (e2e/storage/cmd, internal), each tested on its own.
+	cd e2e/storage && go test ./cmd/... ./internal/...
 	$(CARGO) test -p stowage-agent --test csi_sanity -- --nocapture
 	@start=$$(date +%s); $(CARGO) test -p stowage-chart-tests --test realnode -- --nocapture && \
 	  echo "real-node scenarios: $$(( $$(date +%s) - start ))s"

@@ -10,7 +10,7 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")/../storage" && pwd)
 cd "$here"
 
-key=$(cat go.mod go.sum suite/*.go cmd/*/*.go ../scripts/build-storage-e2e.sh ../scripts/k8s-ldflags.sh | sha256sum | cut -c1-16)
+key=$(cat go.mod go.sum suite/*.go cmd/*/*.go internal/*/*.go ../scripts/build-storage-e2e.sh ../scripts/k8s-ldflags.sh | sha256sum | cut -c1-16)
 cache_root=${STOWAGE_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/stowage}
 out="$cache_root/storage-e2e/$key"
 if [ -x "$out/e2e.test" ] && [ -x "$out/ginkgo" ] && [ -x "$out/agnhost" ] && [ -x "$out/hostpathplugin" ] &&

@@ -16,6 +16,7 @@ of in-tree drivers and areas no run selects); without --scope, only the External
 A test that passed or failed in one report counts once, as it ended there.
 """
 import argparse
+import glob
 import json
 import re
 import sys
@@ -57,6 +58,14 @@ def skip_reason(spec):
     return text[:110].replace("|", "/")
 
 
+def ending(spec):
+    """passed, skipped (or pending), or failed (failed, timed out, panicked, interrupted, …)."""
+    state = spec.get("State")
+    if state in ("skipped", "pending"):
+        return "skipped"
+    return "passed" if state == "passed" else "failed"
+
+
 def specs_in_scope(paths, scope):
     """Each test in scope once: its ending in the report where it ran (passed or failed), else
     where it was skipped. Set-up and tear-down nodes count only when they fail."""
@@ -74,20 +83,15 @@ def specs_in_scope(paths, scope):
                 name = full_name(spec)
                 if not any(r.search(name) for r in scope):
                     continue
-                ran = spec.get("State") not in ("skipped", "pending")
-                if name not in chosen or ran:
+                if name not in chosen or ending(spec) != "skipped":
                     chosen[name] = spec
     return list(chosen.values()), setup_failures
 
 
-def ending(spec):
-    state = spec.get("State")
-    return "skipped" if state in ("skipped", "pending") else state
 
 
 def compare(sides, scope):
     """Each side's counts, then the tests whose ending differs between the sides."""
-    import glob
     endings = {}
     for side in sides:
         name, _, path = side.partition("=")
@@ -135,20 +139,15 @@ def main():
         suite, pattern = suite_and_pattern(spec)
         if suite is None:
             continue
-        state = spec.get("State")
+        end = ending(spec)
         row = rows[suite]
         cell = by_pattern[(suite, pattern)]
         row["seconds"] += spec.get("RunTime", 0) / 1e9
-        if state == "passed":
-            row["passed"] += 1
-            cell["passed"] += 1
-        elif state in ("skipped", "pending"):
-            row["skipped"] += 1
-            cell["skipped"] += 1
+        row[end] += 1
+        cell[end] += 1
+        if end == "skipped":
             cell["why"][skip_reason(spec)] += 1
-        else:
-            row["failed"] += 1
-            cell["failed"] += 1
+        elif end == "failed":
             failures.append((suite, pattern, spec))
     total = {k: sum(r[k] for r in rows.values()) for k in ("passed", "failed", "skipped")}
     print("| suite | ran | passed | failed | skipped | time (s) |")

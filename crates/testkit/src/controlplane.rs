@@ -42,6 +42,10 @@ fn apiserver_minor(bin: &Path) -> u32 {
 /// The admin bearer token of every test control plane (loopback only, thrown away with it).
 const ADMIN_TOKEN: &str = "stowage-admin-token";
 
+/// The apiserver's Service range; its first address is the `kubernetes` Service's
+/// (`crate::realnode::SERVICE_IP`, checked by a test).
+pub const SERVICE_RANGE: &str = "10.0.0.0/24";
+
 pub struct ControlPlane {
     dir: PathBuf,
     /// Kept so the directory lives as long as we do; `None` for a caller-chosen directory.
@@ -139,7 +143,7 @@ impl ControlPlane {
             "--service-account-issuer=https://kubernetes.default.svc.cluster.local".into(),
             format!("--service-account-key-file={}", d("sa.pub")),
             format!("--service-account-signing-key-file={}", d("sa.key")),
-            "--service-cluster-ip-range=10.0.0.0/24".into(),
+            format!("--service-cluster-ip-range={SERVICE_RANGE}"),
             "--authorization-mode=Node,RBAC".into(),
             format!("--token-auth-file={}", d("tokens.csv")),
             "--allow-privileged=true".into(),
@@ -588,5 +592,15 @@ mod tests {
     fn missing_binaries_say_what_to_run() {
         let e = super::binary("no-such-binary").unwrap_err().to_string();
         assert!(e.contains("make controlplane"), "{e}");
+    }
+
+    /// The DNAT and the serving certificate name the `kubernetes` Service by the address the
+    /// apiserver gives it: the first of its range.
+    #[test]
+    fn the_service_ip_is_the_first_of_the_range() {
+        let (net, _) = super::SERVICE_RANGE.split_once('/').unwrap();
+        let net: std::net::Ipv4Addr = net.parse().unwrap();
+        let first = std::net::Ipv4Addr::from(u32::from(net) + 1);
+        assert_eq!(first.to_string(), crate::realnode::SERVICE_IP);
     }
 }

@@ -44,8 +44,9 @@ pub const KCM_CONTROLLERS: &str = "*,-persistentvolume-binder-controller,-persis
 pub const BUSYBOX_IMAGE: &str = "localhost/busybox:stowage";
 pub const PAUSE_IMAGE: &str = "localhost/pause:stowage";
 const BRIDGE: &str = "stowbr0";
-/// The `kubernetes` Service's cluster IP (the first of the apiserver's service range), which
-/// in-cluster clients on the pod network dial (`KUBERNETES_SERVICE_HOST`).
+/// The `kubernetes` Service's cluster IP, which in-cluster clients on the pod network dial
+/// (`KUBERNETES_SERVICE_HOST`): the apiserver gives it the first address of its service range,
+/// `crate::controlplane::SERVICE_RANGE`.
 pub const SERVICE_IP: &str = "10.0.0.1";
 /// Every node's kubelet root, as on a real node: node 1's dir is bound here on the host, node 2's
 /// here in its mount namespace.

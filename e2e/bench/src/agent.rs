@@ -22,7 +22,7 @@ use kube::api::{Api, ObjectMeta, PostParams};
 use stowage_testkit::host::{Cleanup, mounts_under};
 use stowage_testkit::process::{free_port, spawn_tied, stop};
 
-use crate::apiserver::Writes;
+use crate::apiserver::Requests;
 use crate::controller::stowage_agent_defaults;
 use crate::objects::{label, pairs, pod};
 use crate::procstat;
@@ -198,7 +198,7 @@ async fn measure(
         bail!("{why}");
     }
 
-    let writes0 = Writes::scrape(&client).await?;
+    let writes0 = Requests::scrape(&client).await?;
     let cpu0 = procstat::cpu_seconds(agent.pid).unwrap_or(0.0);
     o.own_writes.store(0, Ordering::Relaxed);
     let window = WindowStart {

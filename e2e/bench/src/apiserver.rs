@@ -13,7 +13,7 @@ const WRITE_VERBS: &[&str] = &["POST", "PUT", "PATCH", "DELETE", "DELETECOLLECTI
 
 /// Requests so far.
 #[derive(Debug, Clone, Default)]
-pub struct Writes {
+pub struct Requests {
     /// Write requests, keyed `resource[/subresource] VERB code`.
     pub writes: BTreeMap<String, f64>,
     /// Every other request (GET, LIST, WATCH), keyed the same way.
@@ -23,7 +23,7 @@ pub struct Writes {
     pub seconds: BTreeMap<String, f64>,
 }
 
-impl Writes {
+impl Requests {
     pub async fn scrape(client: &Client) -> anyhow::Result<Self> {
         let req = http::Request::get("/metrics").body(Vec::new())?;
         let text = client
@@ -68,14 +68,14 @@ impl Writes {
     }
 
     /// What happened between `before` and `self`.
-    pub fn since(&self, before: &Writes) -> Writes {
+    pub fn since(&self, before: &Requests) -> Requests {
         fn delta(now: &BTreeMap<String, f64>, then: &BTreeMap<String, f64>) -> BTreeMap<String, f64> {
             now.iter()
                 .map(|(k, v)| (k.clone(), v - then.get(k).copied().unwrap_or(0.0)))
                 .filter(|(_, v)| *v > 0.0)
                 .collect()
         }
-        Writes {
+        Requests {
             writes: delta(&self.writes, &before.writes),
             reads: delta(&self.reads, &before.reads),
             seconds: delta(&self.seconds, &before.seconds),
@@ -118,7 +118,7 @@ impl Writes {
 
 #[cfg(test)]
 mod tests {
-    use super::Writes;
+    use super::Requests;
 
     #[test]
     fn counts_write_verbs_by_resource_and_skips_background() {
@@ -130,13 +130,13 @@ apiserver_request_total{code=\"200\",component=\"apiserver\",resource=\"persiste
 apiserver_request_total{code=\"200\",component=\"apiserver\",group=\"coordination.k8s.io\",resource=\"leases\",scope=\"resource\",subresource=\"\",verb=\"PUT\",version=\"v1\"} 7\n\
 apiserver_request_total{code=\"422\",component=\"apiserver\",resource=\"endpoints\",scope=\"resource\",subresource=\"\",verb=\"POST\",version=\"v1\"} 2\n\
 apiserver_request_total{code=\"429\",component=\"apiserver\",resource=\"persistentvolumeclaims\",scope=\"resource\",subresource=\"status\",verb=\"PUT\",version=\"v1\"} 4\n";
-        let w = Writes::from_text(text).unwrap();
+        let w = Requests::from_text(text).unwrap();
         assert_eq!(w.controller_writes(), 13.0);
         assert_eq!(w.conflicts(), 1.0);
         assert_eq!(w.throttled(), 4.0);
         assert_eq!(w.writes["persistentvolumes/status PUT 200"], 3.0);
         assert_eq!(w.reads["persistentvolumes LIST 200"], 9.0);
-        let later = Writes {
+        let later = Requests {
             writes: w.writes.iter().map(|(k, v)| (k.clone(), v + 2.0)).collect(),
             ..w.clone()
         };
@@ -150,7 +150,7 @@ apiserver_request_total{code=\"429\",component=\"apiserver\",resource=\"persiste
 apiserver_request_duration_seconds_sum{component=\"apiserver\",dry_run=\"\",group=\"\",resource=\"persistentvolumes\",scope=\"resource\",subresource=\"\",verb=\"PUT\",version=\"v1\"} 1.5\n\
 apiserver_request_duration_seconds_count{component=\"apiserver\",dry_run=\"\",group=\"\",resource=\"persistentvolumes\",scope=\"resource\",subresource=\"\",verb=\"PUT\",version=\"v1\"} 3\n\
 apiserver_request_duration_seconds_sum{component=\"apiserver\",dry_run=\"\",group=\"\",resource=\"persistentvolumes\",scope=\"cluster\",subresource=\"\",verb=\"WATCH\",version=\"v1\"} 900\n";
-        let w = Writes::from_text(text).unwrap();
+        let w = Requests::from_text(text).unwrap();
         assert_eq!(w.seconds.get("persistentvolumes PUT"), Some(&1.5));
         assert_eq!(w.seconds.len(), 1, "{:?}", w.seconds);
     }

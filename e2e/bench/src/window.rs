@@ -4,7 +4,7 @@
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use crate::apiserver::Writes;
+use crate::apiserver::Requests;
 use crate::objects::Objects;
 use crate::procstat;
 use crate::report::RunResult;
@@ -16,7 +16,7 @@ pub struct WindowStart {
     pub start: Instant,
     /// CPU of the measured process at the start.
     pub cpu0: f64,
-    pub writes0: Writes,
+    pub writes0: Requests,
 }
 
 /// What a measured window ended with, read as soon as its objects were done.
@@ -24,7 +24,7 @@ pub struct WindowEnd {
     opened: WindowStart,
     cpu: f64,
     rss: u64,
-    delta: Writes,
+    delta: Requests,
 }
 
 impl WindowStart {
@@ -34,7 +34,7 @@ impl WindowStart {
         let rss = procstat::peak_rss_bytes(pid).unwrap_or(0);
         // Trailing writes (an event after the last status) still belong to the run.
         tokio::time::sleep(Duration::from_secs(1)).await;
-        let delta = Writes::scrape(client).await?.since(&self.writes0);
+        let delta = Requests::scrape(client).await?.since(&self.writes0);
         Ok(WindowEnd {
             opened: self,
             cpu,

@@ -17,7 +17,7 @@ use serde_json::json;
 use stowage_testkit::builders;
 use tokio::task::JoinHandle;
 
-use crate::apiserver::Writes;
+use crate::apiserver::Requests;
 use crate::controller::{Controller, Impl, Limits, Setup};
 use crate::objects::{Objects, RUN_LABEL, attach_driver, claim_name, label, pairs, pod, pod_name, pv_name};
 use crate::procstat;
@@ -201,7 +201,7 @@ async fn measure(env: &Env, spec: &Spec<'_>, run: &str, tag: &str) -> anyhow::Re
             o.create_all(&pvcs, (0..n).map(sized_claim).collect()).await?;
             let tracker = Tracker::new((0..n).map(claim_name), []);
             watches.push(watch(pvcs.clone(), by_label.clone(), tracker.clone(), bound).await?);
-            let writes0 = Writes::scrape(&client).await?;
+            let writes0 = Requests::scrape(&client).await?;
             let ctrl = start_ctrl()?;
             tracker.set_default_start(ctrl.started);
             let opened = WindowStart {
@@ -469,7 +469,7 @@ async fn warm_up_key(
     if let Some(why) = wait_for(env, label, "warm-up", progress, &mut ctrl, started).await {
         return Err(why);
     }
-    let writes0 = Writes::scrape(client).await.map_err(|e| format!("{e:#}"))?;
+    let writes0 = Requests::scrape(client).await.map_err(|e| format!("{e:#}"))?;
     let cpu0 = procstat::cpu_seconds(ctrl.pid).unwrap_or(0.0);
     let opened = WindowStart {
         start: Instant::now(),

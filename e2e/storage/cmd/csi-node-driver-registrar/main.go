@@ -28,6 +28,7 @@ import (
 	"google.golang.org/grpc/status"
 	"k8s.io/klog/v2"
 	registerapi "k8s.io/kubelet/pkg/apis/pluginregistration/v1"
+	"stowage.dev/e2e/storage/internal/sock"
 )
 
 // supportedVersions is what the kubelet's CSI plugin handler accepts.
@@ -108,7 +109,7 @@ func run(ctx context.Context, o *options) error {
 	klog.V(2).InfoS("CSI driver name", "csiDriverName", name)
 
 	socketPath := filepath.Join(o.pluginRegistrationPath, name+"-reg.sock")
-	if err := removeStaleSocket(socketPath); err != nil {
+	if err := sock.RemoveStale(socketPath); err != nil {
 		return err
 	}
 	lis, err := net.Listen("unix", socketPath)
@@ -210,22 +211,6 @@ func driverName(ctx context.Context, address string, timeout time.Duration) (str
 		case <-time.After(100 * time.Millisecond):
 		}
 	}
-}
-
-// removeStaleSocket deletes a socket left behind by an earlier instance, but refuses to
-// delete anything that is not a socket.
-func removeStaleSocket(path string) error {
-	fi, err := os.Lstat(path)
-	switch {
-	case errors.Is(err, os.ErrNotExist):
-		return nil
-	case err != nil:
-		return err
-	case fi.Mode()&os.ModeSocket == 0:
-		return fmt.Errorf("%s exists and is not a socket", path)
-	}
-	klog.V(2).InfoS("Removing stale registration socket", "socketPath", path)
-	return os.Remove(path)
 }
 
 // registrationServer implements the kubelet plugin-registration service.

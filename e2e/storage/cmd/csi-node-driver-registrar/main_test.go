@@ -152,13 +152,3 @@ func TestRegistrationFailureEndsRun(t *testing.T) {
 		t.Fatal("run did not return after a failed registration")
 	}
 }
-
-func TestStaleNonSocketIsKept(t *testing.T) {
-	path := filepath.Join(t.TempDir(), "x-reg.sock")
-	if err := os.WriteFile(path, nil, 0o644); err != nil {
-		t.Fatal(err)
-	}
-	if err := removeStaleSocket(path); err == nil {
-		t.Fatal("removeStaleSocket removed a regular file")
-	}
-}

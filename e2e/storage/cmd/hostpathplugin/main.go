@@ -33,6 +33,7 @@ import (
 	"google.golang.org/grpc/status"
 	"k8s.io/klog/v2"
 	"k8s.io/kubernetes/test/e2e/storage/drivers/csi-test/mock/service"
+	"stowage.dev/e2e/storage/internal/sock"
 )
 
 type config struct {
@@ -126,13 +127,8 @@ func listen(ep string) (net.Listener, error) {
 		return nil, err
 	}
 	if network == "unix" {
-		if fi, err := os.Lstat(addr); err == nil {
-			if fi.Mode()&os.ModeSocket == 0 {
-				return nil, fmt.Errorf("%s exists and is not a socket", addr)
-			}
-			if err := os.Remove(addr); err != nil {
-				return nil, err
-			}
+		if err := sock.RemoveStale(addr); err != nil {
+			return nil, err
 		}
 	}
 	l, err := net.Listen(network, addr)
