@@ -20,27 +20,11 @@ use stowage_common::store::pv::{
 use stowage_common::store::quantity;
 use stowage_loopdriver::DRIVER as LOOP_DRIVER;
 
-pub const COND_RESIZING: &str = "Resizing";
-pub const COND_FS_RESIZE_PENDING: &str = "FileSystemResizePending";
-pub const COND_CONTROLLER_RESIZE_ERROR: &str = "ControllerResizeError";
-pub const COND_NODE_RESIZE_ERROR: &str = "NodeResizeError";
-/// The condition types that belong to resizing; they are replaced together, others are kept.
-pub const RESIZE_CONDITIONS: [&str; 4] = [
-    COND_RESIZING,
-    COND_FS_RESIZE_PENDING,
-    COND_CONTROLLER_RESIZE_ERROR,
-    COND_NODE_RESIZE_ERROR,
-];
-
-pub const CONTROLLER_RESIZE_IN_PROGRESS: &str = "ControllerResizeInProgress";
-pub const CONTROLLER_RESIZE_INFEASIBLE: &str = "ControllerResizeInfeasible";
-pub const NODE_RESIZE_PENDING: &str = "NodeResizePending";
-pub const NODE_RESIZE_IN_PROGRESS: &str = "NodeResizeInProgress";
-pub const NODE_RESIZE_INFEASIBLE: &str = "NodeResizeInfeasible";
-
-/// Upstream's message, so tools that match on it keep working.
-pub const FS_RESIZE_PENDING_MESSAGE: &str =
-    "Waiting for user to (re-)start a pod to finish file system resize of volume on node.";
+pub use stowage_common::vocab::resize::{
+    COND_CONTROLLER_RESIZE_ERROR, COND_FS_RESIZE_PENDING, COND_NODE_RESIZE_ERROR, COND_RESIZING,
+    CONTROLLER_RESIZE_IN_PROGRESS, CONTROLLER_RESIZE_INFEASIBLE, FS_RESIZE_PENDING_MESSAGE,
+    NODE_RESIZE_IN_PROGRESS, NODE_RESIZE_INFEASIBLE, NODE_RESIZE_PENDING, RESIZE_CONDITIONS,
+};
 
 pub const REASON_RESIZING: &str = "Resizing";
 pub const REASON_FS_RESIZE_REQUIRED: &str = "FileSystemResizeRequired";

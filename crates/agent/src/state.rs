@@ -15,6 +15,7 @@ use crate::mountinfo::DevNo;
 use crate::paths::{DRIVER, plain_component, unique_name};
 pub use crate::probe::Health;
 use stowage_common::store::pods::{PodClaim, pod_claims};
+use stowage_common::vocab::resize;
 
 /// The pod annotation-free facts the agent needs to talk about a pod.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -33,7 +34,7 @@ impl PodInfo {
 
 /// What the attach side says about a volume on this node.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Attachment {
+pub enum AttachStatus {
     /// No VolumeAttachment for (volume, node) yet.
     Missing,
     /// Exists, not attached yet; `error` is the attacher's last complaint.
@@ -79,7 +80,7 @@ pub struct DesiredVolume {
     /// `pv.beta.kubernetes.io/gid`: a supplemental group for the pods using the volume.
     pub gid: Option<u32>,
     pub claim: Claim,
-    pub attachment: Attachment,
+    pub attachment: AttachStatus,
     /// Listed in `node.status.volumesInUse` already (the controller will not detach it).
     pub reported_in_use: bool,
     /// Listed in `node.status.volumesAttached`: the attach/detach controller publishes an
@@ -174,29 +175,12 @@ fn usage(pod: &Pod, vol: &str) -> (bool, bool) {
     (fs, block)
 }
 
-/// `Some(true)` when the claim waits for node-side expansion, per its resize status or the
-/// older `FileSystemResizePending` condition.
-pub fn node_resize_pending(pvc: &PersistentVolumeClaim) -> bool {
-    let Some(st) = pvc.status.as_ref() else {
-        return false;
+fn attachment_of(va: Option<&VolumeAttachment>) -> AttachStatus {
+    let Some(va) = va else {
+        return AttachStatus::Missing;
     };
-    let by_status = st
-        .allocated_resource_statuses
-        .as_ref()
-        .and_then(|m| m.get("storage"))
-        .is_some_and(|s| s == "NodeResizePending" || s == "NodeResizeInProgress");
-    let by_condition = st
-        .conditions
-        .iter()
-        .flatten()
-        .any(|c| c.type_ == "FileSystemResizePending" && c.status == "True");
-    by_status || by_condition
-}
-
-fn attachment_of(va: Option<&VolumeAttachment>) -> Attachment {
-    let Some(va) = va else { return Attachment::Missing };
     if va.metadata.deletion_timestamp.is_some() {
-        return Attachment::Detaching;
+        return AttachStatus::Detaching;
     }
     let st = va.status.as_ref();
     let device = st
@@ -205,8 +189,8 @@ fn attachment_of(va: Option<&VolumeAttachment>) -> Attachment {
         .and_then(|m| m.get("devicePath"))
         .filter(|d| d.starts_with("/dev/"));
     match device {
-        Some(d) => Attachment::Attached { device: d.clone() },
-        None => Attachment::Pending {
+        Some(d) => AttachStatus::Attached { device: d.clone() },
+        None => AttachStatus::Pending {
             error: st
                 .and_then(|s| s.attach_error.as_ref())
                 .and_then(|e| e.message.clone()),
@@ -322,7 +306,7 @@ pub fn desired<'p>(pods: impl IntoIterator<Item = &'p Pod>, lookups: &Lookups) -
                 )));
                 continue;
             }
-            let resize_to = node_resize_pending(&pvc)
+            let resize_to = resize::node_resize_pending(&pvc)
                 .then(|| {
                     let st = pvc.status.as_ref()?;
                     let already = pvc.metadata.uid.as_ref().and_then(|u| lookups.expanded.get(u));
@@ -371,7 +355,7 @@ pub fn desired<'p>(pods: impl IntoIterator<Item = &'p Pod>, lookups: &Lookups) -
                 }
             });
             let read_only = pod_ro || entry.pv_read_only;
-            if let Attachment::Pending { error: Some(e) } = &entry.attachment {
+            if let AttachStatus::Pending { error: Some(e) } = &entry.attachment {
                 d.errors.push(PodError {
                     pod: info.clone(),
                     volume: pod_claim.volume.clone(),
@@ -573,7 +557,7 @@ mod tests {
         let v = &d.volumes["v1"];
         assert_eq!(v.handle, "h-v1");
         assert_eq!(v.pods.len(), 2);
-        assert_eq!(v.attachment, Attachment::Missing);
+        assert_eq!(v.attachment, AttachStatus::Missing);
         assert_eq!(d.live_pods.len(), 2);
     }
 

@@ -5,3 +5,4 @@ pub mod errors;
 pub mod observe;
 pub mod runtime;
 pub mod store;
+pub mod vocab;

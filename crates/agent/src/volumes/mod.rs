@@ -43,7 +43,7 @@ mod results;
 /// and the attacher's).
 pub(crate) use results::REPEAT;
 
-pub use claim::{finish_claim_resize, resize_finished_patch};
+pub use claim::finish_claim_resize;
 use exec::Executor;
 pub use ingest::observe;
 use ingest::observe_and_decide;
