@@ -17,9 +17,10 @@ pub enum Op {
     Detach,
 }
 
-/// One (volume, node) pair.
+/// What is known of one (volume, node) pair and what this controller has under way for it:
+/// its VolumeAttachment as last seen, a node's report, the operation in flight and its backoff.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Attachment {
+pub struct PairState {
     pub driver: String,
     pub handle: String,
     /// The VolumeAttachment as last seen (or written) by this controller.
@@ -39,7 +40,7 @@ pub struct Attachment {
     pub retry_at: Option<Instant>,
 }
 
-impl Attachment {
+impl PairState {
     /// Something is or may be attached: a VolumeAttachment, a node report, or a create in flight.
     pub fn exists(&self) -> bool {
         self.va.is_some() || self.reported.is_some() || self.op == Some(Op::Attach)
@@ -98,21 +99,21 @@ pub type Key = (String, String);
 /// node nearly always.
 #[derive(Debug, Clone, Default)]
 pub struct Actual {
-    entries: BTreeMap<String, VecMap<Attachment>>,
+    entries: BTreeMap<String, VecMap<PairState>>,
     len: usize,
 }
 
 impl Actual {
-    pub fn get(&self, volume: &str, node: &str) -> Option<&Attachment> {
+    pub fn get(&self, volume: &str, node: &str) -> Option<&PairState> {
         self.entries.get(volume)?.get(node)
     }
 
-    pub fn get_mut(&mut self, volume: &str, node: &str) -> Option<&mut Attachment> {
+    pub fn get_mut(&mut self, volume: &str, node: &str) -> Option<&mut PairState> {
         self.entries.get_mut(volume)?.get_mut(node)
     }
 
     /// The entry for (volume, node), created with `driver`/`handle` if missing.
-    pub fn entry(&mut self, volume: &str, node: &str, driver: &str, handle: &str) -> &mut Attachment {
+    pub fn entry(&mut self, volume: &str, node: &str, driver: &str, handle: &str) -> &mut PairState {
         if self.get(volume, node).is_none() {
             self.len += 1;
         }
@@ -121,7 +122,7 @@ impl Actual {
             self.entries.insert(volume.to_string(), VecMap::default());
         }
         let nodes = self.entries.get_mut(volume).expect("inserted above");
-        nodes.get_or_insert_with(node, || Attachment {
+        nodes.get_or_insert_with(node, || PairState {
             driver: driver.to_string(),
             handle: handle.to_string(),
             ..Default::default()
@@ -152,13 +153,13 @@ impl Actual {
     }
 
     /// Every ((volume, node), entry), ordered by volume then node.
-    pub fn iter(&self) -> impl Iterator<Item = ((&String, &String), &Attachment)> {
+    pub fn iter(&self) -> impl Iterator<Item = ((&String, &String), &PairState)> {
         self.entries
             .iter()
             .flat_map(|(v, nodes)| nodes.iter().map(move |(n, e)| ((v, n), e)))
     }
 
-    pub fn iter_mut(&mut self) -> impl Iterator<Item = ((&String, &String), &mut Attachment)> {
+    pub fn iter_mut(&mut self) -> impl Iterator<Item = ((&String, &String), &mut PairState)> {
         self.entries
             .iter_mut()
             .flat_map(|(v, nodes)| nodes.iter_mut().map(move |(n, e)| ((&*v, n), e)))
@@ -175,7 +176,7 @@ impl Actual {
     }
 
     /// Attachments of one node, for the status updater.
-    pub fn on_node<'a>(&'a self, node: &'a str) -> impl Iterator<Item = (&'a str, &'a Attachment)> {
+    pub fn on_node<'a>(&'a self, node: &'a str) -> impl Iterator<Item = (&'a str, &'a PairState)> {
         self.entries
             .iter()
             .filter_map(move |(v, nodes)| nodes.get(node).map(|e| (v.as_str(), e)))

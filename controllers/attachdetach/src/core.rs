@@ -8,7 +8,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use crate::Config;
-use crate::actual::{Actual, Attachment, Op};
+use crate::actual::{Actual, Op, PairState};
 pub use crate::desired::Kind;
 use crate::desired::{Desired, DesiredVolume, PodRef, VolumeSpec};
 use crate::read::{LOOP_DRIVER, LOOP_SINGLE_NODE_RULE, NodeInfo, attachment_name};
@@ -391,9 +391,9 @@ fn multi_attach_text<'a>(
 /// full pass during an attach burst: the entry stays present for the multi-attach guard, is not
 /// being deleted (release, detach), has nothing new to report in node status, and carries no
 /// countdown or retry. Anything else marks the pass due.
-pub fn pass_unaffected(before: &Attachment, after: &Attachment, wanted: bool) -> bool {
+pub fn pass_unaffected(before: &PairState, after: &PairState, wanted: bool) -> bool {
     let calm =
-        |a: &Attachment| a.exists() && !a.deleting() && a.detach_requested.is_none() && a.retry_at.is_none();
+        |a: &PairState| a.exists() && !a.deleting() && a.detach_requested.is_none() && a.retry_at.is_none();
     wanted && calm(before) && calm(after) && before.report() == after.report()
 }
 

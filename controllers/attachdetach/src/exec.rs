@@ -8,7 +8,7 @@
 //! controller decides all (volume, node) pairs in one pass, and one task carries a node's status
 //! patch and then that node's detaches (several keys), in that order, which the rule "never
 //! detach while the node advertises the volume" needs. What the window gives is kept here: one
-//! operation per (volume, node) is `Attachment::op`, set before the task starts and cleared only
+//! operation per (volume, node) is `VolumeAttachment::op`, set before the task starts and cleared only
 //! by its `Outcome`; a panicking task still reports (`Owed`, test
 //! `a_panicked_attach_task_is_retried_and_the_volume_attached`); dropping the controller aborts
 //! the tasks. A window of N keys would also make a burst beyond N wait for a later decision
@@ -27,7 +27,7 @@ use kube::runtime::reflector::ObjectRef;
 use kube::{Api, ResourceExt};
 use stowage_common::api::attachments::Attachments;
 use stowage_common::observe::events::Events;
-use stowage_common::store::{Attachment, AttachmentSource, AttachmentSpec};
+use stowage_common::store::{VolumeAttachment, VolumeAttachmentSource, VolumeAttachmentSpec};
 use tokio::sync::{Semaphore, mpsc};
 
 use crate::actual::Op;
@@ -250,16 +250,16 @@ impl Controller {
         e.attach_started.get_or_insert(now);
         let w = self.executor.clone();
         w.metrics.queue_depth.with_label_values(&["attach"]).inc();
-        let va = Attachment {
+        let va = VolumeAttachment {
             metadata: ObjectMeta {
                 name: Some(va_name.clone()),
                 ..Default::default()
             },
-            spec: AttachmentSpec {
+            spec: VolumeAttachmentSpec {
                 attacher: driver,
                 node_name: node.clone(),
                 // An inline volume's attachment carries its translated spec instead of a PV.
-                source: AttachmentSource {
+                source: VolumeAttachmentSource {
                     persistent_volume_name: inline.is_none().then_some(pv_name),
                     inline_volume_spec: inline,
                 },
@@ -354,7 +354,7 @@ impl Controller {
         }
     }
 
-    /// Drops the built-in attacher's finalizer from a dead node's Attachment (guarded by the
+    /// Drops the built-in attacher's finalizer from a dead node's VolumeAttachment (guarded by the
     /// resourceVersion decided on, so a finalizer list that changed meanwhile is decided again).
     pub(crate) fn start_release(
         &mut self,
@@ -531,7 +531,7 @@ impl Controller {
                         .operation_seconds
                         .with_label_values(&["detach"])
                         .start_timer();
-                    // iSCSI/FC have no Attachment: their plugins' detach does nothing, so
+                    // iSCSI/FC have no VolumeAttachment: their plugins' detach does nothing, so
                     // with the node status written and the live Node checked, it is done.
                     let result = if !crate::translate::is_csi_name(&j.volume) {
                         Ok(None)

@@ -11,8 +11,8 @@ use kube::ResourceExt;
 use kube::runtime::reflector::ObjectRef;
 use stowage_common::observe::events::{Occurrence, Repeat};
 use stowage_common::observe::storageops::{VOLUME_ATTACH, VOLUME_DETACH};
-use stowage_common::store::Attachment;
 use stowage_common::store::StoredPod;
+use stowage_common::store::VolumeAttachment;
 use stowage_common::store::informer::is_newer;
 use stowage_common::store::informers::Informers;
 use stowage_common::store::{StoredClaim, StoredVolume};
@@ -92,7 +92,7 @@ impl Controller {
     }
 
     /// Reloads everything from the stores. `verify` also drops attachments known only from node
-    /// status that have no Attachment (upstream's periodic verify, from the store: a CSI
+    /// status that have no VolumeAttachment (upstream's periodic verify, from the store: a CSI
     /// volume without one is not attached).
     pub(crate) fn resync(&mut self, verify: bool) {
         self.quiet = true;
@@ -130,7 +130,7 @@ impl Controller {
             if a.va.as_ref().is_some_and(|v| !names.contains(&v.name)) {
                 a.va = None;
             }
-            // iSCSI/FC attachments have no Attachment to confirm them; their plugins
+            // iSCSI/FC attachments have no VolumeAttachment to confirm them; their plugins
             // report every volume attached, as upstream's verify does.
             if verify && a.va.is_none() && a.op.is_none() && is_csi_name(volume) {
                 a.reported = None;
@@ -361,7 +361,7 @@ impl Controller {
     /// migrated in-tree volume) or its inline spec.
     pub(crate) fn resolve_va(
         &mut self,
-        va: &Attachment,
+        va: &VolumeAttachment,
         remember: bool,
     ) -> Option<(String, String, String, String)> {
         if let Some(spec) = va.spec.source.inline_volume_spec.as_deref() {
@@ -399,10 +399,10 @@ impl Controller {
         ))
     }
 
-    /// A Attachment seen (watch) or returned by a write. Marks a full pass due unless the
+    /// A VolumeAttachment seen (watch) or returned by a write. Marks a full pass due unless the
     /// change provably leaves that pass's decisions as they were (`pass_unaffected`); returns
     /// whether it did.
-    pub(crate) fn va_applied(&mut self, va: &Attachment) -> bool {
+    pub(crate) fn va_applied(&mut self, va: &VolumeAttachment) -> bool {
         if let Some(pv) = va.spec.source.persistent_volume_name.as_deref() {
             self.pv_attachments
                 .entry(pv.to_string())
@@ -509,7 +509,7 @@ impl Controller {
         settled
     }
 
-    pub(crate) fn va_deleted(&mut self, va: &Attachment) {
+    pub(crate) fn va_deleted(&mut self, va: &VolumeAttachment) {
         let name = va.name_any();
         if let Some(pv) = va.spec.source.persistent_volume_name.as_deref() {
             if let Some(set) = self.pv_attachments.get_mut(pv) {
@@ -555,7 +555,7 @@ impl Controller {
     }
 }
 
-/// Whether (volume, node) has no Attachment and no operation yet: an attach is still to
+/// Whether (volume, node) has no VolumeAttachment and no operation yet: an attach is still to
 /// start, so its decision latency is open.
 pub(crate) fn awaits_attach(actual: &Actual, volume: &str, node: &str) -> bool {
     actual

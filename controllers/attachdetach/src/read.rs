@@ -7,7 +7,7 @@ use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::ResourceExt;
 use sha2::{Digest, Sha256};
-use stowage_common::store::{Attachment, StoredPod, VolumeSource};
+use stowage_common::store::{StoredPod, VolumeAttachment, VolumeSource};
 
 /// Set by a kubelet (or stowage-agent) that leaves attach/detach to the controller.
 pub const ANN_CONTROLLER_MANAGED: &str = "volumes.kubernetes.io/controller-managed-attach-detach";
@@ -29,7 +29,7 @@ pub fn split_unique_volume_name(name: &str) -> Option<(&str, &str)> {
     rest.split_once('^')
 }
 
-/// The Attachment name upstream's CSI attacher uses, so both controllers (and a restart
+/// The VolumeAttachment name upstream's CSI attacher uses, so both controllers (and a restart
 /// after switching between them) agree on one object per (volume, node).
 pub fn attachment_name(handle: &str, driver: &str, node: &str) -> String {
     let mut h = Sha256::new();
@@ -72,7 +72,7 @@ pub fn is_loop(spec: &VolumeSource) -> bool {
 }
 
 /// What the built-in attacher's finalizer on a PV needs, as external-attacher keeps it: on a
-/// `loop.stowage.dev` PV while any Attachment names it (so the PV cannot vanish under an
+/// `loop.stowage.dev` PV while any VolumeAttachment names it (so the PV cannot vanish under an
 /// attachment that a restarted controller could then no longer map), off once none does.
 /// `Some(true)`: add, `Some(false)`: remove, `None`: nothing. No finalizer is added to a PV
 /// being deleted (the apiserver refuses new finalizers then). `is_loop`: the PV's CSI driver is
@@ -168,7 +168,7 @@ impl NodeInfo {
     }
 }
 
-/// What the controller reads from one Attachment.
+/// What the controller reads from one VolumeAttachment.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct VaState {
     pub name: String,
@@ -183,7 +183,7 @@ pub struct VaState {
 }
 
 impl VaState {
-    pub fn of(va: &Attachment) -> Self {
+    pub fn of(va: &VolumeAttachment) -> Self {
         let status = va.status.as_ref();
         Self {
             name: va.name_any(),

@@ -6,7 +6,7 @@ use tokio::time::Instant;
 use k8s_openapi::api::core::v1::Node;
 use kube::runtime::reflector::ObjectRef;
 use kube::{Resource, ResourceExt};
-use stowage_common::store::Attachment;
+use stowage_common::store::VolumeAttachment;
 
 use crate::controller::{Controller, STATUS_RETRY};
 use crate::core::{ForceReason, pass_unaffected};
@@ -22,14 +22,14 @@ pub(crate) enum Outcome {
         volume: String,
         node: String,
         va_name: String,
-        result: Result<Attachment, Error>,
+        result: Result<VolumeAttachment, Error>,
     },
     Detach {
         volume: String,
         node: String,
         forced: Option<ForceReason>,
-        /// `Some` while the Attachment still exists (finalizers), `None` once gone.
-        result: Result<Option<Attachment>, Error>,
+        /// `Some` while the VolumeAttachment still exists (finalizers), `None` once gone.
+        result: Result<Option<VolumeAttachment>, Error>,
     },
     Status {
         node: String,
@@ -39,7 +39,7 @@ pub(crate) enum Outcome {
     Release {
         volume: String,
         node: String,
-        result: Result<Attachment, Error>,
+        result: Result<VolumeAttachment, Error>,
     },
     PvFinalizer {
         pv: String,

@@ -10,7 +10,7 @@ use kube::runtime::reflector::Store;
 use kube::{Client, Resource, ResourceExt};
 use stowage_common::api::writes::Writes;
 use stowage_common::observe::events::{Events, Occurrence, Repeat};
-use stowage_common::store::Attachment;
+use stowage_common::store::VolumeAttachment;
 use stowage_loopdriver::{ImageError, ImageStore};
 use tokio::time::Instant;
 
@@ -28,10 +28,10 @@ pub(crate) struct Executor {
     pub(crate) events: Events,
     pub(crate) metrics: Metrics,
     pub(crate) image_dir: PathBuf,
-    pub(crate) attachments: Store<Attachment>,
+    pub(crate) attachments: Store<VolumeAttachment>,
 }
 
-pub(crate) fn is_attached(store: &Store<Attachment>, pv: &str) -> bool {
+pub(crate) fn is_attached(store: &Store<VolumeAttachment>, pv: &str) -> bool {
     store
         .state()
         .iter()

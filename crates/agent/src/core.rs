@@ -4,7 +4,7 @@
 
 use tokio::time::Instant;
 
-use crate::state::{Actual, Attachment, Desired};
+use crate::state::{Actual, AttachStatus, Desired};
 use crate::tracker::{OpKey, Tracker};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -94,7 +94,7 @@ pub fn reconcile(desired: &Desired, actual: &Actual) -> Vec<Op> {
     // volumesAttached before it deletes the attachment).
     for (pv, dv) in &desired.volumes {
         let av = actual.volumes.get(pv);
-        let Attachment::Attached { .. } = dv.attachment else {
+        let AttachStatus::Attached { .. } = dv.attachment else {
             continue;
         };
         if !dv.reported_in_use || !dv.listed_attached {
@@ -220,11 +220,11 @@ mod tests {
                 uid: "u".into(),
             },
             attachment: if attached {
-                Attachment::Attached {
+                AttachStatus::Attached {
                     device: "/dev/loop0".into(),
                 }
             } else {
-                Attachment::Pending { error: None }
+                AttachStatus::Pending { error: None }
             },
             reported_in_use: reported,
             listed_attached: attached,
@@ -563,7 +563,7 @@ mod tests {
                         let dv = &d.volumes[pv];
                         prop_assert!(dv.reported_in_use);
                         prop_assert!(dv.listed_attached);
-                        let attached = matches!(dv.attachment, Attachment::Attached { .. });
+                        let attached = matches!(dv.attachment, AttachStatus::Attached { .. });
                         prop_assert!(attached);
                         prop_assert!(dv.pods.contains_key(uid));
                         // Block volumes have no device mount; a healthy device mount is reused,

@@ -40,6 +40,7 @@ pub mod quantity;
 mod slim;
 
 pub use model::{
-    Attachment, AttachmentSource, AttachmentSpec, AttachmentStatus, BoundClaim, ClaimBinding, CsiSource,
-    IntoStored, PodRead, PodVolume, Storable, Stored, StoredClaim, StoredPod, StoredVolume, VolumeSource,
+    BoundClaim, ClaimBinding, CsiSource, IntoStored, PodRead, PodVolume, Storable, Stored, StoredClaim,
+    StoredPod, StoredVolume, VolumeAttachment, VolumeAttachmentSource, VolumeAttachmentSpec,
+    VolumeAttachmentStatus, VolumeSource,
 };

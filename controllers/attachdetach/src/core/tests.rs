@@ -8,7 +8,7 @@ use tokio::time::Instant;
 use proptest::prelude::*;
 
 use super::*;
-use crate::actual::Attachment;
+use crate::actual::PairState;
 use crate::desired::VolumeSpec;
 use crate::read::VaState;
 
@@ -54,7 +54,7 @@ fn attached_va(v: &str, n: &str) -> VaState {
     }
 }
 
-fn attach<'a>(actual: &'a mut Actual, v: &str, n: &str) -> &'a mut Attachment {
+fn attach<'a>(actual: &'a mut Actual, v: &str, n: &str) -> &'a mut PairState {
     let e = actual.entry(&vname(v), n, "d", v);
     e.va = Some(attached_va(v, n));
     e
@@ -513,7 +513,7 @@ fn world() -> impl Strategy<Value = World> {
 }
 
 /// Gives an entry the state `h` describes (its volume and node are the entry's own).
-fn set_state(e: &mut Attachment, h: &Have, t0: Instant) {
+fn set_state(e: &mut PairState, h: &Have, t0: Instant) {
     let &(v, n, attached, deleting, reported, op, ago, backoff) = h;
     if reported {
         e.reported = Some(String::new());
@@ -798,7 +798,7 @@ fn a_dead_nodes_loop_attachment_is_released_only_when_safe() {
 /// the pass; becoming attached (node status), being deleted, or not being wanted does not.
 #[test]
 fn only_a_calm_wanted_entry_skips_the_pass() {
-    let mut creating = Attachment {
+    let mut creating = PairState {
         op: Some(Op::Attach),
         ..Default::default()
     };
@@ -828,7 +828,7 @@ fn only_a_calm_wanted_entry_skips_the_pass() {
         "a retry deadline went away"
     );
     assert!(
-        !pass_unaffected(&Attachment::default(), &created, true),
+        !pass_unaffected(&PairState::default(), &created, true),
         "a new entry"
     );
 }

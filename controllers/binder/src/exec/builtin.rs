@@ -15,7 +15,7 @@ use crate::loopdev;
 use stowage_common::api::writes::is_not_found;
 use stowage_common::errors::{ERROR, SUCCESS};
 use stowage_common::observe::storageops::{Attempt, VOLUME_DELETE, VOLUME_PROVISION, csi_plugin};
-use stowage_common::store::Attachment;
+use stowage_common::store::VolumeAttachment;
 
 impl Executor {
     pub(crate) async fn provision(
@@ -182,7 +182,7 @@ impl Executor {
         Ok(())
     }
 
-    /// Every built-in handle and the PVs naming it, and every PV a Attachment names with
+    /// Every built-in handle and the PVs naming it, and every PV a VolumeAttachment names with
     /// the nodes of those attachments, from live (paged) lists that started no earlier than
     /// `since`: the cache may lag a PV or an attachment just created, and removing an image is
     /// final. One pair of lists at a time, shared by every deletion that began before it started,
@@ -202,7 +202,7 @@ impl Executor {
             }
         })
         .await?;
-        let vas: kube::Api<Attachment> = kube::Api::all(self.client.clone());
+        let vas: kube::Api<VolumeAttachment> = kube::Api::all(self.client.clone());
         let mut attached: HashMap<String, Vec<String>> = HashMap::new();
         for_each_listed(&vas, |va| {
             if let Some(pv) = va.spec.source.persistent_volume_name {

@@ -14,7 +14,7 @@ use crate::ctx::Ctx;
 use crate::fsgroup;
 use crate::mountinfo::{self, DevNo};
 use crate::probe::Health;
-use crate::state::{Attachment, DesiredVolume, Mounted, PodInfo};
+use crate::state::{AttachStatus, DesiredVolume, Mounted, PodInfo};
 use crate::sys;
 use stowage_loopdriver::fence;
 
@@ -160,7 +160,7 @@ impl Executor {
     ) -> Result<bool, StepError> {
         let ctx = &self.ctx;
         let usage = &dv.pods[uid];
-        let Attachment::Attached { device } = &dv.attachment else {
+        let AttachStatus::Attached { device } = &dv.attachment else {
             return Err(StepError {
                 step: "WaitForAttach",
                 message: "volume is not attached".into(),
@@ -491,7 +491,7 @@ impl Executor {
         let Some(new_size) = &dv.resize_to else {
             return Ok(None);
         };
-        let Attachment::Attached { device } = &dv.attachment else {
+        let AttachStatus::Attached { device } = &dv.attachment else {
             return Err(StepError {
                 step: s,
                 message: "volume is not attached".into(),

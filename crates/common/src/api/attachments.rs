@@ -1,16 +1,16 @@
-//! VolumeAttachment writes whose answers come back as the read model's [`Attachment`], decoded
+//! VolumeAttachment writes whose answers come back as the read model's [`VolumeAttachment`], decoded
 //! without managed fields (as the informers decode them), so a write's result and a watch event
 //! are the same form.
 
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client};
 
-use crate::store::Attachment;
+use crate::store::VolumeAttachment;
 use crate::store::lean::Lean;
 
 #[derive(Clone)]
 pub struct Attachments {
-    api: Api<Lean<Attachment>>,
+    api: Api<Lean<VolumeAttachment>>,
 }
 
 impl Attachments {
@@ -20,7 +20,7 @@ impl Attachments {
         }
     }
 
-    pub async fn create(&self, va: Attachment) -> kube::Result<Attachment> {
+    pub async fn create(&self, va: VolumeAttachment) -> kube::Result<VolumeAttachment> {
         self.api
             .create(&PostParams::default(), &Lean(va))
             .await
@@ -28,7 +28,7 @@ impl Attachments {
     }
 
     /// A JSON merge patch of VolumeAttachment `name`.
-    pub async fn merge_patch(&self, name: &str, patch: &serde_json::Value) -> kube::Result<Attachment> {
+    pub async fn merge_patch(&self, name: &str, patch: &serde_json::Value) -> kube::Result<VolumeAttachment> {
         self.api
             .patch(name, &PatchParams::default(), &Patch::Merge(patch))
             .await
@@ -38,7 +38,7 @@ impl Attachments {
     /// Deletes VolumeAttachment `name`. `Some` is the object when the apiserver answered with it
     /// (still there, held by finalizers, or as it was when removed at once); `None` when it
     /// answered with a status.
-    pub async fn delete(&self, name: &str) -> kube::Result<Option<Attachment>> {
+    pub async fn delete(&self, name: &str) -> kube::Result<Option<VolumeAttachment>> {
         self.api
             .delete(name, &DeleteParams::default())
             .await

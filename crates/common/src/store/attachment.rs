@@ -1,5 +1,5 @@
-//! The VolumeAttachment as the controllers hold it (`Attachment`): every field of the API type, with the
-//! inline PV spec boxed.
+//! The VolumeAttachment as the controllers hold it (`VolumeAttachment`, named as the API names
+//! it): every field of the API type, with the inline PV spec boxed.
 //!
 //! k8s-openapi's `VolumeAttachment` holds `spec.source.inlineVolumeSpec` by value: a whole
 //! `PersistentVolumeSpec`, whose every volume source is an inline `Option`. That field is most
@@ -17,27 +17,27 @@ use k8s_openapi::api::storage::v1 as api;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde::{Deserialize, Serialize, Serializer};
 
-pub use k8s_openapi::api::storage::v1::VolumeAttachmentStatus as AttachmentStatus;
+pub use k8s_openapi::api::storage::v1::VolumeAttachmentStatus;
 
 #[derive(Clone, Debug, Default, PartialEq, Deserialize)]
-pub struct Attachment {
+pub struct VolumeAttachment {
     #[serde(default)]
     pub metadata: ObjectMeta,
-    pub spec: AttachmentSpec,
-    pub status: Option<AttachmentStatus>,
+    pub spec: VolumeAttachmentSpec,
+    pub status: Option<VolumeAttachmentStatus>,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
-pub struct AttachmentSpec {
+pub struct VolumeAttachmentSpec {
     pub attacher: String,
     pub node_name: String,
-    pub source: AttachmentSource,
+    pub source: VolumeAttachmentSource,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
-pub struct AttachmentSource {
+pub struct VolumeAttachmentSource {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub persistent_volume_name: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -45,7 +45,7 @@ pub struct AttachmentSource {
 }
 
 /// The API type's encoding: `apiVersion` and `kind` first, no `status` when there is none.
-impl Serialize for Attachment {
+impl Serialize for VolumeAttachment {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         #[derive(Serialize)]
         #[serde(rename_all = "camelCase")]
@@ -53,9 +53,9 @@ impl Serialize for Attachment {
             api_version: &'static str,
             kind: &'static str,
             metadata: &'a ObjectMeta,
-            spec: &'a AttachmentSpec,
+            spec: &'a VolumeAttachmentSpec,
             #[serde(skip_serializing_if = "Option::is_none")]
-            status: &'a Option<AttachmentStatus>,
+            status: &'a Option<VolumeAttachmentStatus>,
         }
         Wire {
             api_version: <Self as k8s_openapi::Resource>::API_VERSION,
@@ -68,7 +68,7 @@ impl Serialize for Attachment {
     }
 }
 
-addressed_as!(Attachment, api::VolumeAttachment, metadata);
+addressed_as!(VolumeAttachment, api::VolumeAttachment, metadata);
 
 #[cfg(test)]
 mod tests {
@@ -77,14 +77,14 @@ mod tests {
     use serde_json::json;
 
     // Conversions to compare with the API type: nothing outside these tests converts.
-    impl From<api::VolumeAttachment> for Attachment {
+    impl From<api::VolumeAttachment> for VolumeAttachment {
         fn from(va: api::VolumeAttachment) -> Self {
             Self {
                 metadata: va.metadata,
-                spec: AttachmentSpec {
+                spec: VolumeAttachmentSpec {
                     attacher: va.spec.attacher,
                     node_name: va.spec.node_name,
-                    source: AttachmentSource {
+                    source: VolumeAttachmentSource {
                         persistent_volume_name: va.spec.source.persistent_volume_name,
                         inline_volume_spec: va.spec.source.inline_volume_spec.map(Box::new),
                     },
@@ -94,8 +94,8 @@ mod tests {
         }
     }
 
-    impl From<Attachment> for api::VolumeAttachment {
-        fn from(va: Attachment) -> Self {
+    impl From<VolumeAttachment> for api::VolumeAttachment {
+        fn from(va: VolumeAttachment) -> Self {
             Self {
                 metadata: va.metadata,
                 spec: api::VolumeAttachmentSpec {
@@ -146,8 +146,8 @@ mod tests {
     #[test]
     fn it_reads_and_writes_what_the_api_type_does() {
         let api: api::VolumeAttachment = serde_json::from_value(full()).unwrap();
-        let ours: Attachment = serde_json::from_value(full()).unwrap();
-        assert_eq!(Attachment::from(api.clone()), ours);
+        let ours: VolumeAttachment = serde_json::from_value(full()).unwrap();
+        assert_eq!(VolumeAttachment::from(api.clone()), ours);
         assert_eq!(api::VolumeAttachment::from(ours.clone()), api);
         assert_eq!(
             serde_json::to_value(&ours).unwrap(),
@@ -167,7 +167,7 @@ mod tests {
     /// The point of the type: a move copies a fraction of the API type's bytes.
     #[test]
     fn it_is_a_fraction_of_the_api_types_size() {
-        let ours = std::mem::size_of::<Attachment>();
+        let ours = std::mem::size_of::<VolumeAttachment>();
         let theirs = std::mem::size_of::<api::VolumeAttachment>();
         assert!(ours * 3 < theirs, "{ours} bytes against the API type's {theirs}");
     }
@@ -177,7 +177,7 @@ mod tests {
     fn it_decodes_lean() {
         let mut v = full();
         v["metadata"]["managedFields"] = json!([{"manager": "x", "fieldsV1": {"f:spec": {}}}]);
-        let lean: Lean<Attachment> = serde_json::from_value(v).unwrap();
+        let lean: Lean<VolumeAttachment> = serde_json::from_value(v).unwrap();
         assert!(lean.0.metadata.managed_fields.is_none());
         assert_eq!(lean.0.spec.source.persistent_volume_name.as_deref(), Some("pv-1"));
     }

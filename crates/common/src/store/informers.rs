@@ -11,7 +11,7 @@ use kube::runtime::watcher;
 use tokio::task::JoinSet;
 
 use crate::store::informer::{Informer, as_decoded};
-use crate::store::model::{Attachment, StoredClaim, StoredPod, StoredVolume};
+use crate::store::model::{StoredClaim, StoredPod, StoredVolume, VolumeAttachment};
 
 pub struct Informers {
     /// The rate-limited client of this process.
@@ -26,7 +26,7 @@ pub struct Informers {
     pub pods: Informer<StoredPod>,
     pub nodes: Informer<Node>,
     /// The API type with its inline PV spec boxed.
-    pub attachments: Informer<Attachment>,
+    pub attachments: Informer<VolumeAttachment>,
     pub classes: Informer<StorageClass>,
     pub csi_drivers: Informer<CSIDriver>,
     /// What each node's store can still hold (node-local drivers' capacity tracking): where the

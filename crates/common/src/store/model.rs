@@ -5,7 +5,7 @@
 //!   object. Nothing else reaches the object's kept JSON.
 //! - [`StoredPod`]: the fields of a pod the controllers read, decoded straight from the wire,
 //!   read-only (no `Serialize`: nothing can write a pod back from it).
-//! - [`Attachment`]: the VolumeAttachment, lossless (what attach/detach creates too), with its
+//! - [`VolumeAttachment`]: the VolumeAttachment, lossless (what attach/detach creates too), with its
 //!   rare inline PV spec boxed.
 //!
 //! How they are held (`packed`, `slim`, `attachment`, and `lean` for decoding without managed
@@ -24,7 +24,9 @@ use serde::{Deserialize, Deserializer};
 use crate::store::packed::{Packable, Packed};
 use crate::store::slim;
 
-pub use crate::store::attachment::{Attachment, AttachmentSource, AttachmentSpec, AttachmentStatus};
+pub use crate::store::attachment::{
+    VolumeAttachment, VolumeAttachmentSource, VolumeAttachmentSpec, VolumeAttachmentStatus,
+};
 pub use crate::store::packed::Packable as Storable;
 pub use crate::store::slim::{PodRead, Present, Volume as PodVolume};
 
