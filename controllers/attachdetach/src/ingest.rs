@@ -9,7 +9,7 @@ use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::storage::v1::CSIDriver;
 use kube::ResourceExt;
 use kube::runtime::reflector::ObjectRef;
-use stowage_common::observe::events::{Occurrence, Repeat};
+use stowage_common::observe::events::{Occurrence, Repeat, Subject};
 use stowage_common::observe::storageops::{VOLUME_ATTACH, VOLUME_DETACH};
 use stowage_common::store::StoredPod;
 use stowage_common::store::VolumeAttachment;
@@ -57,8 +57,8 @@ pub(crate) struct PodSeen {
 pub(crate) const REASON_VOLUME_KEPT: &str = "VolumeKeptAttached";
 
 /// The events gate's subject of a pod's `VolumeKeptAttached` (said once per change of its note).
-fn kept_subject(uid: &str) -> String {
-    format!("pod {uid} kept")
+fn kept_subject(uid: &str) -> Subject {
+    Subject::new("pod", uid).about("kept")
 }
 
 impl Controller {

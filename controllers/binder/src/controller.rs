@@ -14,7 +14,7 @@ use k8s_openapi::api::storage::v1::StorageClass;
 use kube::runtime::reflector::ObjectRef;
 use kube::{Api, Resource, ResourceExt};
 use stowage_common::errors::PANIC;
-use stowage_common::observe::events::{Events, Occurrence, Repeat};
+use stowage_common::observe::events::{Events, Occurrence, Repeat, Subject};
 use stowage_common::runtime::driver::{self, Inputs, Next, Pace, Reconciler};
 use stowage_common::runtime::inflight::{Landed, Window};
 use stowage_common::store::StoredPod;
@@ -398,10 +398,10 @@ impl Controller {
 }
 
 /// The events gate's subject of an object the binder reports on.
-pub(crate) fn subject(t: &Target) -> String {
+pub(crate) fn subject(t: &Target) -> Subject {
     match t {
-        Target::Claim(k) => format!("claim {k}"),
-        Target::Volume(n) => format!("volume {n}"),
+        Target::Claim(k) => Subject::new("claim", k),
+        Target::Volume(n) => Subject::new("volume", n),
     }
 }
 

@@ -9,7 +9,7 @@ use k8s_openapi::jiff::Timestamp;
 use kube::runtime::reflector::Store;
 use kube::{Client, Resource, ResourceExt};
 use stowage_common::api::writes::Writes;
-use stowage_common::observe::events::{Events, Occurrence, Repeat};
+use stowage_common::observe::events::{Events, Occurrence, Repeat, Subject};
 use stowage_common::store::VolumeAttachment;
 use stowage_loopdriver::{ImageError, ImageStore};
 use tokio::time::Instant;
@@ -100,7 +100,7 @@ impl Executor {
             action: "Resize",
             note,
         };
-        self.events.report(key, repeat, &on.object_ref(&()), e)
+        self.events.report(&subject(key), repeat, &on.object_ref(&()), e)
     }
 
     pub(crate) async fn apply(
@@ -260,4 +260,9 @@ impl Executor {
 /// topology key), where only that node can grow it.
 fn node_local(pv: &PersistentVolume) -> bool {
     stowage_common::store::pv::affinity_value(pv, stowage_loopdriver::TOPOLOGY_KEY).is_some()
+}
+
+/// The events gate's subject of a claim expand reports on.
+pub(crate) fn subject(key: &str) -> Subject {
+    Subject::new("claim", key)
 }

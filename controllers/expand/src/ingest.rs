@@ -102,7 +102,7 @@ impl Controller {
         let key = claim_key(c);
         self.claims.remove(&key);
         self.resizing.remove(&key);
-        self.executor.events.forget(&key);
+        self.executor.events.forget(&crate::exec::subject(&key));
     }
 
     pub(crate) fn pv_seen(&mut self, pv: &PersistentVolume) {

@@ -1,15 +1,15 @@
-//! pvc-protection's `Controller`. One task owns the queue, the pods-by-claim index and the
-//! record of which pods each waiting claim was last reported with; syncs run one at a time (as
+//! pvc-protection's `Controller`. One task owns the queue, the pods-by-claim index and the set of
+//! claims whose deletion waits for pods; syncs run one at a time (as
 //! upstream's single worker), each a store read, at most one live pod list, and one patch.
 
-use std::collections::HashMap;
+use std::collections::HashSet;
 use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::PersistentVolumeClaim;
 use kube::api::ListParams;
 use kube::runtime::reflector::ObjectRef;
 use kube::{Api, Resource};
-use stowage_common::observe::events::Events;
+use stowage_common::observe::events::{Events, Occurrence, Repeat, Subject};
 use stowage_common::store::StoredClaim;
 use stowage_common::store::StoredPod;
 use stowage_common::store::informer::Change;
@@ -34,8 +34,8 @@ struct Controller {
     metrics: Metrics,
     queue: WorkQueue<Key>,
     index: PodsByClaim,
-    /// Claims waiting for pods, with the pods last reported in an event.
-    waiting: HashMap<Key, Vec<PodRef>>,
+    /// Claims whose deletion waits for pods (the gauge; the events gate holds what was said).
+    waiting: HashSet<Key>,
     events: Events,
 }
 
@@ -57,7 +57,7 @@ pub async fn run_pvc_protection(cluster: Arc<Informers>, metrics: Metrics) -> an
         )
         .named("pvcprotection"),
         index: PodsByClaim::default(),
-        waiting: HashMap::new(),
+        waiting: HashSet::new(),
     };
     c.resync_pods();
     c.resync_claims();
@@ -127,17 +127,15 @@ impl Controller {
                 let key = key_of(pvc.meta());
                 if pvc_needs_sync(pvc.meta()) {
                     self.queue.add(key);
-                } else if self.waiting.remove(&key).is_some() {
+                } else {
                     // Someone else took the finalizer off: it no longer waits on our account.
-                    self.update_waiting_gauge();
+                    self.not_waiting(&key);
                 }
             }
             Change::Deleted(pvc) => {
                 let key = key_of(pvc.meta());
                 self.queue.succeeded(&key);
-                if self.waiting.remove(&key).is_some() {
-                    self.update_waiting_gauge();
-                }
+                self.not_waiting(&key);
             }
             Change::Resynced => self.resync_claims(),
         }
@@ -170,15 +168,22 @@ impl Controller {
     fn resync_claims(&mut self) {
         let claims = self.cluster.pvcs.store().state();
         let present: std::collections::HashSet<Key> = claims.iter().map(|c| key_of(c.meta())).collect();
-        self.waiting.retain(|k, _| present.contains(k));
-        self.update_waiting_gauge();
+        let gone: Vec<Key> = self.waiting.difference(&present).cloned().collect();
+        for key in &gone {
+            self.not_waiting(key);
+        }
         for c in claims.iter().filter(|c| pvc_needs_sync(c.meta())) {
             self.queue.add(key_of(c.meta()));
         }
     }
 
-    fn update_waiting_gauge(&self) {
-        self.metrics.claims_waiting.set(self.waiting.len() as i64);
+    /// The claim waits for pods no longer (or is gone): out of the gauge, and its next wait is
+    /// said at once.
+    fn not_waiting(&mut self, key: &Key) {
+        if self.waiting.remove(key) {
+            self.metrics.claims_waiting.set(self.waiting.len() as i64);
+            self.events.forget(&subject(key));
+        }
     }
 
     /// Users of `pvc` according to the shared pod store.
@@ -194,17 +199,13 @@ impl Controller {
 
     async fn sync(&mut self, key: &Key) -> Result<(), Error> {
         let Some(pvc) = self.claim(key) else {
-            if self.waiting.remove(key).is_some() {
-                self.update_waiting_gauge();
-            }
+            self.not_waiting(key);
             return Ok(());
         };
         let cached = self.cached_users(&pvc, key);
         match decide_pvc(&pvc.metadata, &cached) {
             Action::Nothing | Action::WaitForUnbind => {
-                if self.waiting.remove(key).is_some() {
-                    self.update_waiting_gauge();
-                }
+                self.not_waiting(key);
                 Ok(())
             }
             Action::WaitForPods(users) => {
@@ -248,17 +249,23 @@ impl Controller {
     }
 
     fn report_waiting(&mut self, key: &Key, pvc: &PersistentVolumeClaim, users: Vec<PodRef>) {
-        if self.waiting.get(key) == Some(&users) {
-            return; // same pods as already reported: no event on every resync
+        if self.waiting.insert(key.clone()) {
+            self.metrics.claims_waiting.set(self.waiting.len() as i64);
         }
-        tracing::info!(claim = %format!("{}/{}", key.0, key.1), pods = ?users.iter().map(|u| &u.name).collect::<Vec<_>>(), "claim deletion waits for pods");
-        let note = waiting_note(&users);
-        self.waiting.insert(key.clone(), users);
-        self.update_waiting_gauge();
-        self.metrics.in_use_events.with_label_values(&["Normal"]).inc();
-        // Every change of the pod set is a new event (see `Events`), so the new list shows.
-        self.events
-            .normal(&pvc.object_ref(&()), REASON_CLAIM_IN_USE, "Delete", note);
+        // Said once per change of the pods named, not on every resync (the events gate).
+        let e = Occurrence {
+            warning: false,
+            reason: REASON_CLAIM_IN_USE,
+            action: "Delete",
+            note: waiting_note(&users),
+        };
+        if self
+            .events
+            .report(&subject(key), Repeat::OnChange, &pvc.object_ref(&()), e)
+        {
+            tracing::info!(claim = %format!("{}/{}", key.0, key.1), pods = ?users.iter().map(|u| &u.name).collect::<Vec<_>>(), "claim deletion waits for pods");
+            self.metrics.in_use_events.with_label_values(&["Normal"]).inc();
+        }
     }
 
     async fn add_finalizer(&self, pvc: &PersistentVolumeClaim) -> Result<(), Error> {
@@ -288,10 +295,13 @@ impl Controller {
                 .with_label_values(&[metrics::PVC])
                 .inc();
         }
-        if self.waiting.remove(key).is_some() {
-            self.update_waiting_gauge();
-        }
+        self.not_waiting(key);
         tracing::info!(claim = %format!("{}/{}", key.0, key.1), "removed protection finalizer: no pod uses the claim");
         Ok(())
     }
+}
+
+/// The events gate's subject of a claim pvc-protection reports on.
+fn subject((ns, name): &Key) -> Subject {
+    Subject::new("claim", &format!("{ns}/{name}"))
 }

@@ -16,7 +16,7 @@ use std::time::Duration;
 use k8s_openapi::api::core::v1::PersistentVolume;
 use kube::api::{Api, DeleteParams, PostParams};
 use kube::{Resource, ResourceExt};
-use stowage_common::observe::events::Occurrence;
+use stowage_common::observe::events::{Occurrence, Subject};
 use stowage_common::store::informer::{Change, is_newer};
 use stowage_common::store::pv::*;
 use stowage_loopdriver::{DRIVER, ImageError, TOPOLOGY_KEY};
@@ -173,8 +173,8 @@ impl Index {
 }
 
 /// The events gate's subject of one volume's image step.
-fn subject(pv: &str, op: ImageOp) -> String {
-    format!("image {pv} {}", op.name())
+fn subject(pv: &str, op: ImageOp) -> Subject {
+    Subject::new("image", pv).about(op.name())
 }
 
 pub async fn run(ctx: Arc<Ctx>, mut stop: watch::Receiver<bool>) {

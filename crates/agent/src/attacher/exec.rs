@@ -14,7 +14,7 @@ use crate::ctx::Ctx;
 use crate::mountinfo;
 use crate::paths::{DRIVER, VA_FINALIZER};
 use crate::sys;
-use stowage_common::observe::events::Occurrence;
+use stowage_common::observe::events::{Occurrence, Subject};
 use stowage_common::store::pv::{ANN_STORE_ID, ann, is_loop_attacher_finalizer};
 use stowage_loopdriver::fence;
 
@@ -194,8 +194,8 @@ pub(super) async fn execute(ctx: &Ctx, va: &VolumeAttachment, action: VaAction) 
 }
 
 /// The events gate's subject of one attachment's attach or detach.
-fn gate_subject(va: &VolumeAttachment, action: &str) -> String {
-    format!("va {} {action}", va.uid().unwrap_or_else(|| va.name_any()))
+fn gate_subject(va: &VolumeAttachment, action: &str) -> Subject {
+    Subject::new("volumeattachment", &va.uid().unwrap_or_else(|| va.name_any())).about(action)
 }
 
 /// A failed attach or detach, said where `kubectl describe volumeattachment` shows it: at once

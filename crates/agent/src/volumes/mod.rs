@@ -18,7 +18,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Node;
-use stowage_common::observe::events::Occurrence;
+use stowage_common::observe::events::{Occurrence, Subject};
 use stowage_common::store::informer::Informer;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinSet;
@@ -316,6 +316,6 @@ async fn pass(ctx: &Arc<Ctx>, link: &NodeLink, p: Pass<'_>) {
 
 /// The events gate's subject of "the node cannot be observed" for one reason: reported while it
 /// lasts, forgotten when the node can be observed again.
-fn blind_subject(reason: &str) -> String {
-    format!("node {reason}")
+fn blind_subject(reason: &str) -> Subject {
+    Subject::new("node", "self").about(reason)
 }

@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use k8s_openapi::api::core::v1::ObjectReference;
 use std::time::Duration;
-use stowage_common::observe::events::{Occurrence, Repeat};
+use stowage_common::observe::events::{Occurrence, Repeat, Subject};
 
 use tokio::time::Instant;
 
@@ -42,8 +42,8 @@ pub(crate) const REPEAT: Repeat = Repeat::Backoff {
 };
 
 /// The events gate's subject of one (pod, volume, reason).
-fn subject((uid, volume, reason): &(String, String, &'static str)) -> String {
-    format!("pod {uid} volume {volume} {reason}")
+fn subject((uid, volume, reason): &(String, String, &'static str)) -> Subject {
+    Subject::new("pod", uid).about(volume).about(reason)
 }
 
 /// Says one (pod, volume, reason) event under `REPEAT`; returns whether it was said.

@@ -259,6 +259,33 @@ pub enum Repeat {
     Every(Duration),
 }
 
+/// What the gate keys a controller's repeats on: an object, by its kind and its key or UID, and,
+/// where one object has several conditions reported independently, which one (`about`). Every
+/// subject is built here, so the subjects of all controllers read alike and cannot collide by
+/// accident of formatting.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Subject(String);
+
+impl Subject {
+    /// The object of kind `kind` (`pod`, `claim`, `volume`, …) known by `id`.
+    pub fn new(kind: &str, id: &str) -> Self {
+        Self(format!("{kind} {id}"))
+    }
+
+    /// One of the object's conditions (a volume of a pod, an operation, a reason).
+    pub fn about(mut self, part: &str) -> Self {
+        self.0.push(' ');
+        self.0.push_str(part);
+        self
+    }
+}
+
+impl std::fmt::Display for Subject {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
 /// What the gate remembers of a subject's last event.
 #[derive(Debug, Clone)]
 pub(crate) struct Said {
@@ -348,7 +375,7 @@ pub struct Events {
     tx: mpsc::Sender<Pending>,
     component: Arc<str>,
     /// The last event said about each subject (`report`), shared by every clone.
-    said: Arc<std::sync::Mutex<Bounded<String, Said>>>,
+    said: Arc<std::sync::Mutex<Bounded<Subject, Said>>>,
     _sender: Arc<AbortOnDrop>,
 }
 
@@ -512,14 +539,13 @@ impl Events {
         }
     }
 
-    /// Says `e` about `on` unless `repeat` holds it back for `subject` (a key the caller picks:
-    /// an object's UID, or an object and one of its volumes); returns whether it was said, so a
-    /// log line can follow the same rule.
-    pub fn report(&self, subject: &str, repeat: Repeat, on: &ObjectReference, e: Occurrence<'_>) -> bool {
+    /// Says `e` about `on` unless `repeat` holds it back for `subject`; returns whether it was
+    /// said, so a log line can follow the same rule.
+    pub fn report(&self, subject: &Subject, repeat: Repeat, on: &ObjectReference, e: Occurrence<'_>) -> bool {
         {
             let mut said = self.said.lock().unwrap_or_else(|p| p.into_inner());
             match gate(said.get(subject), repeat, e.reason, &e.note, Instant::now()) {
-                Some(s) => said.put(subject.to_string(), s),
+                Some(s) => said.put(subject.clone(), s),
                 None => return false,
             }
         }
@@ -534,7 +560,7 @@ impl Events {
 
     /// Forgets what was said about `subject` (it is gone, or its condition cleared): its next
     /// event is said at once.
-    pub fn forget(&self, subject: &str) {
+    pub fn forget(&self, subject: &Subject) {
         self.said
             .lock()
             .unwrap_or_else(|p| p.into_inner())

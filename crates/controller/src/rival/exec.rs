@@ -13,7 +13,7 @@ use kube::api::{ListParams, ObjectList, WatchEvent, WatchParams};
 use kube::core::Request;
 use kube::{Api, Client, Resource};
 use prometheus::{IntCounterVec, IntGauge, IntGaugeVec, Opts};
-use stowage_common::observe::events::{Events, Occurrence, Repeat};
+use stowage_common::observe::events::{Events, Occurrence, Repeat, Subject};
 use stowage_common::observe::metrics::{Registry, register};
 use stowage_common::store::pods::pod_reference;
 use tokio::sync::{mpsc, watch};
@@ -31,8 +31,8 @@ const EVENT_PERIOD: Duration = Duration::from_secs(60);
 const REPEAT_PERIOD: Duration = Duration::from_secs(600);
 
 /// The events gate's subject of a kube-controller-manager pod whose flags clash.
-fn flag_subject(pod: &str) -> String {
-    format!("kcm pod {pod} flags")
+fn flag_subject(pod: &str) -> Subject {
+    Subject::new("pod", pod).about("kube-controller-manager flags")
 }
 /// Objects a watcher remembers the rivals' storage fields of (two bytes and a key each), so a
 /// rival write is told from a re-dated entry (`rival_write`). Beyond this the memory starts
@@ -371,7 +371,7 @@ async fn report(
                     seen.last_write = Some(started.elapsed());
                     // Once a minute per kind of object, however many KCM writes.
                     let said = events.report(
-                        kind.as_str(),
+                        &Subject::new("rival writes to", kind.as_str()),
                         Repeat::Every(EVENT_PERIOD),
                         &reference(kind, &name, namespace.clone(), uid),
                         Occurrence {
