@@ -20,14 +20,5 @@ pub mod pv;
 
 pub mod selector;
 
-#[cfg(test)]
-mod fidelity_tests;
-#[cfg(test)]
-mod model_tests;
-#[cfg(test)]
-mod safety_tests;
-#[cfg(test)]
-mod table_tests;
-
 pub use controller::{Config, run};
 pub use metrics::Metrics;

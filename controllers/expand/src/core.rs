@@ -81,8 +81,8 @@ pub enum Action {
         pv: Box<PersistentVolume>,
         op: &'static str,
     },
-    /// An event on the claim. The executor publishes each distinct (reason, note) once in a row,
-    /// so a condition that persists across syncs is reported once.
+    /// An event on the claim. The events gate says each distinct (reason, note) once in a row
+    /// (`Repeat::OnChange`), so a condition that persists across syncs is reported once.
     Event {
         warning: bool,
         reason: &'static str,

@@ -24,7 +24,7 @@ use stowage_testkit::process::{free_port, spawn_tied, stop};
 
 use crate::apiserver::Requests;
 use crate::controller::stowage_agent_defaults;
-use crate::objects::{label, pairs, pod};
+use crate::fixtures::{label, pairs, pod};
 use crate::procstat;
 use crate::report::RunResult;
 use crate::tracker::Tracker;

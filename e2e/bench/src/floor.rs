@@ -30,7 +30,7 @@ use kube::{Resource, ResourceExt};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use crate::objects::{RUN_LABEL, attach_driver, paired_volume};
+use crate::fixtures::{RUN_LABEL, attach_driver, paired_volume};
 
 /// What the floor process writes for each object.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]

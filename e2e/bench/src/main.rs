@@ -6,8 +6,8 @@
 mod agent;
 mod apiserver;
 mod controller;
+mod fixtures;
 mod floor;
-mod objects;
 mod procstat;
 mod report;
 mod tracker;
@@ -24,7 +24,7 @@ use clap::Parser;
 use serde_json::json;
 
 use crate::controller::{Impl, Limits, Setup, default_bin};
-use crate::objects::Objects;
+use crate::fixtures::Objects;
 use crate::report::{Machine, Report, RunResult, round_name};
 use crate::workload::{Env, Spec, Workload};
 

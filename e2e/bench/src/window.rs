@@ -5,7 +5,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use crate::apiserver::Requests;
-use crate::objects::Objects;
+use crate::fixtures::Objects;
 use crate::procstat;
 use crate::report::RunResult;
 use crate::tracker::{Tracker, percentile_ms};

@@ -19,7 +19,7 @@ use tokio::task::JoinHandle;
 
 use crate::apiserver::Requests;
 use crate::controller::{Controller, Impl, Limits, Setup};
-use crate::objects::{Objects, RUN_LABEL, attach_driver, claim_name, label, pairs, pod, pod_name, pv_name};
+use crate::fixtures::{Objects, RUN_LABEL, attach_driver, claim_name, label, pairs, pod, pod_name, pv_name};
 use crate::procstat;
 use crate::report::RunResult;
 use crate::tracker::{Tracker, watch};

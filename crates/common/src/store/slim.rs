@@ -191,3 +191,142 @@ macro_rules! impl_pod_read {
 
 impl_pod_read!(Pod);
 impl_pod_read!(k8s_openapi::api::core::v1::Pod);
+
+#[cfg(test)]
+mod tests {
+
+    use crate::store::pods::{pod_claims, pod_terminated};
+    use crate::store::slim;
+    use k8s_openapi::api::core::v1::{
+        Container, ContainerState, ContainerStateRunning, ContainerStateTerminated, ContainerStatus,
+        EphemeralVolumeSource, PersistentVolumeClaimVolumeSource, Pod, PodSpec, PodStatus,
+        ProjectedVolumeSource, Volume,
+    };
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+
+    fn status(name: &str, running: bool) -> ContainerStatus {
+        ContainerStatus {
+            name: name.into(),
+            image: "registry.example/app:1".into(),
+            state: Some(if running {
+                ContainerState {
+                    running: Some(ContainerStateRunning::default()),
+                    ..Default::default()
+                }
+            } else {
+                ContainerState {
+                    terminated: Some(ContainerStateTerminated::default()),
+                    ..Default::default()
+                }
+            }),
+            ..Default::default()
+        }
+    }
+
+    fn pod(running: bool) -> Pod {
+        let mut p = Pod::default();
+        p.metadata.name = Some("p".into());
+        p.metadata.namespace = Some("ns".into());
+        p.metadata.uid = Some("u".into());
+        p.spec = Some(PodSpec {
+            node_name: Some("n1".into()),
+            containers: vec![Container {
+                name: "app".into(),
+                ..Default::default()
+            }],
+            volumes: Some(vec![
+                Volume {
+                    name: "data".into(),
+                    persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
+                        claim_name: "c".into(),
+                        read_only: Some(true),
+                    }),
+                    ..Default::default()
+                },
+                Volume {
+                    name: "scratch".into(),
+                    ephemeral: Some(EphemeralVolumeSource::default()),
+                    ..Default::default()
+                },
+                Volume {
+                    name: "kube-api-access".into(),
+                    projected: Some(ProjectedVolumeSource::default()),
+                    ..Default::default()
+                },
+            ]),
+            ..Default::default()
+        });
+        p.status = Some(PodStatus {
+            phase: Some("Running".into()),
+            container_statuses: Some(vec![status("app", running), status("side", false)]),
+            ..Default::default()
+        });
+        p
+    }
+
+    /// What the controllers read survives decoding into the slim pod and the trim: claims,
+    /// node, phase, and whether a deleted pod still runs a container (a claim or volume in use
+    /// must not look free). Both sides go through the shared readers, each on its own type.
+    #[test]
+    fn a_stripped_pod_answers_what_controllers_ask() {
+        for running in [true, false] {
+            let mut full = pod(running);
+            full.metadata.deletion_timestamp = Some(Time(Default::default()));
+            full.metadata.annotations = Some([("a".to_string(), "b".to_string())].into());
+            let mut slim = slim::Pod::try_from(&full).unwrap();
+            slim.trim();
+            assert_eq!(pod_claims(&slim), pod_claims(&full));
+            assert_eq!(pod_terminated(&slim), pod_terminated(&full), "running: {running}");
+            assert_eq!(pod_terminated(&slim), !running);
+            let spec = slim.spec.as_ref().unwrap();
+            assert_eq!(spec.node_name.as_deref(), Some("n1"));
+            assert_eq!(
+                spec.volumes.as_ref().unwrap().len(),
+                2,
+                "the projected volume went"
+            );
+            let status = slim.status.as_ref().unwrap();
+            assert_eq!(status.phase.as_deref(), Some("Running"));
+            assert_eq!(
+                status.container_statuses.as_ref().unwrap().len(),
+                usize::from(running),
+                "only running containers stay"
+            );
+            assert_eq!(slim.metadata.uid.as_deref(), Some("u"));
+            assert_eq!(slim.metadata.annotations, None);
+        }
+    }
+
+    /// The slim pod decodes a real watch event's JSON (unknown fields skipped, `running: {}`
+    /// and a claim template kept as presence) and holds a fraction of the API type's bytes.
+    #[test]
+    fn a_slim_pod_decodes_the_wire_form_and_is_small() {
+        let json = serde_json::json!({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": "p", "namespace": "ns", "uid": "u", "deletionTimestamp": "2026-01-01T00:00:00Z"},
+            "spec": {"nodeName": "n1", "containers": [{"name": "app", "image": "x"}],
+                     "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "c", "readOnly": true}},
+                                 {"name": "scratch", "ephemeral": {"volumeClaimTemplate": {"spec": {"accessModes": ["ReadWriteOnce"]}}}},
+                                 {"name": "cfg", "configMap": {"name": "m"}}]},
+            "status": {"phase": "Running", "containerStatuses": [
+                {"name": "app", "ready": true, "restartCount": 0, "image": "x", "imageID": "",
+                 "state": {"running": {"startedAt": "2026-01-01T00:00:00Z"}}}]}
+        });
+        let full: Pod = serde_json::from_value(json.clone()).unwrap();
+        let slim: slim::Pod = serde_json::from_value(json).unwrap();
+        assert_eq!(pod_claims(&slim), pod_claims(&full));
+        assert_eq!(pod_claims(&slim).len(), 2);
+        assert!(
+            !pod_terminated(&slim),
+            "a deleted pod with a running container holds on"
+        );
+        assert_eq!(pod_terminated(&slim), pod_terminated(&full));
+        assert!(
+            std::mem::size_of::<slim::Pod>() * 4 < std::mem::size_of::<Pod>(),
+            "slim {} vs full {}",
+            std::mem::size_of::<slim::Pod>(),
+            std::mem::size_of::<Pod>()
+        );
+        assert!(std::mem::size_of::<slim::Volume>() * 20 < std::mem::size_of::<Volume>());
+    }
+}

@@ -1,4 +1,4 @@
-//! Upstream fidelity of the claim status and the default class (issue 16, items 2, 5 and 8),
+//! Upstream fidelity of the claim status and the default class,
 //! as pure functions: objects in, the status upstream's updateClaimStatus writes out.
 
 use k8s_openapi::api::core::v1::{PersistentVolumeClaimStatus, PersistentVolumeSpec};

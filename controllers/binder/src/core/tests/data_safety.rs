@@ -1,6 +1,6 @@
 //! The data-safety decisions of the built-in driver, as pure functions: only volumes this
 //! provisioner made are deleted, never an image another PV names, a failed image creation ends
-//! deletable, and multi-node writer modes are refused (issue 15, items 2, 6 and 7).
+//! deletable, and multi-node writer modes are refused.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -373,7 +373,7 @@ fn only_read_only_many_filesystem_volumes_are_formatted_at_creation() {
     assert!(!made(&["ReadWriteOncePod"], false, Some("ext4")));
 }
 
-/// Local mode (issue 47): each node has its own image store. A volume is made only for the node
+/// Local mode: each node has its own image store. A volume is made only for the node
 /// the scheduler chose and is pinned to it; the binder never touches its image (the node's agent
 /// makes and deletes it), and a volume whose node is gone is kept, with a Warning.
 mod local {

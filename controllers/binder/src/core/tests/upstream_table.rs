@@ -2,7 +2,7 @@
 //! Example-based tests of the binder core, in the style of upstream's binder_test.go tables: each
 //! row is the objects the controller knows (volumes, claims, classes, pods), the object synced,
 //! and the actions that come out (writes exactly; events by type and reason). They sit beside the
-//! property tests (`model_tests`, `safety_tests`): those say what must always hold, these pin the
+//! property tests (`convergence`, `data_safety`): those say what must always hold, these pin the
 //! answer for the cases a reader looks up first (docs: storage-semantics §1.4–1.9).
 
 use std::collections::BTreeMap;
