@@ -5,7 +5,8 @@
 #   agnhost            the real agnhost of the same Kubernetes release (e2e/storage/bin/agnhost, built
 #                      from k8s.io/kubernetes/test/images/agnhost by build-storage-e2e.sh) on that
 #                      busybox root, entrypoint /agnhost, command pause, as upstream; the subPath
-#                      suite runs its `mounttest`, host-exec pods its nsenter (busybox's)
+#                      suite runs its `mounttest`; host-exec pods run its nsenter, util-linux's as in
+#                      upstream's image (the machine's, with the libraries it links)
 #   nginx              the "exec" volume test runs a shell script in it and nothing else; it serves
 #                      HTTP on :80 with busybox httpd when started without a command
 #   glibc-dns-testing  as upstream, Debian (the machine's suite, minbase: GNU coreutils) with
@@ -41,7 +42,8 @@ done
 . "$(dirname "$0")/oci.sh"
 debian=$(debian_layer glibc-dns-testing-image dnsutils)
 version=$(apt-cache policy busybox-static | awk '/Candidate:/ {print $2}')
-stamp="$version $(basename "$debian") $(cat "$0" "$(dirname "$0")/oci.sh" "$bin/agnhost" | sha256sum | cut -c1-16) ${refs[*]}"
+nsenter_version=$(dpkg-query -W -f '${Version}' util-linux libc6)
+stamp="$version $nsenter_version $(basename "$debian") $(cat "$0" "$(dirname "$0")/oci.sh" "$bin/agnhost" | sha256sum | cut -c1-16) ${refs[*]}"
 ready=1
 for n in "${names[@]}"; do [ -f "$out/e2e-$n.oci.tar" ] || ready=0; done
 [ -f "$out/e2e-images.refs" ] || ready=0
@@ -66,6 +68,15 @@ mkdir -p "$tmp/agnhost/uploads"
 # fetches /localhost.crt from test-webserver (which serves /), and breaks it by moving the file.
 porter="$(cd "$top/e2e/storage" && go list -m -f '{{.Dir}}' k8s.io/kubernetes)/test/images/agnhost/porter"
 install -m 0644 "$porter/localhost.crt" "$porter/localhost.key" "$tmp/agnhost/"
+# util-linux's nsenter, as upstream's image installs it: host-exec pods run `nsenter
+# --mount=/rootfs/proc/1/ns/mnt -- sh -c …`, which must exec the node's own sh and tools. Busybox's
+# applet runs its built-in ash and applets instead (its losetup lacks what the local-PV tests use).
+rm -f "$tmp/agnhost/bin/nsenter"
+install -m 0755 /usr/bin/nsenter "$tmp/agnhost/bin/nsenter"
+for lib in $(ldd /usr/bin/nsenter | grep -o '/[^ ]*'); do
+  mkdir -p "$tmp/agnhost$(dirname "$lib")"
+  cp -L "$lib" "$tmp/agnhost$lib"
+done
 agnhost_diff=$(tar_layer "$tmp/agnhost" "$tmp/agnhost.tar.gz")
 
 env='"Env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"], "WorkingDir": "/"'

@@ -10,7 +10,7 @@
 #   3. run, in E2E_PROCS parallel ginkgo processes, the External Storage suites for this driver
 #      (focus External.Storage.*loop.stowage.dev) and the storage controllers' own tests
 #      (e2e/storage/controllers.txt: protection, the PV lifecycle, VolumeAttachment, StatefulSets,
-#      the CSI mock suite's attach, reclaim, capacity and limit tests),
+#      local PVs, the CSI mock suite's attach, reclaim, capacity and limit tests),
 #      [Disruptive], [Serial], [Feature:…] and [Flaky] skipped; then the controllers' [Serial] and
 #      [Disruptive] tests in a one-process pass of their own;
 #   4. write JUnit, ginkgo's JSON reports and a Markdown summary (per suite: ran, passed, failed,
@@ -81,15 +81,10 @@ if (( (16#$capeff >> 24 & 1) == 0 )); then
   echo "e2e-storage: no CAP_SYS_RESOURCE here: online expansion is not claimed (docs/csi.md)"
 fi
 
-# Upstream's host-exec pods reach a node's host through nsenter --mount=/rootfs/proc/1/ns/mnt.
-# Node 2 has a PID namespace of its own (tini as PID 1); node 1 shares the machine's, and where
-# its PID 1 refuses that even to root (a sandbox's own init), the tests that list a pod's volume
-# dirs on the host cannot pass on node 1 and are skipped, and the run says so (docs/csi.md).
+# Upstream's host-exec pods (the local-PV tests, the volumeMode ones that list a pod's volume dirs)
+# reach a node's host through nsenter --mount=/rootfs/proc/1/ns/mnt: every node has a PID
+# namespace of its own whose PID 1 lives in the node's mount namespace (the testkit's nodens).
 skip='\[Disruptive\]|\[Serial\]|\[Feature:[^]]*\]|\[Flaky\]'
-if ! nsenter --mount=/proc/1/ns/mnt -- true 2>/dev/null; then
-  skip="$skip|should not mount / map unused volumes in a pod"
-  echo "e2e-storage: PID 1 here refuses nsenter into its mount namespace: the two volumeMode 'unused volumes' tests are skipped (docs/csi.md)"
-fi
 
 archives=()
 for f in target/image/e2e-*.oci.tar; do archives+=("$f"); done

@@ -84,8 +84,9 @@ pub struct RealNode {
     pub kubelet_dir: PathBuf,
     /// Where this node's kubelet files are on the host (`kubelet_dir` on node 1).
     kubelet_backing: PathBuf,
-    /// Node 2's own namespaces; `None` for node 1 (the host's).
-    isolation: Option<Isolation>,
+    /// The node's namespaces: a PID one on every node, network and private mount ones from
+    /// node 2 on (`nodens`).
+    isolation: Isolation,
     kubeconfig: PathBuf,
     containerd_sock: PathBuf,
     kubelet_cmd: Vec<String>,
@@ -213,7 +214,10 @@ impl RealNode {
                 .collect(),
             _ => vec![],
         };
-        let isolation = (index > 0).then(|| Isolation::new(index, &dir));
+        let isolation = match index {
+            0 => Isolation::host_peer(&dir),
+            i => Isolation::own(i, &dir),
+        };
         let kubelet_backing = dir.join("kubelet");
         let mut node = Self {
             name,
@@ -228,15 +232,18 @@ impl RealNode {
             saved_sysctls,
             apiserver_for_pods: (cp.node_host() != "127.0.0.1")
                 .then(|| format!("{}:{}", cp.node_host(), cp.port())),
-            node_ip: match &isolation {
-                Some(iso) => iso.ip.clone(),
+            node_ip: match isolation.ip() {
+                Some(ip) => ip.to_string(),
                 None => node_ip()?,
             },
             isolation,
         };
         // From here on, dropping `node` removes whatever a failed step left.
-        if let Some(iso) = &node.isolation {
-            iso.create(&node.kubelet_dir, &node.kubelet_backing)?;
+        if index == 0 {
+            node.bind_kubelet_root()?;
+            node.isolation.create_peer()?;
+        } else {
+            node.isolation.create(&node.kubelet_dir, &node.kubelet_backing)?;
             make_cgroup_root(&node.name)?;
         }
         node.start_containerd()?;
@@ -288,36 +295,30 @@ impl RealNode {
 
     /// `program` in the node's namespaces.
     pub(crate) fn command(&self, program: impl AsRef<std::ffi::OsStr>) -> Command {
-        match &self.isolation {
-            Some(iso) => iso.command(program),
-            None => Command::new(program),
-        }
+        self.isolation.command(program)
     }
 
     /// The mount table as the node's kubelet and pods see it.
     pub fn mount_table(&self) -> String {
-        match &self.isolation {
-            Some(iso) => iso.mount_table().unwrap_or_default(),
-            None => std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default(),
-        }
+        self.isolation.mount_table().unwrap_or_default()
     }
 
     /// Makes `path` the node's image store the way a real host has it: a shared mount (systemd
     /// makes `/` shared; this machine's `/` is private, and containerd refuses the store's
     /// `HostToContainer` propagation on a private mount). With `own`, a node in namespaces of its
     /// own gets a directory of its own there (`<node dir>/images` bound at `path` in its mount
-    /// namespace, as a separate machine has its own disk); node 1, in the host's namespaces, keeps
-    /// `path` itself. Returns where this node's images are, seen from the host. Call it after the
+    /// namespace, as a separate machine has its own disk); node 1, whose file systems are the
+    /// host's, keeps `path` itself (bound on itself in its mount namespace). Returns where this node's images are, seen from the host. Call it after the
     /// node started and before the agents do.
     pub fn image_store(&self, path: &Path, own: bool) -> anyhow::Result<PathBuf> {
         std::fs::create_dir_all(path)?;
-        let (store, mount) = match (&self.isolation, own) {
-            (Some(_), true) => {
+        let (store, mount) = match self.index > 0 && own {
+            true => {
                 let backing = self.dir.join("images");
                 std::fs::create_dir_all(&backing)?;
                 (backing.clone(), backing)
             }
-            _ => (path.to_path_buf(), path.to_path_buf()),
+            false => (path.to_path_buf(), path.to_path_buf()),
         };
         let is_mount_point = self
             .mount_table()
@@ -333,7 +334,7 @@ impl RealNode {
 
     /// Node 2's network namespace (`ip netns exec <it>`), `None` on node 1.
     pub fn netns(&self) -> Option<&str> {
-        self.isolation.as_ref().map(|i| i.netns.as_str())
+        self.isolation.netns()
     }
 
     /// Runs `cmd` beside the node (a CSI plugin, sidecars, a controller), its output in
@@ -478,25 +479,29 @@ state = "{state}"
         self.spawn("kube-controller-manager", kcm)
     }
 
+    /// Node 1's kubelet files live in the node's dir, bound at the standard root (some upstream
+    /// e2e tests read /var/lib/kubelet/pods/… on the node). Mount propagation (Bidirectional for
+    /// CSI node plugins) needs a shared mount, and `/` is a private one here. Made on the host
+    /// before the node's mount namespace copies it, so that copy is a peer: what the kubelet and
+    /// pods mount there shows on the host too. Node 2's mount namespace has its own
+    /// (`Isolation::create`).
+    fn bind_kubelet_root(&self) -> anyhow::Result<()> {
+        // What a killed run left bound there.
+        for m in crate::host::mounts_under(&self.kubelet_dir) {
+            let _ = Command::new("umount").arg("-l").arg(&m).status();
+        }
+        std::fs::create_dir_all(&self.kubelet_dir)?;
+        std::fs::create_dir_all(&self.kubelet_backing)?;
+        run(Command::new("mount")
+            .arg("--bind")
+            .arg(&self.kubelet_backing)
+            .arg(&self.kubelet_dir))?;
+        run(Command::new("mount").arg("--make-rshared").arg(&self.kubelet_dir))?;
+        Ok(())
+    }
+
     fn start_kubelet(&mut self, cp: &ControlPlane) -> anyhow::Result<()> {
         let kd = self.kubelet_dir.display().to_string();
-        // The kubelet's files live in the node's dir, bound at the standard root (some upstream
-        // e2e tests read /var/lib/kubelet/pods/… on the node). Mount propagation (Bidirectional
-        // for CSI node plugins) needs a shared mount; `/` is a private one here. Node 2's
-        // namespace has its own already (`Isolation::create`).
-        if self.isolation.is_none() {
-            // What a killed run left bound there.
-            for m in crate::host::mounts_under(&self.kubelet_dir) {
-                let _ = Command::new("umount").arg("-l").arg(&m).status();
-            }
-            std::fs::create_dir_all(&self.kubelet_dir)?;
-            std::fs::create_dir_all(&self.kubelet_backing)?;
-            run(Command::new("mount")
-                .arg("--bind")
-                .arg(&self.kubelet_backing)
-                .arg(&kd))?;
-            run(Command::new("mount").args(["--make-rshared", &kd]))?;
-        }
         // Node 1 in the host's network namespace reaches the apiserver on loopback; the others
         // on the host's veth address.
         let (url, token) = match self.index {
@@ -586,16 +591,15 @@ imageGCHighThresholdPercent: 100
         }
     }
 
-    /// `stop` for a child of this node. Node 2's run under `nsenter --pid`, which forks the
-    /// program into the node's PID namespace and forwards no signal: the program gets the
-    /// SIGTERM, and `nsenter` ends with it.
+    /// `stop` for a child of this node. The node's processes run under `nsenter --pid`, which
+    /// forks the program into the node's PID namespace and forwards no signal: the program gets
+    /// the SIGTERM, and `nsenter` ends with it. (A process started beside the node without it,
+    /// such as KCM, has no children to signal.)
     fn stop_child(&self, child: &mut Child, grace: Duration) {
-        if self.isolation.is_some() {
-            for pid in nodens::children_of(child.id()) {
-                // SAFETY: a plain kill syscall.
-                unsafe {
-                    libc::kill(pid, libc::SIGTERM);
-                }
+        for pid in nodens::children_of(child.id()) {
+            // SAFETY: a plain kill syscall.
+            unsafe {
+                libc::kill(pid, libc::SIGTERM);
             }
         }
         stop(child, grace);
@@ -671,39 +675,37 @@ imageGCHighThresholdPercent: 100
         while let Some((_, mut c)) = children.pop() {
             self.stop_child(&mut c, Duration::from_secs(10));
         }
-        match &self.isolation {
-            // Its mounts, pod network namespaces, bridge and hard-coded paths are all in its
-            // own namespaces.
-            Some(iso) => {
-                iso.remove(&[&self.dir, &self.kubelet_dir]);
-                remove_cgroups(&[&self.name]);
+        // Its mounts, pod network namespaces and (node 2) bridge and hard-coded paths are in its
+        // own namespaces; node 1's kubelet mounts are the host's too.
+        self.isolation.remove(&[&self.dir, &self.kubelet_dir]);
+        if self.index > 0 {
+            remove_cgroups(&[&self.name]);
+        } else {
+            let _ = self.service_route("-D");
+            for m in crate::host::mounts_under(&self.kubelet_dir) {
+                let _ = Command::new("umount").arg("-l").arg(&m).status();
             }
-            None => {
-                let _ = self.service_route("-D");
-                for m in crate::host::mounts_under(&self.kubelet_dir) {
-                    let _ = Command::new("umount").arg("-l").arg(&m).status();
-                }
-                for m in crate::host::mounts_under(&self.dir) {
-                    let _ = Command::new("umount").arg("-l").arg(&m).status();
-                }
-                // Empty once unbound; left alone if anything else put files there.
-                let _ = std::fs::remove_dir(&self.kubelet_dir);
-                // Pod network namespaces the CNI plugins made, and the bridge.
-                if let Ok(out) = run(Command::new("ip").args(["netns", "list"])) {
-                    for ns in out.lines().filter_map(|l| l.split_whitespace().next()) {
-                        if ns.starts_with("cni-") {
-                            let _ = Command::new("ip").args(["netns", "delete", ns]).status();
-                        }
+            for m in crate::host::mounts_under(&self.dir) {
+                let _ = Command::new("umount").arg("-l").arg(&m).status();
+            }
+            // Empty once unbound; left alone if anything else put files there.
+            let _ = std::fs::remove_dir(&self.kubelet_dir);
+            // The files of the pod network namespaces the CNI plugins made (their mounts were
+            // the node's), and the bridge.
+            if let Ok(out) = run(Command::new("ip").args(["netns", "list"])) {
+                for ns in out.lines().filter_map(|l| l.split_whitespace().next()) {
+                    if ns.starts_with("cni-") {
+                        let _ = Command::new("ip").args(["netns", "delete", ns]).status();
                     }
                 }
-                let _ = Command::new("ip")
-                    .args(["link", "delete", BRIDGE])
-                    .stderr(Stdio::null())
-                    .status();
-                remove_cgroups(&["kubepods", "k8s.io"]);
-                // Paths the kubelet hard-codes outside its own dirs.
-                let _ = std::fs::remove_file("/var/lib/kubelet/device-plugins/kubelet.sock");
             }
+            let _ = Command::new("ip")
+                .args(["link", "delete", BRIDGE])
+                .stderr(Stdio::null())
+                .status();
+            remove_cgroups(&["kubepods", "k8s.io"]);
+            // Paths the kubelet hard-codes outside its own dirs.
+            let _ = std::fs::remove_file("/var/lib/kubelet/device-plugins/kubelet.sock");
         }
         for (k, v) in &self.saved_sysctls {
             let _ = std::fs::write(format!("/proc/sys/{k}"), v);

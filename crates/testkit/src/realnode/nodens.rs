@@ -1,20 +1,28 @@
-//! The network and mount namespaces of a real node other than the first (`realnode2`).
+//! The namespaces of a real node. One kernel plays every node.
 //!
-//! One kernel plays every node. The agent DaemonSet's hostNetwork pods run on each node, so each
-//! node needs its own ports: node 2's containerd and kubelet run in a network namespace of their
-//! own, joined to the host by a veth pair with private test addresses and no default route
-//! (nothing leaves this machine). The chart has one `agent.kubeletDir` for all nodes, so node 2's
-//! kubelet root must sit at node 1's path: in a mount namespace of its own, node 2's kubelet dir
-//! is bound over that path and made rshared there (after the namespace was made private, so it is
-//! no peer of the host's mounts), and the agent's Bidirectional mounts reach node 2's kubelet and
-//! pods, not node 1's. The paths the kubelet, containerd and the CNI plugins hard-code get private
-//! dirs in that namespace too.
+//! Every node has a PID namespace of its own, whose init (tini) lives in the node's mount
+//! namespace, with a /proc of that PID namespace there. Upstream's storage e2e tests reach "the
+//! host" of a node from a privileged pod through `nsenter --mount=/rootfs/proc/1/ns/mnt` (the
+//! node's root file system at /rootfs, so /rootfs/proc is the /proc containerd sees): PID 1 there
+//! must be a process of the node's mount namespace that such a pod may enter. This machine's own
+//! PID 1 refuses that. The init is tied to the test process, so the namespaces, and every process
+//! in them, end with it.
 //!
-//! Node 2 also has a PID namespace of its own, whose init (tini) lives in its mount namespace,
-//! with its own /proc there. Upstream's storage e2e tests reach "the host" of a node from a
-//! privileged pod through `nsenter --mount=/rootfs/proc/1/ns/mnt` (the node's root file system
-//! at /rootfs): on node 2 that must be node 2's mount namespace, not the machine's. The init is
-//! tied to the test process, so the namespace, and every process in it, ends with it.
+//! Node 1 (`realnode`) keeps the host's network namespace, and its mount namespace is its init's:
+//! a copy of the host's, made with propagation unchanged, so the host's shared mounts (the kubelet
+//! root, bound and made shared before the copy) stay peers and the kubelet's and pods' mounts
+//! there show on the host as before. Only /proc differs, and what the node mounts elsewhere (the
+//! local-PV tests' tmpfs and bind mounts) stays on the node, as on a separate machine.
+//!
+//! Node 2 and further (`realnode2`) also have network and mount namespaces of their own. The agent
+//! DaemonSet's hostNetwork pods run on each node, so each node needs its own ports: node 2's
+//! containerd and kubelet run in a network namespace joined to the host by a veth pair with
+//! private test addresses and no default route (nothing leaves this machine). The chart has one
+//! `agent.kubeletDir` for all nodes, so node 2's kubelet root must sit at node 1's path: in a
+//! mount namespace of its own, node 2's kubelet dir is bound over that path and made rshared there
+//! (after the namespace was made private, so it is no peer of the host's mounts), and the agent's
+//! Bidirectional mounts reach node 2's kubelet and pods, not node 1's. The paths the kubelet,
+//! containerd and the CNI plugins hard-code get private dirs in that namespace too.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -49,42 +57,85 @@ const PRIVATE: &[&str] = &[
 const KEEP: &[&str] = &["/proc", "/sys", "/dev", "/etc"];
 
 pub(crate) struct Isolation {
-    pub netns: String,
-    /// The veth pair's ends: on the host, and in `netns`.
-    veth: String,
-    node_veth: String,
-    /// The persistent mount namespace (a bind mount of its nsfs file).
-    mntns: PathBuf,
-    pub ip: String,
+    /// Node 2 and further: the network namespace and its veth pair; `None` on node 1.
+    net: Option<Net>,
+    /// Node 2 and further: the persistent private mount namespace (a bind mount of its nsfs
+    /// file); `None` on node 1, whose mount namespace is its init's.
+    mntns: Option<PathBuf>,
     dir: PathBuf,
     /// `unshare --pid --fork --kill-child tini …` and tini's PID (PID 1 of the node's PID
-    /// namespace), once `create` started it.
+    /// namespace), once started.
     init: Mutex<Option<(Child, u32)>>,
 }
 
+struct Net {
+    name: String,
+    /// The veth pair's ends: on the host, and in `name`.
+    veth: String,
+    node_veth: String,
+    ip: String,
+}
+
 impl Isolation {
-    /// The names of node `index` (0-based, so 1 is `realnode2`) with its files in `dir`; nothing
-    /// is created until `create`.
-    pub fn new(index: usize, dir: &Path) -> Self {
-        let n = index + 1;
+    /// Node 1's namespaces, with its files in `dir`; nothing is created until `create_peer`.
+    pub fn host_peer(dir: &Path) -> Self {
         Self {
-            netns: format!("stowage-realnode{n}"),
-            veth: format!("stowrn{n}h"),
-            node_veth: format!("stowrn{n}n"),
-            mntns: dir.join("mntns"),
-            ip: format!("10.250.0.{n}"),
+            net: None,
+            mntns: None,
             dir: dir.to_path_buf(),
             init: Mutex::new(None),
         }
     }
 
-    /// `program` run in the node's mount and network namespaces, and in its PID namespace once
+    /// The names of node `index` (0-based, so 1 is `realnode2`) with its files in `dir`; nothing
+    /// is created until `create`.
+    pub fn own(index: usize, dir: &Path) -> Self {
+        let n = index + 1;
+        Self {
+            net: Some(Net {
+                name: format!("stowage-realnode{n}"),
+                veth: format!("stowrn{n}h"),
+                node_veth: format!("stowrn{n}n"),
+                ip: format!("10.250.0.{n}"),
+            }),
+            mntns: Some(dir.join("mntns")),
+            dir: dir.to_path_buf(),
+            init: Mutex::new(None),
+        }
+    }
+
+    /// The node's network namespace (`ip netns exec <it>`); `None` on node 1.
+    pub fn netns(&self) -> Option<&str> {
+        self.net.as_ref().map(|n| n.name.as_str())
+    }
+
+    /// The node's address in its own network namespace; `None` on node 1.
+    pub fn ip(&self) -> Option<&str> {
+        self.net.as_ref().map(|n| n.ip.as_str())
+    }
+
+    /// `program` run in the node's namespaces: its mount and network ones, and its PID one once
     /// that exists (`nsenter` then forks it there and waits for it).
     pub fn command(&self, program: impl AsRef<std::ffi::OsStr>) -> Command {
+        let init = self.init.lock().unwrap_or_else(|p| p.into_inner());
+        let pid = init.as_ref().map(|(_, pid)| *pid);
+        let mount = match (&self.mntns, pid) {
+            (Some(file), _) => Some(file.display().to_string()),
+            (None, Some(pid)) => Some(format!("/proc/{pid}/ns/mnt")),
+            (None, None) => None,
+        };
+        if mount.is_none() && self.net.is_none() {
+            // Node 1 before its init started: the host's namespaces.
+            return Command::new(program);
+        }
         let mut cmd = Command::new("nsenter");
-        cmd.arg(format!("--mount={}", self.mntns.display()))
-            .arg(format!("--net=/run/netns/{}", self.netns));
-        if let Some((_, pid)) = &*self.init.lock().unwrap_or_else(|p| p.into_inner()) {
+        if let Some(mount) = mount {
+            cmd.arg(format!("--mount={mount}"));
+        }
+        if let Some(net) = &self.net {
+            cmd.arg(format!("--net=/run/netns/{}", net.name));
+        }
+        if let Some(pid) = pid {
             cmd.arg(format!("--pid=/proc/{pid}/ns/pid"));
         }
         cmd.arg("--").arg(program);
@@ -92,10 +143,15 @@ impl Isolation {
     }
 
     /// Starts the node's PID namespace: tini as its PID 1 (it reaps the shims and other orphans
-    /// the namespace's processes leave), in the node's mount and network namespaces, and a /proc
-    /// of that namespace mounted there.
+    /// the namespace's processes leave), and a /proc of that namespace in the node's mount
+    /// namespace. Node 2's init joins the namespaces `create` made; node 1's makes its mount
+    /// namespace, a copy of the host's whose shared mounts stay peers, with only /proc made
+    /// private there before the new one is mounted (`--mount-proc`), so the host keeps its own.
     fn start_init(&self) -> anyhow::Result<()> {
         let mut cmd = self.command("unshare");
+        if self.mntns.is_none() {
+            cmd.args(["--mount", "--propagation", "unchanged", "--mount-proc"]);
+        }
         cmd.args([
             "--pid",
             "--fork",
@@ -109,8 +165,8 @@ impl Isolation {
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null());
-        // nsenter without --pid execs unshare in place: this child is unshare, and its one child
-        // is tini.
+        // nsenter without --pid execs unshare in place (and node 1 runs unshare itself): this
+        // child is unshare, and its one child is tini.
         let child = spawn_tied(cmd).context("start the node's PID namespace")?;
         let deadline = Instant::now() + Duration::from_secs(10);
         let tini = loop {
@@ -123,7 +179,9 @@ impl Isolation {
             std::thread::sleep(Duration::from_millis(20));
         };
         *self.init.lock().unwrap_or_else(|p| p.into_inner()) = Some((child, tini as u32));
-        run(self.command("mount").args(["-t", "proc", "proc", "/proc"]))?;
+        if self.mntns.is_some() {
+            run(self.command("mount").args(["-t", "proc", "proc", "/proc"]))?;
+        }
         Ok(())
     }
 
@@ -139,11 +197,21 @@ impl Isolation {
         }
     }
 
-    /// Creates both namespaces; `kubelet_backing` is bound at `kubelet_path` in the mount one.
+    /// Creates node 1's PID and mount namespaces. The mounts it must share with the host are
+    /// made shared before this (the kubelet root); the rest of its mounts stay its own.
+    pub fn create_peer(&self) -> anyhow::Result<()> {
+        self.stop_init();
+        self.start_init()
+    }
+
+    /// Creates node 2's network and mount namespaces, then its PID one; `kubelet_backing` is bound at `kubelet_path` in the mount one.
     pub fn create(&self, kubelet_path: &Path, kubelet_backing: &Path) -> anyhow::Result<()> {
         // What a killed run left (real clusters are exclusive on a machine).
         self.remove(&[]);
-        let (ns, host, node) = (&self.netns, &self.veth, &self.node_veth);
+        let (Some(net), Some(mntns)) = (&self.net, &self.mntns) else {
+            anyhow::bail!("create is for a node in namespaces of its own; node 1 has create_peer");
+        };
+        let (ns, host, node) = (&net.name, &net.veth, &net.node_veth);
         let ip = |args: &[&str]| run(Command::new("ip").args(args));
         ip(&["netns", "add", ns])?;
         ip(&["link", "add", host, "type", "veth", "peer", "name", node])?;
@@ -155,14 +223,14 @@ impl Isolation {
         ip(&[
             "route",
             "add",
-            &format!("{}/32", self.ip),
+            &format!("{}/32", net.ip),
             "dev",
             host,
             "src",
             HOST_IP,
         ])?;
         ip(&["-n", ns, "link", "set", "lo", "up"])?;
-        ip(&["-n", ns, "addr", "add", &format!("{}/32", self.ip), "dev", node])?;
+        ip(&["-n", ns, "addr", "add", &format!("{}/32", net.ip), "dev", node])?;
         ip(&["-n", ns, "link", "set", node, "up"])?;
         ip(&[
             "-n",
@@ -173,12 +241,12 @@ impl Isolation {
             "dev",
             node,
             "src",
-            &self.ip,
+            &net.ip,
         ])?;
 
-        std::fs::File::create(&self.mntns)?;
+        std::fs::File::create(mntns)?;
         run(Command::new("unshare")
-            .arg(format!("--mount={}", self.mntns.display()))
+            .arg(format!("--mount={}", mntns.display()))
             .args(["--propagation", "private", "true"]))?;
         let drop: Vec<String> = mount_points(&self.mount_table()?)
             .into_iter()
@@ -219,8 +287,9 @@ impl Isolation {
         run(self.command("cat").arg("/proc/self/mountinfo"))
     }
 
-    /// Unmounts what the node mounted under `under` (deepest first), then releases the mount
-    /// namespace, the network namespace and the veth pair; idempotent. Its processes must be
+    /// Unmounts what the node mounted under `under` (deepest first), then ends its PID
+    /// namespace and releases node 2's mount namespace, network namespace and veth pair;
+    /// idempotent. Its processes must be
     /// gone, or the namespaces outlive this.
     pub fn remove(&self, under: &[&Path]) {
         if let Ok(table) = self.mount_table() {
@@ -242,10 +311,16 @@ impl Isolation {
         let quiet = |cmd: &mut Command| {
             let _ = cmd.stdout(Stdio::null()).stderr(Stdio::null()).status();
         };
-        quiet(Command::new("umount").arg("-l").arg(&self.mntns));
-        let _ = std::fs::remove_file(&self.mntns);
-        quiet(Command::new("ip").args(["netns", "delete", &self.netns]));
-        quiet(Command::new("ip").args(["link", "delete", &self.veth]));
+        if let Some(mntns) = &self.mntns {
+            quiet(Command::new("umount").arg("-l").arg(mntns));
+            let _ = std::fs::remove_file(mntns);
+        }
+        let Some(net) = &self.net else {
+            // Node 1: its mount namespace went with its init; the host keeps the rest.
+            return;
+        };
+        quiet(Command::new("ip").args(["netns", "delete", &net.name]));
+        quiet(Command::new("ip").args(["link", "delete", &net.veth]));
         // `ip netns add` binds /run/netns on itself; once no namespace is left there, undone.
         let empty = std::fs::read_dir("/run/netns").is_ok_and(|mut rd| rd.next().is_none());
         if empty && is_mount_point("/run/netns") {
