@@ -13,9 +13,9 @@ use k8s_openapi::api::core::v1::ObjectReference;
 use k8s_openapi::api::storage::v1::StorageClass;
 use kube::runtime::reflector::ObjectRef;
 use kube::{Api, Resource, ResourceExt};
-use stowage_common::errors::PANIC;
+use stowage_common::errors::{MetricLabel, PANIC};
 use stowage_common::observe::events::{Events, Occurrence, Repeat, Subject};
-use stowage_common::runtime::driver::{self, Inputs, Next, Pace, Reconciler};
+use stowage_common::runtime::driver::{self, Inputs, Next, Pace, Reconciler, Retry};
 use stowage_common::runtime::inflight::{Landed, Window};
 use stowage_common::store::StoredPod;
 use stowage_common::store::informer::Change;
@@ -29,7 +29,7 @@ use crate::exec::{Executor, Snapshot};
 use crate::ingest::PodIndex;
 use crate::metrics::Metrics;
 use crate::pv::*;
-use crate::results::Outcome;
+use crate::results::{Outcome, failure_backoff};
 use stowage_common::runtime::queue::WorkQueue;
 
 /// Binder settings.
@@ -86,8 +86,6 @@ pub(crate) struct Controller {
     pub(crate) unbound_by_class: HashMap<String, HashSet<String>>,
     /// Classes whose unbound claims are to be woken at the next work pass.
     pub(crate) woken: HashSet<String>,
-    /// Consecutive failures (other than conflicts) per key, for the retry backoff.
-    pub(crate) failing: HashMap<Key, u32>,
     /// Which pods use which claim (delayed-binding events, Recycle waiting for pods).
     pub(crate) pods: PodIndex,
     pub(crate) cluster: Arc<Informers>,
@@ -113,7 +111,6 @@ pub async fn run(cluster: Arc<Informers>, metrics: Metrics, config: Config) -> a
         unbound: HashMap::new(),
         unbound_by_class: HashMap::new(),
         woken: HashSet::new(),
-        failing: HashMap::new(),
         pods: PodIndex::default(),
         executor: Arc::new(Executor {
             pvs: Api::all(client.clone()),
@@ -157,7 +154,7 @@ impl Reconciler for Controller {
     type Key = Key;
     type Input = Input;
     type Done = Outcome;
-    type Error = std::convert::Infallible;
+    type Error = Error;
 
     fn queue(&mut self) -> &mut WorkQueue<Key> {
         &mut self.queue
@@ -183,13 +180,29 @@ impl Reconciler for Controller {
     }
 
     /// Decided here; its writes (if any) are settled when they land, in `finish`.
-    async fn reconcile(&mut self, key: Key) -> Result<Next, Self::Error> {
-        self.sync(key);
-        Ok(Next::Pending)
+    async fn reconcile(&mut self, key: Key) -> Result<Next, Error> {
+        self.sync(key)
     }
 
-    fn landed(&mut self, landed: Landed<Key, Outcome>) {
+    fn landed(&mut self, landed: Landed<Key, Outcome>) -> Result<Next, Error> {
         self.finish(landed)
+    }
+
+    /// Conflicts come back at the queue's quick pace (they pass once the cache catches up);
+    /// any other failure after the binder's slower curve over the key's failures.
+    fn error_policy(&mut self, key: &Key, error: Error, failures: u32) -> Retry {
+        self.executor
+            .metrics
+            .errors
+            .with_label_values(&[key.kind(), error.metric_label()])
+            .inc();
+        if error.is_conflict() {
+            tracing::debug!(?key, %error, "sync conflicted, retrying");
+            return Retry::Backoff;
+        }
+        let delay = failure_backoff(failures);
+        tracing::warn!(?key, %error, ?delay, "binder sync failed");
+        Retry::After(delay)
     }
 
     fn panicked(&mut self, key: &Key) {
@@ -238,16 +251,18 @@ impl Controller {
         (default, classes)
     }
 
-    pub(crate) fn sync(&mut self, key: Key) {
+    /// Decides `key` and starts its writes; `Pending` while they run (or it waits for a bind's),
+    /// `Done` when there was nothing to write, an error for a decision to retry later.
+    pub(crate) fn sync(&mut self, key: Key) -> Result<Next, Error> {
         if self.window.defer_if_running(&key) {
-            return;
+            return Ok(Next::Pending);
         }
         // A volume being bound is synced after that bind's writes land.
         if let Key::Volume(name) = &key
             && self.cache.reserved.contains_key(name)
         {
             self.window.mark_dirty(key);
-            return;
+            return Ok(Next::Pending);
         }
         let (default_class, classes) = self.env_parts();
         let nodes = self.cluster.nodes.store().clone();
@@ -290,14 +305,15 @@ impl Controller {
         };
         timer.observe_duration();
         let kind = key.kind();
-        self.execute(key, actions);
+        let next = self.execute(key, actions);
         // Counted once its writes have started, so whoever sees the count also sees those writes
         // in `in_flight` until they land.
         self.executor.metrics.reconciles.with_label_values(&[kind]).inc();
+        next
     }
 
     /// Handles the in-memory actions here and hands the API writes to a task of their own.
-    pub(crate) fn execute(&mut self, key: Key, actions: Vec<Action>) {
+    pub(crate) fn execute(&mut self, key: Key, actions: Vec<Action>) -> Result<Next, Error> {
         let mut writes = Vec::new();
         let mut retry = None;
         for a in actions {
@@ -309,14 +325,10 @@ impl Controller {
             }
         }
         if writes.is_empty() {
-            match retry {
-                Some(why) => self.backoff(key, Error::InvalidState(why), Instant::now()),
-                None => {
-                    self.queue.succeeded(&key);
-                    self.failing.remove(&key);
-                }
-            }
-            return;
+            return match retry {
+                Some(why) => Err(Error::InvalidState(why)),
+                None => Ok(Next::Done),
+            };
         }
         // Claim to reserve, objects as the cache has them now.
         let mut reserved = None;
@@ -341,7 +353,7 @@ impl Controller {
                 .write_seconds
                 .with_label_values(&[key.kind()])
                 .start_timer();
-            let mut done = Outcome::empty(key, reserved);
+            let mut done = Outcome::empty(reserved);
             for w in writes {
                 if let Err(e) = executor.apply(&w, &snapshot, &mut done).await {
                     done.error = Some(e);
@@ -352,6 +364,7 @@ impl Controller {
             done
         });
         self.executor.metrics.in_flight.set(self.window.len() as i64);
+        Ok(Next::Pending)
     }
 
     pub(crate) fn event(&mut self, e: Event) {

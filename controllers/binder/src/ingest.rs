@@ -60,7 +60,7 @@ impl Controller {
 
     /// Queues `key` now unless it is backing off after a failure.
     pub(crate) fn requeue(&mut self, key: Key) {
-        if !self.failing.contains_key(&key) {
+        if !self.queue.is_failing(&key) {
             self.queue.add(key);
         }
     }
@@ -87,7 +87,7 @@ impl Controller {
         self.cache.remove_pv(&name);
         // The end of a deletion this process started (a no-op for any other volume).
         self.executor.timestamps.finished(&name);
-        self.failing.remove(&Key::Volume(name.clone()));
+        self.queue.forget(&Key::Volume(name.clone()));
         self.executor.events.forget(&subject(&Target::Volume(name)));
         if let Some((ns, n, _)) = claim_ref(pv) {
             self.queue.add(Key::Claim(format!("{ns}/{n}")));
@@ -107,7 +107,7 @@ impl Controller {
         self.cache.remove_claim(&key);
         self.executor.timestamps.forget(&key);
         self.track_claim(&key, None);
-        self.failing.remove(&Key::Claim(key.clone()));
+        self.queue.forget(&Key::Claim(key.clone()));
         self.executor.events.forget(&subject(&Target::Claim(key.clone())));
         let vol = claim_volume_name(c);
         if !vol.is_empty() {

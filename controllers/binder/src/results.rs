@@ -4,18 +4,16 @@
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{ObjectReference, PersistentVolume, PersistentVolumeClaim};
+use stowage_common::runtime::driver::Next;
 use stowage_common::runtime::inflight::Landed;
 use stowage_common::store::IntoStored;
-use tokio::time::Instant;
 
 use crate::controller::{Controller, Key};
 use crate::core::Event;
 use crate::error::Error;
-use stowage_common::errors::MetricLabel;
 
 /// What a batch of writes reports back.
 pub(crate) struct Outcome {
-    pub(crate) key: Key,
     pub(crate) reserved: Option<String>,
     pub(crate) pvs: Vec<PersistentVolume>,
     pub(crate) claims: Vec<PersistentVolumeClaim>,
@@ -29,10 +27,9 @@ pub(crate) struct Outcome {
 }
 
 impl Outcome {
-    /// Nothing written yet for `key`.
-    pub(crate) fn empty(key: Key, reserved: Option<String>) -> Self {
+    /// Nothing written yet (`reserved`: the volume its bind reserved).
+    pub(crate) fn empty(reserved: Option<String>) -> Self {
         Self {
-            key,
             reserved,
             pvs: vec![],
             claims: vec![],
@@ -45,29 +42,6 @@ impl Outcome {
 }
 
 impl Controller {
-    /// Counts a failed sync and retries its key: conflicts at the queue's quick pace (they pass
-    /// once the cache catches up), anything else with the failure backoff.
-    pub(crate) fn backoff(&mut self, key: Key, error: Error, now: Instant) {
-        self.executor
-            .metrics
-            .errors
-            .with_label_values(&[key.kind(), error.metric_label()])
-            .inc();
-        let delay = if error.is_conflict() {
-            self.queue.retry(key.clone(), now)
-        } else {
-            let n = self.failing.entry(key.clone()).or_insert(0);
-            let delay = failure_backoff(*n);
-            *n = n.saturating_add(1);
-            self.queue.retry_at(key.clone(), now, now + delay);
-            delay
-        };
-        tracing::debug!(?key, %error, ?delay, "sync failed, retrying");
-        if !error.is_conflict() {
-            tracing::warn!(?key, %error, "binder sync failed");
-        }
-    }
-
     /// Frees the volumes reserved for `key`'s bind, when no report of it will come back to (a
     /// task or a sync that panicked).
     pub(crate) fn release_reservations(&mut self, key: &Key) {
@@ -83,17 +57,16 @@ impl Controller {
         }
     }
 
-    /// Takes a batch's results: newest objects into the cache, reservation released, and the
-    /// key requeued — at once if it changed meanwhile, with backoff if the batch failed.
-    pub(crate) fn finish(&mut self, landed: Landed<Key, Outcome>) {
-        let now = Instant::now();
+    /// Takes a batch's results: newest objects into the cache, reservation released, and what
+    /// comes next for the key: done (again at once if it changed meanwhile), or its failure.
+    pub(crate) fn finish(&mut self, landed: Landed<Key, Outcome>) -> Result<Next, Error> {
         self.executor.metrics.in_flight.set(self.window.len() as i64);
         let done = landed.result.unwrap_or_else(|| {
             // The task died with its report: free what it may have reserved and retry the key.
             self.release_reservations(&landed.key);
             Outcome {
                 error: Some(Error::Panic),
-                ..Outcome::empty(landed.key.clone(), None)
+                ..Outcome::empty(None)
             }
         });
         if let Some(pv) = &done.reserved {
@@ -121,14 +94,9 @@ impl Controller {
             self.send_event(e, reference);
         }
         match done.error {
-            Some(error) => self.backoff(done.key, error, now),
-            None => {
-                self.queue.succeeded(&done.key);
-                self.failing.remove(&done.key);
-                if landed.dirty {
-                    self.queue.add(done.key);
-                }
-            }
+            Some(error) => Err(error),
+            None if landed.dirty => Ok(Next::Again),
+            None => Ok(Next::Done),
         }
     }
 }

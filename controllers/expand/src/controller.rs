@@ -13,9 +13,9 @@ use k8s_openapi::api::storage::v1::StorageClass;
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
 use kube::runtime::reflector::ObjectRef;
-use stowage_common::errors::PANIC;
+use stowage_common::errors::{MetricLabel, PANIC};
 use stowage_common::observe::events::Events;
-use stowage_common::runtime::driver::{self, Inputs, Next, Pace, Reconciler};
+use stowage_common::runtime::driver::{self, Inputs, Next, Pace, Reconciler, Retry};
 use stowage_common::runtime::inflight::{Landed, Window};
 use stowage_common::runtime::queue::WorkQueue;
 use stowage_common::store::informer::Change;
@@ -25,6 +25,7 @@ use stowage_common::store::{StoredClaim, StoredVolume};
 use tokio::time::Instant;
 
 use crate::core::{self, Action};
+use crate::error::Error;
 use crate::exec::{Executor, is_attached};
 use crate::metrics::Metrics;
 use crate::results::Outcome;
@@ -105,7 +106,7 @@ impl Reconciler for Controller {
     type Key = String;
     type Input = Input;
     type Done = Outcome;
-    type Error = std::convert::Infallible;
+    type Error = Error;
 
     fn queue(&mut self) -> &mut WorkQueue<String> {
         &mut self.queue
@@ -137,8 +138,24 @@ impl Reconciler for Controller {
         Ok(self.sync(key))
     }
 
-    fn landed(&mut self, landed: Landed<String, Outcome>) {
+    fn landed(&mut self, landed: Landed<String, Outcome>) -> Result<Next, Error> {
         self.finish(landed)
+    }
+
+    /// Counted by kind; an infeasible expansion waits for a changed request (or the core's slow
+    /// retry), anything else comes back after the queue's backoff.
+    fn error_policy(&mut self, key: &String, error: Error, _failures: u32) -> Retry {
+        self.executor
+            .metrics
+            .errors
+            .with_label_values(&[error.metric_label()])
+            .inc();
+        tracing::debug!(claim = %key, %error, "expansion failed");
+        if error.retry() {
+            Retry::Backoff
+        } else {
+            Retry::Never
+        }
     }
 
     fn panicked(&mut self, _: &String) {

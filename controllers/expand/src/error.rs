@@ -14,6 +14,9 @@ pub enum Error {
     /// size can fix it.
     #[error("{error}")]
     Image { error: ImageError, infeasible: bool },
+    /// A write task died without its report (a bug); the claim is retried.
+    #[error("the claim's write task panicked")]
+    Panic,
 }
 
 impl Error {
@@ -30,6 +33,7 @@ impl MetricLabel for Error {
             Error::Api(e) => api_label(e),
             Error::Image { infeasible: true, .. } => "infeasible",
             Error::Image { .. } => "image",
+            Error::Panic => stowage_common::errors::PANIC,
         }
     }
 }

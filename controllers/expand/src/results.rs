@@ -1,11 +1,12 @@
-//! Results: what one claim's work reports back (`Outcome`), folded into the controller's copies,
-//! the queue (retry, backoff) and metrics.
+//! Results: what one claim's work reports back (`Outcome`), folded into the controller's copies;
+//! the driver settles the key (retry, backoff) from what `finish` says.
 
 use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
 use kube::ResourceExt;
 use kube::runtime::reflector::ObjectRef;
+use stowage_common::runtime::driver::Next;
 use stowage_common::runtime::inflight::Landed;
 use stowage_common::store::informer::is_newer;
 use tokio::time::Instant;
@@ -13,8 +14,6 @@ use tokio::time::Instant;
 use crate::controller::Controller;
 use crate::error::Error;
 use crate::ingest::split;
-use stowage_common::errors::MetricLabel;
-use stowage_common::errors::PANIC;
 
 /// What one claim's work reports back.
 pub(crate) struct Outcome {
@@ -26,13 +25,13 @@ pub(crate) struct Outcome {
 }
 
 impl Controller {
-    pub(crate) fn finish(&mut self, landed: Landed<String, Outcome>) {
+    /// Takes a claim's results into the controller's copies and says what comes next for it:
+    /// done (again at once if someone else changed it meanwhile), or its failure.
+    pub(crate) fn finish(&mut self, landed: Landed<String, Outcome>) -> Result<Next, Error> {
         let key = landed.key;
         let Some(done) = landed.result else {
-            // The task died without a report: retry the claim with backoff.
-            self.executor.metrics.errors.with_label_values(&[PANIC]).inc();
-            self.queue.retry(key, Instant::now());
-            return;
+            // The task died without a report: the claim is retried with backoff.
+            return Err(Error::Panic);
         };
         for c in done.claims {
             let c = Arc::new(c);
@@ -47,33 +46,27 @@ impl Controller {
         if let Some(c) = self.claim(&key) {
             self.observe(&key, &c);
         }
-        match done.error {
-            Some(e) => {
-                self.executor
-                    .metrics
-                    .errors
-                    .with_label_values(&[e.metric_label()])
-                    .inc();
-                if e.retry() {
-                    self.queue.retry(key.clone(), Instant::now());
-                }
-            }
-            None => self.queue.succeeded(&key),
-        }
-        // Changed by someone else meanwhile: decide again on the newer object now.
-        if landed.dirty {
+        // Changed by someone else meanwhile (not only by these writes): decide again on the
+        // newer object now, failed or not.
+        let changed = landed.dirty && {
             let (ns, name) = split(&key);
             let stored = self.cluster.pvcs.store().get(&ObjectRef::new(name).within(ns));
-            let mine = self.claims.get(&key);
-            let theirs_newer = match (&stored, mine) {
+            match (&stored, self.claims.get(&key)) {
                 (Some(s), Some(m)) => {
                     is_newer(s.resource_version().as_deref(), m.resource_version().as_deref())
                 }
                 _ => true,
-            };
-            if theirs_newer {
-                self.queue.add(key);
             }
+        };
+        match done.error {
+            Some(e) => {
+                if changed {
+                    self.queue.add(key);
+                }
+                Err(e)
+            }
+            None if changed => Ok(Next::Again),
+            None => Ok(Next::Done),
         }
     }
 }

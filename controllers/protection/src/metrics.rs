@@ -1,13 +1,11 @@
 //! Metrics of both protection controllers, prefix `stowage_protection_`. See docs/protection.md.
 
 use std::fmt::Debug;
-use std::hash::Hash;
 
 use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts};
 use stowage_common::errors::MetricLabel;
 use stowage_common::observe::metrics::{Registry, register};
-use stowage_common::runtime::queue::WorkQueue;
-use tokio::time::Instant;
+use stowage_common::runtime::driver::Retry;
 
 use crate::error::Error;
 
@@ -133,16 +131,10 @@ impl Metrics {
 
     /// A failed sync of `controller` (both controllers' error policy): counted, and its key
     /// retried after the queue's backoff.
-    pub fn retry<K: Clone + Eq + Hash + Ord + Debug>(
-        &self,
-        controller: &str,
-        queue: &mut WorkQueue<K>,
-        key: K,
-        error: &Error,
-    ) {
+    pub fn retry<K: Debug>(&self, controller: &str, key: &K, error: &Error) -> Retry {
         self.failed(controller, error.metric_label());
-        let delay = queue.retry(key.clone(), Instant::now());
-        tracing::debug!(controller, ?key, %error, ?delay, "sync failed, retrying");
+        tracing::debug!(controller, ?key, %error, "sync failed, retrying");
+        Retry::Backoff
     }
 
     /// The depth of `controller`'s queue, set before its loop waits.

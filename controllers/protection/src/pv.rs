@@ -17,7 +17,7 @@ use crate::error::Error;
 use crate::exec as write;
 use crate::metrics::{self, Metrics};
 use stowage_common::errors::PANIC;
-use stowage_common::runtime::driver::{self, Inputs, Next, Pace, Reconciler};
+use stowage_common::runtime::driver::{self, Inputs, Next, Pace, Reconciler, Retry};
 use stowage_common::runtime::queue::WorkQueue;
 
 struct Controller {
@@ -73,9 +73,8 @@ impl Reconciler for Controller {
         self.sync(&name).await.map(|()| Next::Done)
     }
 
-    fn error_policy(&mut self, name: String, e: Error) {
-        self.metrics
-            .retry(metrics::PV_CONTROLLER, &mut self.queue, name, &e);
+    fn error_policy(&mut self, name: &String, e: Error, _failures: u32) -> Retry {
+        self.metrics.retry(metrics::PV_CONTROLLER, name, &e)
     }
 
     fn panicked(&mut self, _: &String) {
@@ -100,7 +99,7 @@ impl Controller {
             }
             Change::Deleted(pv) => {
                 let name = pv.meta().name.clone().unwrap_or_default();
-                self.queue.succeeded(&name);
+                self.queue.forget(&name);
                 self.set_waiting(&name, false);
             }
             Change::Resynced => self.resync(),

@@ -21,7 +21,7 @@ use crate::exec as write;
 use crate::index::{Key, PodsByClaim, key_of};
 use crate::metrics::{self, Metrics};
 use stowage_common::errors::{ERROR, PANIC, SUCCESS};
-use stowage_common::runtime::driver::{self, Inputs, Next, Pace, Reconciler};
+use stowage_common::runtime::driver::{self, Inputs, Next, Pace, Reconciler, Retry};
 use stowage_common::runtime::queue::WorkQueue;
 
 /// Reason of the event on a claim whose deletion waits for pods.
@@ -94,9 +94,8 @@ impl Reconciler for Controller {
         self.sync(&key).await.map(|()| Next::Done)
     }
 
-    fn error_policy(&mut self, key: Key, e: Error) {
-        self.metrics
-            .retry(metrics::PVC_CONTROLLER, &mut self.queue, key, &e);
+    fn error_policy(&mut self, key: &Key, e: Error, _failures: u32) -> Retry {
+        self.metrics.retry(metrics::PVC_CONTROLLER, key, &e)
     }
 
     fn panicked(&mut self, _: &Key) {
@@ -134,7 +133,7 @@ impl Controller {
             }
             Change::Deleted(pvc) => {
                 let key = key_of(pvc.meta());
-                self.queue.succeeded(&key);
+                self.queue.forget(&key);
                 self.not_waiting(&key);
             }
             Change::Resynced => self.resync_claims(),

@@ -36,7 +36,7 @@ async fn a_sharer_the_cache_has_not_seen_yet_keeps_the_image() {
     cache.put_pv(Arc::new(made));
     let action = Action::DeleteLoopVolume { pv: "made".into() };
     let snap = Snapshot::of(&cache, std::slice::from_ref(&action));
-    let mut done = Outcome::empty(Key::Volume("made".into()), None);
+    let mut done = Outcome::empty(None);
     executor.apply(&action, &snap, &mut done).await.unwrap();
     assert_eq!(std::fs::read(&img).unwrap(), b"data", "the image is kept");
     let refused = done
@@ -59,7 +59,7 @@ async fn a_sharer_the_cache_has_not_seen_yet_keeps_the_image() {
         )
         .await
         .unwrap();
-    let mut done = Outcome::empty(Key::Volume("made".into()), None);
+    let mut done = Outcome::empty(None);
     executor.apply(&action, &snap, &mut done).await.unwrap();
     assert!(!img.exists(), "deleted with the last volume naming it");
 }
@@ -116,7 +116,7 @@ async fn the_deletion_reads_the_volume_live_before_removing_its_image() {
         pv: "retained".into(),
     };
     let snap = Snapshot::of(&cache, std::slice::from_ref(&action));
-    let mut done = Outcome::empty(Key::Volume("retained".into()), None);
+    let mut done = Outcome::empty(None);
     let applied = executor(&h).apply(&action, &snap, &mut done).await;
     assert_eq!(std::fs::read(&img).unwrap(), b"data", "the image is kept");
     applied.unwrap();
@@ -143,7 +143,7 @@ async fn the_deletion_reads_the_claim_live_before_removing_its_image() {
     cache.put_pv(Arc::new(cached));
     let action = Action::DeleteLoopVolume { pv: "claimed".into() };
     let snap = Snapshot::of(&cache, std::slice::from_ref(&action));
-    let mut done = Outcome::empty(Key::Volume("claimed".into()), None);
+    let mut done = Outcome::empty(None);
     let exec = executor(&h);
     let err = exec
         .apply(&action, &snap, &mut done)
@@ -171,7 +171,7 @@ async fn the_deletion_reads_the_claim_live_before_removing_its_image() {
         }
     })
     .await;
-    let mut done = Outcome::empty(Key::Volume("claimed".into()), None);
+    let mut done = Outcome::empty(None);
     exec.apply(&action, &snap, &mut done).await.unwrap();
     assert!(!img.exists(), "deleted once no claim names it");
 }
@@ -199,7 +199,7 @@ async fn a_failing_image_removal_warns_once_with_the_change_to_failed() {
             .count()
     };
 
-    let mut first = Outcome::empty(Key::Volume("stuck".into()), None);
+    let mut first = Outcome::empty(None);
     exec.apply(&action, &snap, &mut first)
         .await
         .expect_err("the image cannot be removed");
@@ -207,7 +207,7 @@ async fn a_failing_image_removal_warns_once_with_the_change_to_failed() {
     let live = h.pvs().get("stuck").await.unwrap();
     assert_eq!(pv_phase(&live), "Failed");
 
-    let mut again = Outcome::empty(Key::Volume("stuck".into()), None);
+    let mut again = Outcome::empty(None);
     exec.apply(&action, &snap, &mut again)
         .await
         .expect_err("still cannot be removed");

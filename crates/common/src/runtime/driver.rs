@@ -9,10 +9,12 @@
 //! 2. reconciles up to `batch` ready keys while the write window has room;
 //! 3. otherwise waits for the first of: a landing write, an input, the next delayed key.
 //!
-//! A reconcile that fails goes to the controller's error policy (by default: again, after the
-//! queue's own exponential backoff, the one backoff of a controller); one that panics is counted
-//! and retried the same way instead of ending the controller. A feed whose watch ended ends the
-//! loop with that error, as the informers are gone.
+//! A reconcile or a write task that fails goes to the controller's error policy, which says when
+//! the key comes back (`Retry`); the loop applies it to the queue, the one place a key's failures
+//! are counted and forgotten (one backoff per controller: the queue's, or the policy's own curve
+//! over the queue's failure count). One that panics is counted and retried after the queue's
+//! backoff instead of ending the controller. A feed whose watch ended ends the loop with that
+//! error, as the informers are gone.
 
 use std::hash::Hash;
 use std::panic::AssertUnwindSafe;
@@ -26,14 +28,28 @@ use crate::runtime::inflight::{Landed, Window};
 use crate::runtime::queue::WorkQueue;
 use crate::store::informer::{Change, Feed};
 
-/// What became of a reconciled key.
+/// What became of a reconciled key, or of its write task.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Next {
     /// Done: the queue forgets its failures.
     Done,
-    /// The controller settles it itself: when its write task lands (`landed`), after the
-    /// running writes it was deferred behind, or by the retry it already queued.
+    /// Done, and again at once: its object changed while its writes ran.
+    Again,
+    /// Not settled yet: its write task is running (`landed` settles it), or it was deferred
+    /// behind the running writes of its key and comes again when they land.
     Pending,
+}
+
+/// When a failed key comes back: the error policy's answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Retry {
+    /// After the queue's own exponential backoff over the key's failures.
+    Backoff,
+    /// After this delay (the policy's own curve, from the failures it was given); still counted
+    /// as a failure, so a change of the object does not cut the wait short.
+    After(Duration),
+    /// Not by itself: only a change of the object brings it back.
+    Never,
 }
 
 /// One controller, as the driver sees it.
@@ -56,12 +72,16 @@ pub trait Reconciler: Send {
     fn input(&mut self, input: Self::Input);
     /// Decides one key, and either writes or starts the writes.
     fn reconcile(&mut self, key: Self::Key) -> impl Future<Output = Result<Next, Self::Error>> + Send;
-    /// Takes in what a write task brought back.
-    fn landed(&mut self, _landed: Landed<Self::Key, Self::Done>) {}
-    /// What a failed reconcile costs: by default the key comes back after the queue's backoff.
-    fn error_policy(&mut self, key: Self::Key, error: Self::Error) {
-        let delay = self.queue().retry(key.clone(), Instant::now());
-        tracing::debug!(?key, %error, ?delay, "reconcile failed, retrying");
+    /// Takes in what a write task brought back, and says what comes next for its key.
+    fn landed(&mut self, _landed: Landed<Self::Key, Self::Done>) -> Result<Next, Self::Error> {
+        Ok(Next::Done)
+    }
+    /// When a key whose reconcile or write task failed comes back; `failures` counts its
+    /// failures before this one. The controller's rule for its errors (and their metrics) lives
+    /// here; by default, after the queue's backoff.
+    fn error_policy(&mut self, key: &Self::Key, error: Self::Error, failures: u32) -> Retry {
+        tracing::debug!(?key, %error, failures, "reconcile failed, retrying");
+        Retry::Backoff
     }
     /// A reconcile panicked (a bug): counted by the controller; the key is retried with backoff.
     fn panicked(&mut self, _key: &Self::Key) {}
@@ -162,7 +182,7 @@ pub async fn run<R: Reconciler>(mut r: R, mut inputs: Inputs<R::Input>, pace: Pa
         if let Some(w) = r.window()
             && let Some(l) = w.next().now_or_never()
         {
-            r.landed(l);
+            land(&mut r, l);
             continue;
         }
         let has_room = r.window().is_none_or(|w| w.has_room());
@@ -193,7 +213,7 @@ pub async fn run<R: Reconciler>(mut r: R, mut inputs: Inputs<R::Input>, pace: Pa
                     Some(w) => w.next().await,
                     None => std::future::pending().await,
                 }
-            } => r.landed(l),
+            } => land(&mut r, l),
             i = inputs.next() => r.input(i?),
             () = async {
                 match due {
@@ -208,13 +228,42 @@ pub async fn run<R: Reconciler>(mut r: R, mut inputs: Inputs<R::Input>, pace: Pa
 async fn reconcile_one<R: Reconciler>(r: &mut R, key: R::Key) {
     let outcome = AssertUnwindSafe(r.reconcile(key.clone())).catch_unwind().await;
     match outcome {
-        Ok(Ok(Next::Done)) => r.queue().succeeded(&key),
-        Ok(Ok(Next::Pending)) => {}
-        Ok(Err(e)) => r.error_policy(key, e),
+        Ok(result) => settle(r, key, result),
         Err(_) => {
             tracing::error!(?key, "reconcile panicked; retrying with backoff");
             r.panicked(&key);
             r.queue().retry(key, Instant::now());
+        }
+    }
+}
+
+/// A write task landed: the controller takes in its report, the loop settles the key.
+fn land<R: Reconciler>(r: &mut R, l: Landed<R::Key, R::Done>) {
+    let key = l.key.clone();
+    let result = r.landed(l);
+    settle(r, key, result);
+}
+
+/// What a reconcile or a landed task said, applied to the queue: the one place a key's failures
+/// are counted (`retry`) and forgotten (`succeeded`).
+fn settle<R: Reconciler>(r: &mut R, key: R::Key, result: Result<Next, R::Error>) {
+    let now = Instant::now();
+    match result {
+        Ok(Next::Done) => r.queue().succeeded(&key),
+        Ok(Next::Again) => {
+            r.queue().succeeded(&key);
+            r.queue().add(key);
+        }
+        Ok(Next::Pending) => {}
+        Err(e) => {
+            let failures = r.queue().failures(&key);
+            match r.error_policy(&key, e, failures) {
+                Retry::Backoff => {
+                    r.queue().retry(key, now);
+                }
+                Retry::After(delay) => r.queue().retry_after(key, now, delay),
+                Retry::Never => {}
+            }
         }
     }
 }
@@ -273,9 +322,9 @@ mod tests {
                 }
             }
         }
-        fn landed(&mut self, l: Landed<String, String>) {
+        fn landed(&mut self, l: Landed<String, String>) -> Result<Next, String> {
             self.log.lock().unwrap().push(l.result.unwrap());
-            self.queue.succeeded(&l.key);
+            Ok(Next::Done)
         }
     }
 

@@ -266,8 +266,31 @@ impl<K: Clone + Eq + Hash + Ord> WorkQueue<K> {
         delay
     }
 
+    /// Queues `key` after `delay`, a failure all the same (a policy with its own curve over
+    /// `failures`).
+    pub fn retry_after(&mut self, key: K, now: Instant, delay: Duration) {
+        let n = self.failures.entry(key.clone()).or_insert(0);
+        *n = n.saturating_add(1);
+        self.retry_at(key, now, now + delay);
+    }
+
+    /// Failures of `key` since its last success.
+    pub fn failures(&self, key: &K) -> u32 {
+        self.failures.get(key).copied().unwrap_or(0)
+    }
+
+    /// Whether `key` failed since its last success (it is backing off, or being retried).
+    pub fn is_failing(&self, key: &K) -> bool {
+        self.failures.contains_key(key)
+    }
+
+    /// Forgets `key`'s failures (its object is gone): a new object of that name starts afresh.
+    pub fn forget(&mut self, key: &K) {
+        self.failures.remove(key);
+    }
+
     /// Queues `key` again at `at` after a failed sync (a caller with its own backoff).
-    pub fn retry_at(&mut self, key: K, now: Instant, at: Instant) {
+    fn retry_at(&mut self, key: K, now: Instant, at: Instant) {
         self.finished(&key, now);
         if let Some(s) = self.series_of(&key) {
             s.retries.inc();
