@@ -56,7 +56,7 @@ pub struct PodRef {
 impl PodRef {
     /// The pod as the object an event is about.
     pub fn reference(&self) -> k8s_openapi::api::core::v1::ObjectReference {
-        stowage_common::store::pods::pod_reference(&self.namespace, &self.name, Some(&self.uid))
+        stowage_common::observe::events::pod_reference(&self.namespace, &self.name, Some(&self.uid))
     }
 
     pub fn of(pod: &StoredPod) -> Self {

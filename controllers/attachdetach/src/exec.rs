@@ -323,11 +323,11 @@ impl Controller {
                 .finalizers
                 .iter()
                 .flatten()
-                .filter(|f| *f != stowage_common::store::pv::LOOP_ATTACHER_FINALIZER)
+                .filter(|f| *f != stowage_common::vocab::annotations::LOOP_ATTACHER_FINALIZER)
                 .cloned()
                 .collect();
             if add {
-                fins.push(stowage_common::store::pv::LOOP_ATTACHER_FINALIZER.into());
+                fins.push(stowage_common::vocab::annotations::LOOP_ATTACHER_FINALIZER.into());
             }
             let patch = serde_json::json!({
                 "metadata": { "finalizers": fins, "resourceVersion": pv.meta().resource_version }
@@ -375,7 +375,7 @@ impl Controller {
             .map(|va| {
                 va.finalizers()
                     .iter()
-                    .filter(|f| !stowage_common::store::pv::is_loop_attacher_finalizer(f))
+                    .filter(|f| !stowage_common::vocab::annotations::is_loop_attacher_finalizer(f))
                     .cloned()
                     .collect()
             })

@@ -82,7 +82,7 @@ pub fn pv_finalizer_change(meta: &ObjectMeta, is_loop: bool, attached: bool) -> 
         .finalizers
         .iter()
         .flatten()
-        .any(|f| f == stowage_common::store::pv::LOOP_ATTACHER_FINALIZER);
+        .any(|f| f == stowage_common::vocab::annotations::LOOP_ATTACHER_FINALIZER);
     match (is_loop && attached, has) {
         (true, false) if meta.deletion_timestamp.is_none() => Some(true),
         (false, true) => Some(false),
@@ -200,7 +200,7 @@ impl VaState {
             loop_finalizer: va
                 .finalizers()
                 .iter()
-                .any(|f| stowage_common::store::pv::is_loop_attacher_finalizer(f)),
+                .any(|f| stowage_common::vocab::annotations::is_loop_attacher_finalizer(f)),
         }
     }
 }
@@ -311,7 +311,9 @@ mod access_mode_tests {
         let mut v = pv(LOOP_DRIVER, &["ReadWriteOnce"]);
         assert_eq!(change(&v, true), Some(true));
         assert_eq!(change(&v, false), None);
-        v.metadata.finalizers = Some(vec![stowage_common::store::pv::LOOP_ATTACHER_FINALIZER.into()]);
+        v.metadata.finalizers = Some(vec![
+            stowage_common::vocab::annotations::LOOP_ATTACHER_FINALIZER.into(),
+        ]);
         assert_eq!(change(&v, true), None);
         assert_eq!(change(&v, false), Some(false));
         // Being deleted: released when nothing names it, never added.

@@ -1,8 +1,11 @@
-//! What the binder reads of PVs and claims: the shared readers of `stowage_common::store::pv`, and the
-//! built-in driver's name and handle rule, from the driver's crate (common knows no driver).
+//! What the binder reads of PVs and claims: the shared readers of `stowage_common::store::pv`, the
+//! annotations and finalizers of `stowage_common::vocab`, and the built-in driver's name and
+//! handle rule, from the driver's crate (common knows no driver).
 
 use k8s_openapi::api::core::v1::PersistentVolume;
 pub use stowage_common::store::pv::*;
+pub use stowage_common::vocab::annotations::*;
+pub use stowage_common::vocab::migration::*;
 /// The built-in driver.
 pub use stowage_loopdriver::DRIVER as LOOP_DRIVER;
 /// A handle that names a file directly inside the image dir (the driver's one rule).

@@ -14,10 +14,10 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
 use stowage_common::store::pv::{
-    ANN_PRE_RESIZE_CAPACITY, ann, claim_block, claim_class, claim_phase, claim_volume_name, csi_driver,
-    pv_block, volume_handle,
+    ann, claim_block, claim_class, claim_phase, claim_volume_name, csi_driver, pv_block, volume_handle,
 };
 use stowage_common::store::quantity;
+use stowage_common::vocab::annotations::ANN_PRE_RESIZE_CAPACITY;
 use stowage_loopdriver::DRIVER as LOOP_DRIVER;
 
 pub use stowage_common::vocab::resize::{
@@ -242,7 +242,7 @@ pub fn migrated_plugin(pv: &PersistentVolume) -> Option<(&'static str, &'static 
     } else {
         return None;
     };
-    Some((plugin, stowage_common::store::pv::migrated_driver(plugin)?))
+    Some((plugin, stowage_common::vocab::migration::migrated_driver(plugin)?))
 }
 
 /// A migrated in-tree volume: as upstream, when the claim asks for more than it has (or the PV

@@ -19,6 +19,7 @@ use kube::{Resource, ResourceExt};
 use stowage_common::observe::events::{Occurrence, Subject};
 use stowage_common::store::informer::{Change, is_newer};
 use stowage_common::store::pv::*;
+use stowage_common::vocab::annotations::*;
 use stowage_loopdriver::{DRIVER, ImageError, TOPOLOGY_KEY};
 use tokio::sync::watch;
 use tokio::time::Instant;

@@ -148,6 +148,7 @@ fn canonical_dir(p: &PathBuf, flag: &str) -> anyhow::Result<PathBuf> {
 /// The registry with every family this process exports, as `run` builds it.
 fn registry() -> (stowage_common::observe::metrics::Registry, metrics::Metrics) {
     let registry = stowage_common::observe::metrics::registry("stowage-agent");
+    stowage_common::api::clientmetrics::register(&registry);
     let metrics = metrics::Metrics::new(&registry);
     (registry, metrics)
 }

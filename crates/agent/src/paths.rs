@@ -12,7 +12,7 @@ pub use stowage_loopdriver::DRIVER;
 pub const CSI_PLUGIN_DIR: &str = "kubernetes.io~csi";
 /// Finalizer that keeps a VolumeAttachment until the loop device is released (one name, shared
 /// with the attach/detach controller that may release a dead node's attachment).
-pub use stowage_common::store::pv::LOOP_ATTACHER_FINALIZER as VA_FINALIZER;
+pub use stowage_common::vocab::annotations::LOOP_ATTACHER_FINALIZER as VA_FINALIZER;
 
 /// The unique volume name reported in `node.status.volumesInUse` and `volumesAttached`.
 pub fn unique_name(handle: &str) -> String {

@@ -28,7 +28,7 @@ pub struct PodInfo {
 
 impl PodInfo {
     pub fn reference(&self) -> k8s_openapi::api::core::v1::ObjectReference {
-        stowage_common::store::pods::pod_reference(&self.namespace, &self.name, Some(&self.uid))
+        stowage_common::observe::events::pod_reference(&self.namespace, &self.name, Some(&self.uid))
     }
 }
 

@@ -326,6 +326,7 @@ fn default_identity() -> String {
 /// leadership, with the leader gauges and the controllers' metrics.
 fn metrics(args: &Args) -> (Registry, stowage_common::observe::metrics::Leader, Wiring) {
     let registry = stowage_common::observe::metrics::registry("stowage-controller");
+    stowage_common::api::clientmetrics::register(&registry);
     stowage_common::runtime::queue::register_metrics(&registry);
     stowage_common::observe::storageops::register_metrics(&registry);
     let leader =
@@ -362,7 +363,13 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         timings.validate().map_err(anyhow::Error::msg)?;
     }
     let (client, election_client) = args.api.clients(args.limit()).await?;
-    stowage_common::observe::secure::spawn(&args.secure, health.clone(), &client).await?;
+    let reviews = stowage_common::observe::secure::Reviews {
+        authn: stowage_common::api::client::for_kubeconfig(&args.secure.authentication_kubeconfig, &client)
+            .await?,
+        authz: stowage_common::api::client::for_kubeconfig(&args.secure.authorization_kubeconfig, &client)
+            .await?,
+    };
+    stowage_common::observe::secure::spawn(&args.secure, health.clone(), reviews).await?;
     health.ready.store(true, Ordering::Relaxed);
     tracing::info!(
         controllers = ?controllers,

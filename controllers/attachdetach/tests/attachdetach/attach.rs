@@ -241,7 +241,7 @@ async fn an_attached_loop_volume_is_protected_by_the_attacher_finalizer() {
                     let has = pv
                         .finalizers()
                         .iter()
-                        .any(|f| f == stowage_common::store::pv::LOOP_ATTACHER_FINALIZER);
+                        .any(|f| f == stowage_common::vocab::annotations::LOOP_ATTACHER_FINALIZER);
                     if has == want {
                         Ok(())
                     } else {

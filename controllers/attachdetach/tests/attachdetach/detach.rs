@@ -198,7 +198,7 @@ async fn a_gone_nodes_attachment_is_released_after_the_forced_detach() {
             &name,
             &PatchParams::default(),
             &Patch::Merge(
-                json!({ "metadata": { "finalizers": [stowage_common::store::pv::LOOP_ATTACHER_FINALIZER] } }),
+                json!({ "metadata": { "finalizers": [stowage_common::vocab::annotations::LOOP_ATTACHER_FINALIZER] } }),
             ),
         )
         .await

@@ -15,7 +15,8 @@ use crate::mountinfo;
 use crate::paths::{DRIVER, VA_FINALIZER};
 use crate::sys;
 use stowage_common::observe::events::{Occurrence, Subject};
-use stowage_common::store::pv::{ANN_STORE_ID, ann, is_loop_attacher_finalizer};
+use stowage_common::store::pv::ann;
+use stowage_common::vocab::annotations::{ANN_STORE_ID, is_loop_attacher_finalizer};
 use stowage_loopdriver::fence;
 
 /// For an attached VA: does the device in its status still back its image?

@@ -26,7 +26,7 @@ use crate::paths::VA_FINALIZER;
 use crate::tracker::{OpKey, Tracker};
 use exec::{device_ok, execute};
 use stowage_common::runtime::owed::{Owed, Work};
-use stowage_common::store::pv::is_loop_attacher_finalizer;
+use stowage_common::vocab::annotations::is_loop_attacher_finalizer;
 
 mod exec;
 mod sweep;

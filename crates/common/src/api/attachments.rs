@@ -5,8 +5,8 @@
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client};
 
-use crate::store::VolumeAttachment;
-use crate::store::lean::Lean;
+use crate::api::lean::Lean;
+use crate::api::volumeattachment::VolumeAttachment;
 
 #[derive(Clone)]
 pub struct Attachments {

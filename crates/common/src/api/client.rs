@@ -166,3 +166,25 @@ pub async fn wait_reachable(client: &Client, limit: Duration) -> anyhow::Result<
         }
     }
 }
+
+/// The client of the kubeconfig at `path` (unlimited: review requests are few), or `fallback`
+/// when there is none (the secure port's `--authentication-kubeconfig` and
+/// `--authorization-kubeconfig`, as kube-controller-manager has them).
+pub async fn for_kubeconfig(
+    path: &Option<std::path::PathBuf>,
+    fallback: &kube::Client,
+) -> anyhow::Result<kube::Client> {
+    match path {
+        None => Ok(fallback.clone()),
+        Some(p) => {
+            let args = ApiArgs {
+                kubeconfig: Some(p.clone()),
+                kube_api_qps: None,
+                kube_api_burst: 100,
+                kube_api_content_type: ContentType::Json,
+            };
+            let config = args.config().await?;
+            build(config, crate::api::ratelimit::Limit::Unlimited)
+        }
+    }
+}

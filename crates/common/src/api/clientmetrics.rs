@@ -172,6 +172,12 @@ where
     }
 }
 
+/// Registers the client's families (requests, latency, limiter waits, limits, windows, cuts) in
+/// `registry`; each binary does, once, beside the families of its own.
+pub fn register(registry: &crate::observe::metrics::Registry) {
+    FAMILIES.register(registry);
+}
+
 /// Records a wait for the rate limiter (called by `ratelimit` once the request is known).
 pub(crate) fn limiter_waited(method: &str, host: &str, secs: f64) {
     FAMILIES

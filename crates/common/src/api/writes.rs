@@ -9,7 +9,7 @@ use prometheus::IntCounterVec;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use crate::store::lean::Lean;
+use crate::api::lean::Lean;
 
 #[derive(Clone)]
 pub struct Writes {

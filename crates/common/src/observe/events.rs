@@ -259,6 +259,22 @@ pub enum Repeat {
     Every(Duration),
 }
 
+/// A pod as the object an event is about.
+pub fn pod_reference(
+    namespace: &str,
+    name: &str,
+    uid: Option<&str>,
+) -> k8s_openapi::api::core::v1::ObjectReference {
+    k8s_openapi::api::core::v1::ObjectReference {
+        api_version: Some("v1".into()),
+        kind: Some("Pod".into()),
+        namespace: Some(namespace.into()),
+        name: Some(name.into()),
+        uid: uid.map(Into::into),
+        ..Default::default()
+    }
+}
+
 /// What the gate keys a controller's repeats on: an object, by its kind and its key or UID, and,
 /// where one object has several conditions reported independently, which one (`about`). Every
 /// subject is built here, so the subjects of all controllers read alike and cannot collide by

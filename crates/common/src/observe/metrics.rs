@@ -101,7 +101,6 @@ pub fn registry(binary: &str) -> Registry {
         .set(1);
     register(&registry, info);
     register(&registry, crate::observe::events::EVENTS_TOTAL.clone());
-    crate::api::clientmetrics::FAMILIES.register(&registry);
     #[cfg(target_os = "linux")]
     registry.register(Box::new(
         prometheus::process_collector::ProcessCollector::for_self(),

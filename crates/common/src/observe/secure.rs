@@ -247,20 +247,12 @@ fn certificate(args: &SecureArgs) -> anyhow::Result<(Vec<CertificateDer<'static>
     Ok((vec![signed.cert.der().clone()], key))
 }
 
-async fn client_for(path: &Option<PathBuf>, fallback: &Client) -> anyhow::Result<Client> {
-    match path {
-        None => Ok(fallback.clone()),
-        Some(p) => {
-            let args = crate::api::client::ApiArgs {
-                kubeconfig: Some(p.clone()),
-                kube_api_qps: None,
-                kube_api_burst: 100,
-                kube_api_content_type: crate::api::client::ContentType::Json,
-            };
-            let config = args.config().await?;
-            crate::api::client::build(config, crate::api::ratelimit::Limit::Unlimited)
-        }
-    }
+/// The clients the secure port asks the apiserver with: TokenReviews (`authn`) and
+/// SubjectAccessReviews (`authz`). The binary builds them (`--authentication-kubeconfig`,
+/// `--authorization-kubeconfig`, or its own client), so this module builds no client.
+pub struct Reviews {
+    pub authn: Client,
+    pub authz: Client,
 }
 
 /// A listener whose connections have finished their TLS handshake. Handshakes run in tasks of
@@ -318,7 +310,11 @@ fn tls_listener(tcp: TcpListener, acceptor: TlsAcceptor) -> anyhow::Result<TlsLi
 
 /// Binds the secure port (a taken port fails start-up) and serves in the background; returns the
 /// bound address, or `None` when --secure-port is 0.
-pub async fn spawn(args: &SecureArgs, health: Health, client: &Client) -> anyhow::Result<Option<SocketAddr>> {
+pub async fn spawn(
+    args: &SecureArgs,
+    health: Health,
+    reviews: Reviews,
+) -> anyhow::Result<Option<SocketAddr>> {
     if args.secure_port == 0 {
         return Ok(None);
     }
@@ -337,8 +333,8 @@ pub async fn spawn(args: &SecureArgs, health: Health, client: &Client) -> anyhow
     let listener = tls_listener(tcp, TlsAcceptor::from(Arc::new(config)))?;
     let bound = axum::serve::Listener::local_addr(&listener)?;
     let gate = Gate {
-        authn: client_for(&args.authentication_kubeconfig, client).await?,
-        authz: client_for(&args.authorization_kubeconfig, client).await?,
+        authn: reviews.authn,
+        authz: reviews.authz,
         allow: Arc::new(args.authorization_always_allow_paths.clone()),
         tokens: Arc::default(),
         decisions: Arc::default(),

@@ -18,7 +18,7 @@ use serde::de::DeserializeOwned;
 use tokio::sync::broadcast;
 use tokio::task::JoinSet;
 
-use crate::store::lean::Lean;
+use crate::api::lean::Lean;
 
 /// One change seen by the watch.
 #[derive(Debug, Clone)]

@@ -24,7 +24,7 @@ use serde::{Deserialize, Deserializer};
 use crate::store::packed::{Packable, Packed};
 use crate::store::slim;
 
-pub use crate::store::attachment::{
+pub use crate::api::volumeattachment::{
     VolumeAttachment, VolumeAttachmentSource, VolumeAttachmentSpec, VolumeAttachmentStatus,
 };
 pub use crate::store::packed::Packable as Storable;
@@ -232,7 +232,7 @@ impl StoredClaim {
             .meta()
             .annotations
             .as_ref()
-            .and_then(|a| a.get(crate::store::pv::ANN_BETA_CLASS))
+            .and_then(|a| a.get(crate::vocab::annotations::ANN_BETA_CLASS))
             .cloned();
         Ok(ClaimBinding {
             volume_name: spec.volume_name.unwrap_or_default(),
@@ -309,7 +309,7 @@ impl PodRead for StoredPod {
     }
 }
 
-addressed_as!(StoredPod, v1::Pod, 0.metadata);
+crate::api::addressed_as!(StoredPod, v1::Pod, 0.metadata);
 
 #[cfg(test)]
 mod tests {
@@ -390,8 +390,13 @@ mod tests {
         );
         // The beta annotation wins over the field, as on the decoded claim.
         let mut beta = c.clone();
-        beta.metadata.annotations =
-            Some([(crate::store::pv::ANN_BETA_CLASS.to_string(), "old".to_string())].into());
+        beta.metadata.annotations = Some(
+            [(
+                crate::vocab::annotations::ANN_BETA_CLASS.to_string(),
+                "old".to_string(),
+            )]
+            .into(),
+        );
         let binding = StoredClaim::new(beta.clone()).binding().unwrap();
         assert_eq!(binding.class.as_deref(), Some("old"));
         assert_eq!(binding.class.as_deref(), crate::store::pv::claim_class(&beta));

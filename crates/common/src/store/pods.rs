@@ -6,22 +6,6 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
 use crate::store::slim::PodRead;
 
-/// A pod as the object an event is about.
-pub fn pod_reference(
-    namespace: &str,
-    name: &str,
-    uid: Option<&str>,
-) -> k8s_openapi::api::core::v1::ObjectReference {
-    k8s_openapi::api::core::v1::ObjectReference {
-        api_version: Some("v1".into()),
-        kind: Some("Pod".into()),
-        namespace: Some(namespace.into()),
-        name: Some(name.into()),
-        uid: uid.map(Into::into),
-        ..Default::default()
-    }
-}
-
 /// A claim one pod volume names.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PodClaim {

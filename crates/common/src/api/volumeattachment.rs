@@ -68,12 +68,12 @@ impl Serialize for VolumeAttachment {
     }
 }
 
-addressed_as!(VolumeAttachment, api::VolumeAttachment, metadata);
+crate::api::addressed_as!(VolumeAttachment, api::VolumeAttachment, metadata);
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::lean::Lean;
+    use crate::api::lean::Lean;
     use serde_json::json;
 
     // Conversions to compare with the API type: nothing outside these tests converts.
