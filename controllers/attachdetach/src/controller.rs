@@ -460,4 +460,71 @@ mod live_tests {
         );
         assert!(!h.controller_finished(), "the controller kept running");
     }
+
+    /// What this controller does not manage is never detached, on either side: a
+    /// VolumeAttachment whose volume's source does not translate (a host path here) and another
+    /// plugin's entry in the node's `status.volumesAttached` stay as they are, while an
+    /// attachment it manages and no pod wants, on the same node, goes.
+    #[tokio::test]
+    async fn what_this_controller_does_not_manage_is_never_detached() {
+        const FOREIGN_ENTRY: &str = "kubernetes.io/some-old-plugin/disk-1";
+        let mut h = one_bound_claim("mine").await;
+        let mut foreign = pv("foreign").build();
+        let spec = foreign.spec.as_mut().unwrap();
+        spec.csi = None;
+        spec.host_path = Some(k8s_openapi::api::core::v1::HostPathVolumeSource {
+            path: "/srv/foreign".into(),
+            type_: None,
+        });
+        h.create_pv(foreign).await;
+        let vas: Api<VolumeAttachment> = Api::all(h.client.clone());
+        for (name, attacher, volume) in [
+            ("va-foreign", "other.example.com", "foreign"),
+            ("va-mine", "hooks.test.stowage.dev", "mine"),
+        ] {
+            let va: VolumeAttachment = serde_json::from_value(serde_json::json!({
+                "apiVersion": "storage.k8s.io/v1", "kind": "VolumeAttachment",
+                "metadata": {"name": name},
+                "spec": {"attacher": attacher, "nodeName": "n1",
+                         "source": {"persistentVolumeName": volume}},
+            }))
+            .unwrap();
+            vas.create(&PostParams::default(), &va).await.unwrap();
+        }
+        let listed = serde_json::json!({"status": {"volumesAttached": [
+            {"name": FOREIGN_ENTRY, "devicePath": "/dev/old"}]}});
+        Api::<Node>::all(h.client.clone())
+            .patch_status("n1", &PatchParams::default(), &Patch::Merge(&listed))
+            .await
+            .unwrap();
+
+        let cluster = h.cluster().await;
+        let metrics = Metrics::new(&h.registry);
+        h.run(run(cluster, metrics, Config::default()));
+        // The managed attachment no pod wants is detached: passes over this node have run.
+        eventually(WAIT, || async {
+            (attachments_of(&h, "mine").await? == 0)
+                .then_some(())
+                .ok_or_else(|| "the unwanted managed attachment is still there".to_string())
+        })
+        .await;
+        let kept = vas.get("va-foreign").await.unwrap();
+        assert!(
+            kept.metadata.deletion_timestamp.is_none(),
+            "the foreign attachment is being deleted"
+        );
+        let node = Api::<Node>::all(h.client.clone()).get("n1").await.unwrap();
+        let listed: Vec<String> = node
+            .status
+            .and_then(|s| s.volumes_attached)
+            .unwrap_or_default()
+            .into_iter()
+            .map(|v| v.name)
+            .collect();
+        assert_eq!(
+            listed,
+            vec![FOREIGN_ENTRY.to_string()],
+            "the foreign entry stays listed"
+        );
+    }
 }

@@ -10,7 +10,7 @@ use kube::ResourceExt;
 use stowage_common::store::{StoredClaim, StoredPod, StoredVolume};
 
 pub use crate::translate::Kind;
-use crate::translate::{Target, inline_target, pv_target};
+use crate::translate::{Target, inline_target, is_managed_name, pv_target};
 use crate::vecmap::VecMap;
 
 /// One attachable volume.
@@ -326,8 +326,9 @@ pub fn resolve_pod(pod: &StoredPod, lookup: &impl Lookup) -> PodVolumes {
     for v in pod.volumes() {
         match inline_target(v, &ns) {
             Ok(Some(t)) if attachable(&t, lookup) => {
-                let spec = VolumeSpec::of(t);
-                if !out.attachable.iter().any(|s| s.name == spec.name) {
+                if let Some(spec) = managed_spec(t)
+                    && !out.attachable.iter().any(|s| s.name == spec.name)
+                {
                     out.attachable.push(spec);
                 }
             }
@@ -344,6 +345,12 @@ pub fn resolve_pod(pod: &StoredPod, lookup: &impl Lookup) -> PodVolumes {
 /// Needs attaching: iSCSI/FC always, a CSI driver unless its CSIDriver says otherwise.
 fn attachable(t: &Target, lookup: &impl Lookup) -> bool {
     matches!(t.kind, Kind::InTree) || driver_attachable(lookup.driver(&t.driver).as_deref())
+}
+
+/// The desired entry of an attachable target, if this controller manages its volume
+/// (`translate::managed`, the rule its actual side applies too).
+fn managed_spec(t: Target) -> Option<VolumeSpec> {
+    Some(VolumeSpec::of(t)).filter(|s| is_managed_name(&s.name))
 }
 
 /// The claim's attachable volume, `Ok(None)` for a volume that needs no attaching, or why the
@@ -389,7 +396,7 @@ fn resolve_claim(claim: &StoredClaim, lookup: &impl Lookup) -> Result<Option<Vol
     if !attachable(&target, lookup) {
         return Ok(None);
     }
-    Ok(Some(VolumeSpec::of(target)))
+    Ok(managed_spec(target))
 }
 
 /// The note of the event on a pod that keeps volumes its claims no longer resolve to: what is

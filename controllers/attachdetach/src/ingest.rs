@@ -23,10 +23,9 @@ use crate::core::pass_unaffected;
 use crate::desired::{Kind, Lookup, PodRef, driver_attachable, kept_note, resolve_pod};
 use crate::metrics::observe_attempt;
 use crate::read::{
-    NodeInfo, VaState, is_loop, pod_claims, pod_is_active, pv_finalizer_change, split_unique_volume_name,
-    unique_volume_name,
+    NodeInfo, VaState, is_loop, pod_claims, pod_is_active, pv_finalizer_change, unique_volume_name,
 };
-use crate::translate::{is_csi_name, pv_target, split_in_tree_name};
+use crate::translate::{is_csi_name, is_managed_name, managed, pv_target};
 
 /// Resolves pod volumes through the shared stores.
 pub(crate) struct Stores<'a>(&'a Informers);
@@ -72,8 +71,7 @@ impl Controller {
             // CSI, iSCSI and FC entries become attachments; any other entry (a plugin this
             // controller does not have) is left to the node status as it is.
             for (volume, path) in &info.volumes_attached {
-                let parts = split_unique_volume_name(volume).or_else(|| split_in_tree_name(volume));
-                if let Some((driver, handle)) = parts {
+                if let Some((driver, handle)) = managed(volume) {
                     self.actual.entry(volume, &name, driver, handle).reported = Some(path.clone());
                 }
             }
@@ -366,12 +364,15 @@ impl Controller {
     ) -> Option<(String, String, String, String)> {
         if let Some(spec) = va.spec.source.inline_volume_spec.as_deref() {
             let csi = spec.csi.as_ref()?;
-            return Some((
-                unique_volume_name(&csi.driver, &csi.volume_handle),
-                va.spec.node_name.clone(),
-                csi.driver.clone(),
-                csi.volume_handle.clone(),
-            ));
+            let volume = unique_volume_name(&csi.driver, &csi.volume_handle);
+            return is_managed_name(&volume).then(|| {
+                (
+                    volume,
+                    va.spec.node_name.clone(),
+                    csi.driver.clone(),
+                    csi.volume_handle.clone(),
+                )
+            });
         }
         let pv_name = va.spec.source.persistent_volume_name.as_deref()?;
         let pv = self
@@ -391,12 +392,8 @@ impl Controller {
             }
             return None;
         };
-        Some((
-            unique_volume_name(&csi.driver, &csi.handle),
-            va.spec.node_name.clone(),
-            csi.driver,
-            csi.handle,
-        ))
+        let volume = unique_volume_name(&csi.driver, &csi.handle);
+        is_managed_name(&volume).then(|| (volume, va.spec.node_name.clone(), csi.driver, csi.handle))
     }
 
     /// A VolumeAttachment seen (watch) or returned by a write. Marks a full pass due unless the

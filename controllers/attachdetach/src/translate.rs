@@ -65,11 +65,22 @@ impl Target {
     }
 }
 
-/// Whether a unique name is one this controller manages: CSI, iSCSI or FC. Anything else in a
-/// node's `status.volumesAttached` (an old in-tree plugin's entry, another writer's) is kept as
-/// it is: upstream cannot detach a volume whose plugin it does not have, so its entry stays.
+/// What this controller manages, the one rule for both of its sides: a volume is managed when
+/// its unique name is a CSI one (a driver and a handle; migrated in-tree volumes are named so
+/// after translation) or an iSCSI or FC plugin's; this gives its (driver or plugin, handle).
+/// The desired side wants only managed volumes (`desired::resolve_pod`), and the actual side
+/// tracks only managed ones (`Controller::load` from node status, `Controller::resolve_va` from
+/// VolumeAttachments), so what it does not manage (an old in-tree plugin's entry in a node's
+/// `status.volumesAttached`, another writer's, a VolumeAttachment of a volume whose source does
+/// not translate) is never tracked and so never detached: upstream cannot detach a volume whose
+/// plugin it does not have either, so it leaves such entries as they are.
+pub fn managed(name: &str) -> Option<(&str, &str)> {
+    crate::read::split_unique_volume_name(name).or_else(|| split_in_tree_name(name))
+}
+
+/// [`managed`], as a yes or no.
 pub fn is_managed_name(name: &str) -> bool {
-    split_in_tree_name(name).is_some() || crate::read::split_unique_volume_name(name).is_some()
+    managed(name).is_some()
 }
 
 /// `(plugin, volume name)` of an iSCSI or FC unique name.
