@@ -7,7 +7,7 @@ import yaml, json, re, sys
 vals = yaml.safe_load(open('charts/stowage/values.yaml'))
 # controller.controllers: the names stowage-controller accepts, read from its own tables
 # (CONTROLLERS and KCM_ALIASES), each alone or negated; the chart tests compare the two.
-lib = open('crates/controller/src/lib.rs').read()
+lib = open('bins/controller/src/lib.rs').read()
 def first_names(const):
     body = re.search(r'pub const %s: [^=]+= &\[(.*?)\];' % const, lib, re.S).group(1)
     return re.findall(r'\(\s*"([^"]+)"', body)
