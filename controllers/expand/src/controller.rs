@@ -3,12 +3,10 @@
 //! shared window (`exec`), at most one per claim, and reports the objects it wrote back
 //! (`results`). Store events become keys in `ingest`.
 
-use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
 use k8s_openapi::api::storage::v1::StorageClass;
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
@@ -27,6 +25,7 @@ use tokio::time::Instant;
 use crate::core::{self, Action};
 use crate::error::Error;
 use crate::exec::{Executor, is_attached};
+use crate::ingest::Known;
 use crate::metrics::Metrics;
 use crate::results::Outcome;
 
@@ -51,18 +50,16 @@ impl Default for Config {
     }
 }
 
-pub(crate) struct Controller {
+/// The one decision task's state. Its parts take data: `Known` (ingest) turns changes into
+/// claim keys and settles results (`results`), the `Executor` writes; only this file holds the
+/// controller.
+struct Controller {
     /// Work tasks, one per claim: dropped (aborted) with the controller when leadership ends,
     /// so a former leader stops writing at once; claims wait in the queue while it is full.
-    pub(crate) window: Window<String, Outcome>,
-    pub(crate) cluster: Arc<Informers>,
-    pub(crate) queue: WorkQueue<String>,
-    /// Objects this controller wrote, until the stores catch up (newest resourceVersion wins).
-    pub(crate) claims: HashMap<String, Arc<PersistentVolumeClaim>>,
-    pub(crate) pvs: HashMap<String, Arc<PersistentVolume>>,
-    /// Claims with a resize status, and when this process started their expansion.
-    pub(crate) resizing: HashMap<String, Option<Instant>>,
-    pub(crate) executor: Arc<Executor>,
+    window: Window<String, Outcome>,
+    queue: WorkQueue<String>,
+    known: Known,
+    executor: Arc<Executor>,
 }
 
 pub async fn run(cluster: Arc<Informers>, metrics: Metrics, config: Config) -> anyhow::Result<()> {
@@ -74,17 +71,14 @@ pub async fn run(cluster: Arc<Informers>, metrics: Metrics, config: Config) -> a
     let mut ctl = Controller {
         window: Window::new(config.max_in_flight),
         queue: WorkQueue::default().named("volume_expand"),
-        claims: HashMap::new(),
-        pvs: HashMap::new(),
-        resizing: HashMap::new(),
         executor: Arc::new(Executor {
             events: Events::new(client.clone(), "stowage-expand"),
             client,
-            metrics,
+            metrics: metrics.clone(),
             image_dir: config.image_dir.clone(),
             attachments: cluster.attachments.store().clone(),
         }),
-        cluster,
+        known: Known::new(cluster, metrics),
     };
     ctl.resync();
     let inputs = Inputs::new()
@@ -118,15 +112,31 @@ impl Reconciler for Controller {
 
     fn input(&mut self, input: Input) {
         match input {
-            Input::Claim(Change::Applied(c)) => self.claim_seen(&c.decode()),
-            Input::Claim(Change::Deleted(c)) => self.claim_gone(&c.decode()),
-            Input::Volume(Change::Applied(pv)) => self.pv_seen(&pv.decode()),
-            Input::Volume(Change::Deleted(pv)) => {
-                self.pvs.remove(&pv.name_any());
-                self.queue_claim_of(&pv.decode());
+            Input::Claim(Change::Applied(c)) => {
+                if let Some(t) = self.known.claim_seen(&c.decode()) {
+                    // A claim with writes running is synced again when they land.
+                    if !self.window.defer_if_running(&t.key) && t.bound {
+                        self.queue.add(t.key);
+                    }
+                }
             }
-            // A class that now allows expansion unblocks its claims (and a refusal is news).
-            Input::Class(Change::Applied(sc) | Change::Deleted(sc)) => self.wake_class(&sc.name_any()),
+            Input::Claim(Change::Deleted(c)) => {
+                let key = self.known.claim_gone(&c.decode());
+                self.executor.events.forget(&crate::exec::subject(&key));
+            }
+            Input::Volume(Change::Applied(pv)) => {
+                let key = self.known.pv_seen(&pv.decode());
+                self.sync_later(key);
+            }
+            Input::Volume(Change::Deleted(pv)) => {
+                let key = self.known.pv_gone(&pv.decode());
+                self.sync_later(key);
+            }
+            Input::Class(Change::Applied(sc) | Change::Deleted(sc)) => {
+                for key in self.known.claims_of_class(&sc.name_any()) {
+                    self.queue.add(key);
+                }
+            }
             Input::Claim(Change::Resynced)
             | Input::Volume(Change::Resynced)
             | Input::Class(Change::Resynced)
@@ -139,7 +149,13 @@ impl Reconciler for Controller {
     }
 
     fn landed(&mut self, landed: Landed<String, Outcome>) -> Result<Next, Error> {
-        self.finish(landed)
+        let key = landed.key.clone();
+        let f = self.known.finish(landed);
+        if f.changed && f.next.is_err() {
+            // Changed by someone else: decide again on the newer object now, failed or not.
+            self.queue.add(key);
+        }
+        f.next
     }
 
     /// Counted by kind; an infeasible expansion waits for a changed request (or the core's slow
@@ -164,25 +180,45 @@ impl Reconciler for Controller {
 
     fn before_wait(&mut self) {
         self.executor.metrics.queue_depth.set(self.queue.len() as i64);
-        self.executor.metrics.in_progress.set(self.resizing.len() as i64);
+        self.executor
+            .metrics
+            .in_progress
+            .set(self.known.resizing.len() as i64);
     }
 }
 
 impl Controller {
+    /// Every bound claim, queued (the periodic net, and after a relist).
+    fn resync(&mut self) {
+        for key in self.known.resync() {
+            self.queue.add(key);
+        }
+    }
+
+    /// Queues a claim a volume change touched, unless its writes are running (it is synced
+    /// again when they land).
+    fn sync_later(&mut self, key: Option<String>) {
+        if let Some(key) = key
+            && !self.window.defer_if_running(&key)
+        {
+            self.queue.add(key);
+        }
+    }
+
     /// Decides one claim: reports at once, or starts its writes (then `finish` settles it).
-    pub(crate) fn sync(&mut self, key: String) -> Next {
+    fn sync(&mut self, key: String) -> Next {
         if self.window.defer_if_running(&key) {
             return Next::Pending;
         }
-        let Some(claim) = self.claim(&key) else {
+        let Some(claim) = self.known.claim(&key) else {
             return Next::Done;
         };
         let pv = Some(claim_volume_name(&claim))
             .filter(|n| !n.is_empty())
-            .and_then(|n| self.pv(n));
+            .and_then(|n| self.known.pv(n));
         let class = claim_class(&claim)
             .filter(|n| !n.is_empty())
-            .and_then(|n| self.cluster.classes.store().get(&ObjectRef::new(n)));
+            .and_then(|n| self.known.cluster.classes.store().get(&ObjectRef::new(n)));
         // Only Block volumes ask; a scan of the attachments is not worth it otherwise.
         let attached = pv
             .as_ref()

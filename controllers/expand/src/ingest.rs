@@ -1,7 +1,9 @@
-//! Ingest: store and watch events become queued claim keys; the objects this controller wrote are
-//! kept until the stores catch up (newest resourceVersion wins).
+//! Ingest: store and watch events become the claim keys to sync (`Known`'s methods return them;
+//! the controller queues them); the objects this controller wrote are kept until the stores catch
+//! up (newest resourceVersion wins), and resizes under way are tracked for their gauge and
+//! duration.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
@@ -10,8 +12,11 @@ use kube::runtime::reflector::ObjectRef;
 use stowage_common::store::informer::is_newer;
 use stowage_common::store::pv::{claim_key, claim_ref, claim_volume_name};
 
-use crate::controller::Controller;
+use stowage_common::store::informers::Informers;
+use tokio::time::Instant;
+
 use crate::core::{self};
+use crate::metrics::Metrics;
 
 pub(crate) fn split(key: &str) -> (&str, &str) {
     key.split_once('/').unwrap_or(("", key))
@@ -32,7 +37,35 @@ pub(crate) fn newest<K: kube::Resource>(a: Option<Arc<K>>, b: Option<&Arc<K>>) -
     }
 }
 
-impl Controller {
+/// What the controller knows besides the stores: its own writes until the stores catch up, and
+/// the resizes under way.
+pub(crate) struct Known {
+    pub(crate) cluster: Arc<Informers>,
+    /// Objects this controller wrote, until the stores catch up (newest resourceVersion wins).
+    pub(crate) claims: HashMap<String, Arc<PersistentVolumeClaim>>,
+    pub(crate) pvs: HashMap<String, Arc<PersistentVolume>>,
+    /// Claims with a resize status, and when this process started their expansion.
+    pub(crate) resizing: HashMap<String, Option<Instant>>,
+    pub(crate) metrics: Metrics,
+}
+
+/// A claim a change touched: its key, and whether it is bound (only bound claims are synced).
+pub(crate) struct Touched {
+    pub(crate) key: String,
+    pub(crate) bound: bool,
+}
+
+impl Known {
+    pub(crate) fn new(cluster: Arc<Informers>, metrics: Metrics) -> Self {
+        Self {
+            cluster,
+            claims: HashMap::new(),
+            pvs: HashMap::new(),
+            resizing: HashMap::new(),
+            metrics,
+        }
+    }
+
     pub(crate) fn claim(&self, key: &str) -> Option<Arc<PersistentVolumeClaim>> {
         let (ns, name) = split(key);
         let stored = self.cluster.pvcs.store().get(&ObjectRef::new(name).within(ns));
@@ -46,8 +79,8 @@ impl Controller {
         newest(Some(stored), self.pvs.get(name))
     }
 
-    /// Queues every bound claim (the periodic net, and after a relist).
-    pub(crate) fn resync(&mut self) {
+    /// Every bound claim, to sync again (the periodic net, and after a relist).
+    pub(crate) fn resync(&mut self) -> Vec<String> {
         let live: HashSet<String> = self
             .cluster
             .pvcs
@@ -67,17 +100,20 @@ impl Controller {
             .map(|p| p.name_any())
             .collect();
         self.pvs.retain(|k, _| live_pvs.contains(k));
+        let mut bound = vec![];
         for key in live {
             if let Some(c) = self.claim(&key) {
                 self.observe(&key, &c);
                 if !claim_volume_name(&c).is_empty() {
-                    self.queue.add(key);
+                    bound.push(key);
                 }
             }
         }
+        bound
     }
 
-    pub(crate) fn claim_seen(&mut self, c: &PersistentVolumeClaim) {
+    /// A claim changed; `None` when the change is this controller's own write coming back.
+    pub(crate) fn claim_seen(&mut self, c: &PersistentVolumeClaim) -> Option<Touched> {
         let key = claim_key(c);
         // Our own writes come back through the watch; they are known already and must not
         // bypass the backoff of a failing claim.
@@ -88,24 +124,28 @@ impl Controller {
                 if seen == written {
                     self.claims.remove(&key);
                 }
-                return;
+                return None;
             }
             self.claims.remove(&key);
         }
         self.observe(&key, c);
-        if !self.window.defer_if_running(&key) && !claim_volume_name(c).is_empty() {
-            self.queue.add(key);
-        }
+        Some(Touched {
+            bound: !claim_volume_name(c).is_empty(),
+            key,
+        })
     }
 
-    pub(crate) fn claim_gone(&mut self, c: &PersistentVolumeClaim) {
+    /// A claim was deleted: forgotten here; returns its key.
+    pub(crate) fn claim_gone(&mut self, c: &PersistentVolumeClaim) -> String {
         let key = claim_key(c);
         self.claims.remove(&key);
         self.resizing.remove(&key);
-        self.executor.events.forget(&crate::exec::subject(&key));
+        key
     }
 
-    pub(crate) fn pv_seen(&mut self, pv: &PersistentVolume) {
+    /// A volume changed: the key of its claim, unless the change is this controller's own write
+    /// coming back.
+    pub(crate) fn pv_seen(&mut self, pv: &PersistentVolume) -> Option<String> {
         let name = pv.name_any();
         if let Some(mine) = self.pvs.get(&name) {
             let (seen, written) = (pv.resource_version(), mine.resource_version());
@@ -114,30 +154,35 @@ impl Controller {
                 if seen == written {
                     self.pvs.remove(&name);
                 }
-                return;
+                return None;
             }
             self.pvs.remove(&name);
         }
-        self.queue_claim_of(pv);
+        claim_of(pv)
     }
 
-    pub(crate) fn queue_claim_of(&mut self, pv: &PersistentVolume) {
-        if let Some((ns, name, _)) = claim_ref(pv) {
-            let key = format!("{ns}/{name}");
-            if !self.window.defer_if_running(&key) {
-                self.queue.add(key);
-            }
-        }
+    /// A volume was deleted: the key of its claim.
+    pub(crate) fn pv_gone(&mut self, pv: &PersistentVolume) -> Option<String> {
+        self.pvs.remove(&pv.name_any());
+        claim_of(pv)
     }
 
-    pub(crate) fn wake_class(&mut self, class: &str) {
+    /// The bound claims of `class` (a class that now allows expansion unblocks them, and a
+    /// refusal is news).
+    pub(crate) fn claims_of_class(&self, class: &str) -> Vec<String> {
         // The few fields this reads are decoded, not each whole claim.
-        for stored in self.cluster.pvcs.store().state() {
-            let Ok(binding) = stored.binding() else { continue };
-            if binding.class.as_deref() == Some(class) && !binding.volume_name.is_empty() {
-                self.queue.add(claim_key(stored.as_ref()));
-            }
-        }
+        self.cluster
+            .pvcs
+            .store()
+            .state()
+            .into_iter()
+            .filter(|stored| {
+                stored
+                    .binding()
+                    .is_ok_and(|b| b.class.as_deref() == Some(class) && !b.volume_name.is_empty())
+            })
+            .map(|stored| claim_key(stored.as_ref()))
+            .collect()
     }
 
     /// Tracks resizes under way (a gauge) and, when one this process started ends, its duration.
@@ -150,12 +195,16 @@ impl Controller {
                 _ => false,
             };
             if reached {
-                self.executor
-                    .metrics
+                self.metrics
                     .expansion_seconds
                     .with_label_values(&["total"])
                     .observe(started.elapsed().as_secs_f64());
             }
         }
     }
+}
+
+/// The key of the claim a volume is bound to.
+fn claim_of(pv: &PersistentVolume) -> Option<String> {
+    claim_ref(pv).map(|(ns, name, _)| format!("{ns}/{name}"))
 }

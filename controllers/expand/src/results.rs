@@ -1,4 +1,4 @@
-//! Results: what one claim's work reports back (`Outcome`), folded into the controller's copies;
+//! Results: what one claim's work reports back (`Outcome`), folded into what the controller knows;
 //! the driver settles the key (retry, backoff) from what `finish` says.
 
 use std::sync::Arc;
@@ -11,9 +11,8 @@ use stowage_common::runtime::inflight::Landed;
 use stowage_common::store::informer::is_newer;
 use tokio::time::Instant;
 
-use crate::controller::Controller;
 use crate::error::Error;
-use crate::ingest::split;
+use crate::ingest::{Known, split};
 
 /// What one claim's work reports back.
 pub(crate) struct Outcome {
@@ -24,14 +23,24 @@ pub(crate) struct Outcome {
     pub(crate) error: Option<Error>,
 }
 
-impl Controller {
-    /// Takes a claim's results into the controller's copies and says what comes next for it:
-    /// done (again at once if someone else changed it meanwhile), or its failure.
-    pub(crate) fn finish(&mut self, landed: Landed<String, Outcome>) -> Result<Next, Error> {
+/// What became of a claim's work: what comes next for it, and whether it changed meanwhile
+/// (then a failed claim is synced again at once, its backoff cut short by the newer object).
+pub(crate) struct Finished {
+    pub(crate) next: Result<Next, Error>,
+    pub(crate) changed: bool,
+}
+
+impl Known {
+    /// Takes a claim's results into the copies this controller keeps and says what comes next
+    /// for it: done (again at once if someone else changed it meanwhile), or its failure.
+    pub(crate) fn finish(&mut self, landed: Landed<String, Outcome>) -> Finished {
         let key = landed.key;
         let Some(done) = landed.result else {
             // The task died without a report: the claim is retried with backoff.
-            return Err(Error::Panic);
+            return Finished {
+                next: Err(Error::Panic),
+                changed: false,
+            };
         };
         for c in done.claims {
             let c = Arc::new(c);
@@ -58,15 +67,11 @@ impl Controller {
                 _ => true,
             }
         };
-        match done.error {
-            Some(e) => {
-                if changed {
-                    self.queue.add(key);
-                }
-                Err(e)
-            }
+        let next = match done.error {
+            Some(e) => Err(e),
             None if changed => Ok(Next::Again),
             None => Ok(Next::Done),
-        }
+        };
+        Finished { next, changed }
     }
 }
