@@ -218,11 +218,7 @@ impl Reconciler for Controller {
             .inc();
     }
 
-    fn has_pending(&self) -> bool {
-        !self.woken.is_empty()
-    }
-
-    fn before_batch(&mut self) {
+    fn flush(&mut self) {
         self.flush_wakeups();
     }
 

@@ -61,10 +61,12 @@ pub trait Reconciler: Send {
     type Done: Send + 'static;
     type Error: std::fmt::Display + Send;
 
-    /// The controller's work queue.
+    /// The controller's work queue: the loop pops, retries and settles its keys; the
+    /// controller only adds keys (in `input`, `flush`), as its changes touch them.
     fn queue(&mut self) -> &mut WorkQueue<Self::Key>;
-    /// The controller's write window, if its writes run as tasks of their own; a controller
-    /// without one writes inside `reconcile`, one key at a time.
+    /// The controller's write window, if its writes run as tasks of their own (a bind is four
+    /// writes, an expansion a file and two objects: several keys write at once while decisions
+    /// stay serial); a controller without one writes inside `reconcile`, one key at a time.
     fn window(&mut self) -> Option<&mut Window<Self::Key, Self::Done>> {
         None
     }
@@ -72,7 +74,8 @@ pub trait Reconciler: Send {
     fn input(&mut self, input: Self::Input);
     /// Decides one key, and either writes or starts the writes.
     fn reconcile(&mut self, key: Self::Key) -> impl Future<Output = Result<Next, Self::Error>> + Send;
-    /// Takes in what a write task brought back, and says what comes next for its key.
+    /// Takes in what a write task brought back (the objects it wrote, which the stores have not
+    /// seen yet), and says what comes next for its key.
     fn landed(&mut self, _landed: Landed<Self::Key, Self::Done>) -> Result<Next, Self::Error> {
         Ok(Next::Done)
     }
@@ -83,15 +86,15 @@ pub trait Reconciler: Send {
         tracing::debug!(?key, %error, failures, "reconcile failed, retrying");
         Retry::Backoff
     }
-    /// A reconcile panicked (a bug): counted by the controller; the key is retried with backoff.
+    /// A reconcile panicked (a bug): counted by the controller, which frees what the reconcile
+    /// may have held (the binder's reservations); the key is retried with backoff.
     fn panicked(&mut self, _key: &Self::Key) {}
-    /// Work the controller holds besides the queue's ready keys (then a pass runs at once).
-    fn has_pending(&self) -> bool {
-        false
-    }
-    /// Runs before each batch of reconciles (to turn what is pending into queued keys).
-    fn before_batch(&mut self) {}
-    /// Runs before the loop waits: the controller's gauges.
+    /// Runs once a burst of inputs is taken in, before keys are popped: what the controller
+    /// gathered from the burst becomes queued keys once (the binder wakes the unbound claims of a
+    /// class once, however many of its volumes changed).
+    fn flush(&mut self) {}
+    /// Runs before the loop waits: the controller's own gauges (queue depth, work in progress),
+    /// set when they change least often.
     fn before_wait(&mut self) {}
 }
 
@@ -185,12 +188,12 @@ pub async fn run<R: Reconciler>(mut r: R, mut inputs: Inputs<R::Input>, pace: Pa
             land(&mut r, l);
             continue;
         }
+        r.flush();
         let has_room = r.window().is_none_or(|w| w.has_room());
         let now = Instant::now();
         // Delayed keys become ready only when popped: one that fell due counts as ready.
         let due_now = r.queue().next_due().is_some_and(|at| at <= now);
-        if has_room && (r.queue().has_ready() || due_now || r.has_pending()) {
-            r.before_batch();
+        if has_room && (r.queue().has_ready() || due_now) {
             for _ in 0..pace.batch.max(1) {
                 if !r.window().is_none_or(|w| w.has_room()) {
                     break;
