@@ -1,20 +1,20 @@
 //! The binder's `Controller`: one task owns the cache and the queue and makes every decision
 //! serially (so matching can never hand one volume to two claims); the writes of different objects
 //! run concurrently in the shared window (`exec`), each object's writes in order, and their
-//! outcomes come back to that task (`results`), which keeps the newest objects it has seen or
-//! written. Store events become keys in `ingest`.
+//! outcomes come back to that task (`results::settle`), which keeps the newest objects it has seen
+//! or written. Store events become keys in `ingest`. The parts take the data they work on
+//! (`Ingest` borrows the cache, queue and indexes for one change); only this file holds the
+//! controller.
 
-use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::ObjectReference;
 use k8s_openapi::api::storage::v1::StorageClass;
 use kube::runtime::reflector::ObjectRef;
-use kube::{Api, Resource, ResourceExt};
+use kube::{Api, ResourceExt};
 use stowage_common::errors::{MetricLabel, PANIC};
-use stowage_common::observe::events::{Events, Occurrence, Repeat, Subject};
+use stowage_common::observe::events::Events;
 use stowage_common::runtime::driver::{self, Inputs, Next, Pace, Reconciler, Retry};
 use stowage_common::runtime::inflight::{Landed, Window};
 use stowage_common::store::StoredPod;
@@ -23,13 +23,14 @@ use stowage_common::store::informers::Informers;
 use stowage_common::store::{StoredClaim, StoredVolume};
 use tokio::time::Instant;
 
-use crate::core::{self, Action, Cache, Env, Event, Target};
+use crate::core::{self, Action, Cache, Env, Event};
 use crate::error::Error;
-use crate::exec::{Executor, Snapshot};
-use crate::ingest::PodIndex;
+use crate::exec::{Executor, Outcome, Snapshot};
+use crate::ingest::{Ingest, PodIndex, Unbound};
+pub use crate::key::Key;
 use crate::metrics::Metrics;
 use crate::pv::*;
-use crate::results::{Outcome, failure_backoff};
+use crate::results::{failure_backoff, release_reservations, settle};
 use stowage_common::runtime::queue::WorkQueue;
 
 /// Binder settings.
@@ -57,39 +58,20 @@ impl Default for Config {
     }
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Key {
-    Claim(String),
-    Volume(String),
-}
-
-impl Key {
-    pub(crate) fn kind(&self) -> &'static str {
-        match self {
-            Key::Claim(_) => "claim",
-            Key::Volume(_) => "volume",
-        }
-    }
-}
-
 /// The single decision task's state.
-pub(crate) struct Controller {
+struct Controller {
     /// Write tasks, one per key (see `Window`): dropped (aborted) with the controller when
     /// leadership ends, so a former leader stops writing at once. Keys are only decided while
     /// it has room.
-    pub(crate) window: Window<Key, Outcome>,
-    pub(crate) cache: Cache,
-    pub(crate) queue: WorkQueue<Key>,
-    /// Unbound claims (key → class) and the same by class, to wake the claims a freed volume
-    /// could satisfy without scanning every claim.
-    pub(crate) unbound: HashMap<String, String>,
-    pub(crate) unbound_by_class: HashMap<String, HashSet<String>>,
-    /// Classes whose unbound claims are to be woken at the next work pass.
-    pub(crate) woken: HashSet<String>,
+    window: Window<Key, Outcome>,
+    cache: Cache,
+    queue: WorkQueue<Key>,
+    /// Unbound claims by class, and the classes to wake (`ingest::Unbound`).
+    unbound: Unbound,
     /// Which pods use which claim (delayed-binding events, Recycle waiting for pods).
-    pub(crate) pods: PodIndex,
-    pub(crate) cluster: Arc<Informers>,
-    pub(crate) executor: Arc<Executor>,
+    pods: PodIndex,
+    cluster: Arc<Informers>,
+    executor: Arc<Executor>,
 }
 
 pub async fn run(cluster: Arc<Informers>, metrics: Metrics, config: Config) -> anyhow::Result<()> {
@@ -108,9 +90,7 @@ pub async fn run(cluster: Arc<Informers>, metrics: Metrics, config: Config) -> a
             Key::Claim(_) => 0,
             Key::Volume(_) => 1,
         }),
-        unbound: HashMap::new(),
-        unbound_by_class: HashMap::new(),
-        woken: HashSet::new(),
+        unbound: Unbound::default(),
         pods: PodIndex::default(),
         executor: Arc::new(Executor {
             pvs: Api::all(client.clone()),
@@ -125,8 +105,8 @@ pub async fn run(cluster: Arc<Informers>, metrics: Metrics, config: Config) -> a
         }),
         cluster,
     };
-    ctl.pods_resync();
-    ctl.resync();
+    ctl.ingest().pods_resync();
+    ctl.ingest().resync();
     let inputs = Inputs::new()
         .feed(pv_feed, Input::Volume)
         .feed(pvc_feed, Input::Claim)
@@ -166,15 +146,17 @@ impl Reconciler for Controller {
 
     fn input(&mut self, input: Input) {
         match input {
-            Input::Volume(Change::Applied(pv)) => self.pv_seen(pv),
-            Input::Volume(Change::Deleted(pv)) => self.pv_gone(&pv.decode()),
-            Input::Claim(Change::Applied(c)) => self.claim_seen(c),
-            Input::Claim(Change::Deleted(c)) => self.claim_gone(&c.decode()),
-            Input::Volume(Change::Resynced) | Input::Claim(Change::Resynced) | Input::Resync => self.resync(),
-            Input::Pod(Change::Applied(p)) => self.pod_seen(&p, false),
-            Input::Pod(Change::Deleted(p)) => self.pod_seen(&p, true),
-            Input::Pod(Change::Resynced) => self.pods_resync(),
-            Input::Class => self.wake_pending_claims(),
+            Input::Volume(Change::Applied(pv)) => self.ingest().pv_seen(pv),
+            Input::Volume(Change::Deleted(pv)) => self.ingest().pv_gone(&pv.decode()),
+            Input::Claim(Change::Applied(c)) => self.ingest().claim_seen(c),
+            Input::Claim(Change::Deleted(c)) => self.ingest().claim_gone(&c.decode()),
+            Input::Volume(Change::Resynced) | Input::Claim(Change::Resynced) | Input::Resync => {
+                self.ingest().resync()
+            }
+            Input::Pod(Change::Applied(p)) => self.ingest().pod_seen(&p, false),
+            Input::Pod(Change::Deleted(p)) => self.ingest().pod_seen(&p, true),
+            Input::Pod(Change::Resynced) => self.ingest().pods_resync(),
+            Input::Class => self.unbound.wake_all(),
             Input::StoreCheck => self.executor.check_store(),
         }
     }
@@ -185,7 +167,8 @@ impl Reconciler for Controller {
     }
 
     fn landed(&mut self, landed: Landed<Key, Outcome>) -> Result<Next, Error> {
-        self.finish(landed)
+        let (ing, window) = self.parts();
+        settle(ing, window, landed)
     }
 
     /// Conflicts come back at the queue's quick pace (they pass once the cache catches up);
@@ -209,7 +192,7 @@ impl Reconciler for Controller {
         // A sync that panicked between reserving a volume and starting its writes leaves a
         // reservation no report will free; a running task's own is freed when it lands.
         if !self.window.is_running(key) {
-            self.release_reservations(key);
+            release_reservations(&mut self.cache, &self.window, key);
         }
         self.executor
             .metrics
@@ -219,7 +202,7 @@ impl Reconciler for Controller {
     }
 
     fn flush(&mut self) {
-        self.flush_wakeups();
+        self.unbound.flush(&mut self.queue);
     }
 
     fn before_wait(&mut self) {
@@ -228,6 +211,24 @@ impl Reconciler for Controller {
 }
 
 impl Controller {
+    /// The state one change touches, borrowed for it (`ingest`).
+    fn ingest(&mut self) -> Ingest<'_> {
+        self.parts().0
+    }
+
+    /// `ingest`, and the window beside it (a landed task settles both).
+    fn parts(&mut self) -> (Ingest<'_>, &mut Window<Key, Outcome>) {
+        let ing = Ingest {
+            cache: &mut self.cache,
+            queue: &mut self.queue,
+            unbound: &mut self.unbound,
+            pods: &mut self.pods,
+            executor: &self.executor,
+            cluster: &self.cluster,
+        };
+        (ing, &mut self.window)
+    }
+
     pub(crate) fn env_parts(&self) -> (Option<String>, kube::runtime::reflector::Store<StorageClass>) {
         let classes = self.cluster.classes.store().clone();
         let defaults: Vec<_> = classes
@@ -363,54 +364,10 @@ impl Controller {
         Ok(Next::Pending)
     }
 
-    pub(crate) fn event(&mut self, e: Event) {
-        if let Some(reference) = self.reference(&e.target) {
-            self.send_event(e, reference);
+    fn event(&mut self, e: Event) {
+        if let Some(reference) = crate::exec::reference(&self.cache, &e.target) {
+            self.executor.report(&self.cache, e, reference);
         }
-    }
-
-    /// Sends `e` unless it repeats the last event about the same object: a condition that
-    /// persists is reported once per change of its text, however often it is retried.
-    pub(crate) fn send_event(&mut self, e: Event, reference: ObjectReference) {
-        let subject = subject(&e.target);
-        let known = match &e.target {
-            Target::Claim(k) => self.cache.has_claim(k),
-            Target::Volume(n) => self.cache.has_pv(n),
-        };
-        let (warning, reason) = (e.warning, e.reason);
-        let said = self.executor.events.report(
-            &subject,
-            Repeat::OnChange,
-            &reference,
-            Occurrence {
-                warning,
-                reason,
-                action: "Binding",
-                note: e.note,
-            },
-        );
-        // Only objects still known are remembered (their removal forgets them).
-        if !known {
-            self.executor.events.forget(&subject);
-        }
-        if said && warning {
-            self.executor.metrics.warnings.with_label_values(&[reason]).inc();
-        }
-    }
-
-    pub(crate) fn reference(&self, t: &Target) -> Option<ObjectReference> {
-        Some(match t {
-            Target::Claim(k) => self.cache.decode_claim(k)?.object_ref(&()),
-            Target::Volume(n) => self.cache.decode_pv(n)?.object_ref(&()),
-        })
-    }
-}
-
-/// The events gate's subject of an object the binder reports on.
-pub(crate) fn subject(t: &Target) -> Subject {
-    match t {
-        Target::Claim(k) => Subject::new("claim", k),
-        Target::Volume(n) => Subject::new("volume", n),
     }
 }
 

@@ -8,17 +8,45 @@ use std::sync::Arc;
 use k8s_openapi::api::core::v1::{ObjectReference, PersistentVolume, PersistentVolumeClaim};
 use k8s_openapi::api::storage::v1::StorageClass;
 use kube::{Api, Client, Resource, ResourceExt};
-use stowage_common::observe::events::Events;
+use stowage_common::observe::events::{Events, Occurrence, Repeat};
 use tokio::time::Instant;
 
-use crate::controller::Key;
 use crate::core::{self, Action, Cache, Event, Target};
 use crate::error::Error;
+use crate::key::{Key, subject};
 use crate::loopdev;
 use crate::metrics::Metrics;
 use crate::pv::*;
-use crate::results::Outcome;
 use stowage_common::api::writes::Writes;
+
+/// What a batch of writes reports back.
+pub(crate) struct Outcome {
+    pub(crate) reserved: Option<String>,
+    pub(crate) pvs: Vec<PersistentVolume>,
+    pub(crate) claims: Vec<PersistentVolumeClaim>,
+    /// Objects the batch deleted.
+    pub(crate) deleted_pvs: Vec<String>,
+    pub(crate) wake: Vec<Key>,
+    /// Events the writes produced, with the object they are about (it may be gone from the
+    /// cache by the time they land); the decision task sends each once per change of its text.
+    pub(crate) events: Vec<(Event, ObjectReference)>,
+    pub(crate) error: Option<Error>,
+}
+
+impl Outcome {
+    /// Nothing written yet (`reserved`: the volume its bind reserved).
+    pub(crate) fn empty(reserved: Option<String>) -> Self {
+        Self {
+            reserved,
+            pvs: vec![],
+            claims: vec![],
+            deleted_pvs: vec![],
+            wake: vec![],
+            events: vec![],
+            error: None,
+        }
+    }
+}
 
 /// Everything a write task needs. Shared behind one `Arc` (`Controller::executor`): kube's `Api`
 /// carries its resource's names and path as owned strings, and a client handle allocates when
@@ -201,6 +229,45 @@ impl Snapshot {
         }
         s
     }
+}
+
+impl Executor {
+    /// Says `e` about the object `reference` names unless it repeats the last event about that
+    /// object: a condition that persists is reported once per change of its text, however often
+    /// it is retried. Only objects still in `cache` are remembered (their removal forgets them).
+    pub(crate) fn report(&self, cache: &Cache, e: Event, reference: ObjectReference) {
+        let subject = subject(&e.target);
+        let known = match &e.target {
+            Target::Claim(k) => cache.has_claim(k),
+            Target::Volume(n) => cache.has_pv(n),
+        };
+        let (warning, reason) = (e.warning, e.reason);
+        let said = self.events.report(
+            &subject,
+            Repeat::OnChange,
+            &reference,
+            Occurrence {
+                warning,
+                reason,
+                action: "Binding",
+                note: e.note,
+            },
+        );
+        if !known {
+            self.events.forget(&subject);
+        }
+        if said && warning {
+            self.metrics.warnings.with_label_values(&[reason]).inc();
+        }
+    }
+}
+
+/// The object an event about `t` is on, as `cache` has it.
+pub(crate) fn reference(cache: &Cache, t: &Target) -> Option<ObjectReference> {
+    Some(match t {
+        Target::Claim(k) => cache.decode_claim(k)?.object_ref(&()),
+        Target::Volume(n) => cache.decode_pv(n)?.object_ref(&()),
+    })
 }
 
 impl Executor {

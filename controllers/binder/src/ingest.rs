@@ -1,5 +1,6 @@
-//! Ingest: store and watch events become queued keys and the controller's own state (the cache,
-//! unbound claims by class, which pods use which claim).
+//! Ingest: store and watch events become queued keys and the state the decisions read (the
+//! cache, unbound claims by class, which pods use which claim). `Ingest` borrows exactly that
+//! state from the controller for one change; it knows no controller.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
@@ -9,11 +10,52 @@ use kube::ResourceExt;
 use stowage_common::store::StoredPod;
 use stowage_common::store::{StoredClaim, StoredVolume};
 
-use crate::controller::{Controller, Key, subject};
-use crate::core::{PodUse, Target};
+use stowage_common::runtime::queue::WorkQueue;
+use stowage_common::store::informers::Informers;
+
+use crate::core::{Cache, PodUse, Target};
+use crate::exec::Executor;
+use crate::key::{Key, subject};
 use crate::pv::*;
 
-impl Controller {
+/// Unbound claims (key → class) and the same by class, to wake the claims a freed volume could
+/// satisfy without scanning every claim; and the classes to wake at the next flush.
+#[derive(Default)]
+pub(crate) struct Unbound {
+    pub(crate) by_claim: HashMap<String, String>,
+    pub(crate) by_class: HashMap<String, HashSet<String>>,
+    pub(crate) woken: HashSet<String>,
+}
+
+impl Unbound {
+    /// Queues the unbound claims of every class woken since the last flush, once each.
+    pub(crate) fn flush(&mut self, queue: &mut WorkQueue<Key>) {
+        for class in std::mem::take(&mut self.woken) {
+            for key in self.by_class.get(&class).into_iter().flatten() {
+                queue.add(Key::Claim(key.clone()));
+            }
+        }
+    }
+
+    /// Every class with unbound claims is woken (a class appeared or changed).
+    pub(crate) fn wake_all(&mut self) {
+        let classes: Vec<String> = self.by_class.keys().cloned().collect();
+        self.woken.extend(classes);
+    }
+}
+
+/// What one change touches: the decision cache, the queue, the unbound claims, the pod index,
+/// and the executor's records of an object (its events gate entry, its operation timestamps).
+pub(crate) struct Ingest<'a> {
+    pub(crate) cache: &'a mut Cache,
+    pub(crate) queue: &'a mut WorkQueue<Key>,
+    pub(crate) unbound: &'a mut Unbound,
+    pub(crate) pods: &'a mut PodIndex,
+    pub(crate) executor: &'a Executor,
+    pub(crate) cluster: &'a Informers,
+}
+
+impl Ingest<'_> {
     /// Reloads the cache from the stores (keeping newer objects we wrote) and queues everything.
     pub(crate) fn resync(&mut self) {
         let pvs = self.cluster.pvs.store().state();
@@ -124,7 +166,7 @@ impl Controller {
     /// WaitForPodScheduled event) and a volume still naming the claim (Recycle waits for pods).
     pub(crate) fn pod_seen(&mut self, pod: &StoredPod, gone: bool) {
         for claim in self.pods.update(pod, gone) {
-            if self.unbound.contains_key(&claim) {
+            if self.unbound.by_claim.contains_key(&claim) {
                 self.queue.add(Key::Claim(claim.clone()));
             }
             let pvs: Vec<String> = self.cache.index.prebound_to(&claim).map(String::from).collect();
@@ -135,7 +177,7 @@ impl Controller {
     }
 
     pub(crate) fn pods_resync(&mut self) {
-        self.pods = PodIndex::default();
+        *self.pods = PodIndex::default();
         for p in self.cluster.pods.store().state() {
             self.pods.update(&p, false);
         }
@@ -143,41 +185,29 @@ impl Controller {
 
     /// Keeps the index of unbound claims by class in step with the cache.
     pub(crate) fn track_claim(&mut self, key: &str, claim: Option<&PersistentVolumeClaim>) {
-        if let Some(old) = self.unbound.remove(key)
-            && let Some(set) = self.unbound_by_class.get_mut(&old)
+        let u = &mut *self.unbound;
+        if let Some(old) = u.by_claim.remove(key)
+            && let Some(set) = u.by_class.get_mut(&old)
         {
             set.remove(key);
             if set.is_empty() {
-                self.unbound_by_class.remove(&old);
+                u.by_class.remove(&old);
             }
         }
         if let Some(c) = claim.filter(|c| !has_ann(*c, ANN_BIND_COMPLETED)) {
             let class = claim_class(c).unwrap_or("").to_string();
-            self.unbound_by_class
+            u.by_class
                 .entry(class.clone())
                 .or_default()
                 .insert(key.to_string());
-            self.unbound.insert(key.to_string(), class);
+            u.by_claim.insert(key.to_string(), class);
         }
     }
 
     /// Marks a class whose unbound claims should be synced; the wake-ups of a burst of freed
-    /// volumes are coalesced into one pass over the class's claims (`flush_wakeups`).
+    /// volumes are coalesced into one pass over the class's claims (`Unbound::flush`).
     pub(crate) fn wake_claims_of_class(&mut self, class: String) {
-        self.woken.insert(class);
-    }
-
-    pub(crate) fn wake_pending_claims(&mut self) {
-        let classes: Vec<String> = self.unbound_by_class.keys().cloned().collect();
-        self.woken.extend(classes);
-    }
-
-    pub(crate) fn flush_wakeups(&mut self) {
-        for class in std::mem::take(&mut self.woken) {
-            for key in self.unbound_by_class.get(&class).into_iter().flatten() {
-                self.queue.add(Key::Claim(key.clone()));
-            }
-        }
+        self.unbound.woken.insert(class);
     }
 }
 

@@ -11,6 +11,7 @@ pub mod error;
 pub mod exec;
 pub mod index;
 pub mod ingest;
+pub mod key;
 pub mod loopdev;
 pub mod results;
 // The PV/PVC readers and quantities are shared with the other controllers.

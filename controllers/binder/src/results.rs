@@ -1,103 +1,75 @@
-//! Results: what a write task reports back (`Outcome`), folded into the cache, the queue
-//! (requeue, backoff), metrics and events by the decision task.
+//! Results: what a write task reports back (`Outcome`), folded into the cache and the queue by
+//! the decision task (`settle`), which then says what comes next for the key; and the binder's
+//! retry curve for failures other than conflicts.
 
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{ObjectReference, PersistentVolume, PersistentVolumeClaim};
 use stowage_common::runtime::driver::Next;
-use stowage_common::runtime::inflight::Landed;
+use stowage_common::runtime::inflight::{Landed, Window};
 use stowage_common::store::IntoStored;
 
-use crate::controller::{Controller, Key};
-use crate::core::Event;
+use crate::core::Cache;
 use crate::error::Error;
+use crate::exec::Outcome;
+use crate::ingest::Ingest;
+use crate::key::Key;
 
-/// What a batch of writes reports back.
-pub(crate) struct Outcome {
-    pub(crate) reserved: Option<String>,
-    pub(crate) pvs: Vec<PersistentVolume>,
-    pub(crate) claims: Vec<PersistentVolumeClaim>,
-    /// Objects the batch deleted.
-    pub(crate) deleted_pvs: Vec<String>,
-    pub(crate) wake: Vec<Key>,
-    /// Events the writes produced, with the object they are about (it may be gone from the
-    /// cache by the time they land); the decision task sends each once per change of its text.
-    pub(crate) events: Vec<(Event, ObjectReference)>,
-    pub(crate) error: Option<Error>,
-}
-
-impl Outcome {
-    /// Nothing written yet (`reserved`: the volume its bind reserved).
-    pub(crate) fn empty(reserved: Option<String>) -> Self {
-        Self {
-            reserved,
-            pvs: vec![],
-            claims: vec![],
-            deleted_pvs: vec![],
-            wake: vec![],
-            events: vec![],
-            error: None,
+/// Frees the volumes reserved for `key`'s bind, when no report of it will come back (a task or
+/// a sync that panicked); a volume whose own bind is still running keeps its reservation.
+pub(crate) fn release_reservations(cache: &mut Cache, window: &Window<Key, Outcome>, key: &Key) {
+    match key {
+        Key::Claim(k) => cache.release_claim(k, |pv| window.is_running(&Key::Volume(pv.to_string()))),
+        Key::Volume(n) => {
+            cache.reserved.remove(n);
         }
     }
 }
 
-impl Controller {
-    /// Frees the volumes reserved for `key`'s bind, when no report of it will come back to (a
-    /// task or a sync that panicked).
-    pub(crate) fn release_reservations(&mut self, key: &Key) {
-        match key {
-            Key::Claim(k) => {
-                let window = &self.window;
-                self.cache
-                    .release_claim(k, |pv| window.is_running(&Key::Volume(pv.to_string())))
-            }
-            Key::Volume(n) => {
-                self.cache.reserved.remove(n);
-            }
+/// Takes a batch's results: newest objects into the cache (through `ing`, as changes), its
+/// reservation released, its events said, and what comes next for the key: done (again at once
+/// if it changed meanwhile), or its failure.
+pub(crate) fn settle(
+    mut ing: Ingest<'_>,
+    window: &mut Window<Key, Outcome>,
+    landed: Landed<Key, Outcome>,
+) -> Result<Next, Error> {
+    ing.executor.metrics.in_flight.set(window.len() as i64);
+    let done = landed.result.unwrap_or_else(|| {
+        // The task died with its report: free what it may have reserved and retry the key.
+        release_reservations(ing.cache, window, &landed.key);
+        Outcome {
+            error: Some(Error::Panic),
+            ..Outcome::empty(None)
+        }
+    });
+    if let Some(pv) = &done.reserved {
+        ing.cache.reserved.remove(pv);
+        if window.take_dirty(&Key::Volume(pv.clone())) {
+            ing.queue.add(Key::Volume(pv.clone()));
         }
     }
-
-    /// Takes a batch's results: newest objects into the cache, reservation released, and what
-    /// comes next for the key: done (again at once if it changed meanwhile), or its failure.
-    pub(crate) fn finish(&mut self, landed: Landed<Key, Outcome>) -> Result<Next, Error> {
-        self.executor.metrics.in_flight.set(self.window.len() as i64);
-        let done = landed.result.unwrap_or_else(|| {
-            // The task died with its report: free what it may have reserved and retry the key.
-            self.release_reservations(&landed.key);
-            Outcome {
-                error: Some(Error::Panic),
-                ..Outcome::empty(None)
-            }
-        });
-        if let Some(pv) = &done.reserved {
-            self.cache.reserved.remove(pv);
-            if self.window.take_dirty(&Key::Volume(pv.clone())) {
-                self.queue.add(Key::Volume(pv.clone()));
-            }
+    for name in &done.deleted_pvs {
+        if let Some(pv) = ing.cache.remove_pv(name) {
+            ing.pv_gone(&pv);
         }
-        for name in &done.deleted_pvs {
-            if let Some(pv) = self.cache.remove_pv(name) {
-                self.pv_gone(&pv);
-            }
-        }
-        // Stored as the informers store them (which also drops the responses' managedFields).
-        for pv in done.pvs {
-            self.pv_seen(pv.into_stored());
-        }
-        for c in done.claims {
-            self.claim_seen(c.into_stored());
-        }
-        for k in done.wake {
-            self.queue.add(k);
-        }
-        for (e, reference) in done.events {
-            self.send_event(e, reference);
-        }
-        match done.error {
-            Some(error) => Err(error),
-            None if landed.dirty => Ok(Next::Again),
-            None => Ok(Next::Done),
-        }
+    }
+    // Stored as the informers store them (which also drops the responses' managedFields).
+    for pv in done.pvs {
+        ing.pv_seen(pv.into_stored());
+    }
+    for c in done.claims {
+        ing.claim_seen(c.into_stored());
+    }
+    for k in done.wake {
+        ing.queue.add(k);
+    }
+    for (e, reference) in done.events {
+        ing.executor.report(ing.cache, e, reference);
+    }
+    match done.error {
+        Some(error) => Err(error),
+        None if landed.dirty => Ok(Next::Again),
+        None => Ok(Next::Done),
     }
 }
 
