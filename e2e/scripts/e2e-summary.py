@@ -47,12 +47,35 @@ def suite_and_pattern(spec):
     return None, None
 
 
+def unselected_reason(spec):
+    """Why the run's filter left a test out, from its labels, most telling first."""
+    name = full_name(spec)
+    labels = set(spec.get("LeafNodeLabels") or [])
+    for level in spec.get("ContainerHierarchyLabels") or []:
+        labels.update(level or [])
+    has = lambda label: label in labels or f"[{label}]" in name
+    if has("Flaky"):
+        return "[Flaky]: left out, as upstream's own jobs leave it out"
+    if any(label.startswith("Feature:") for label in labels) or "[Feature:" in name:
+        return "[Feature:…]: a feature this cluster does not enable"
+    if has("Disruptive") and name.startswith("External Storage"):
+        return "[Disruptive]: restarts a node's kubelet over SSH, which these nodes do not serve"
+    if has("Serial"):
+        return "[Serial]: only the controllers' tests have a serial pass here"
+    return "not selected by the run's focus"
+
+
+def said_why(spec):
+    """A skip the test itself explained (a capability, a volume type, a node count)."""
+    return bool(((spec.get("Failure") or {}).get("Message") or "").strip())
+
+
 def skip_reason(spec):
     """Why a test was skipped, in a few words: the suite's own skip message (driver capability,
-    volume type, node count), or the run's filter for tests it did not select."""
+    volume type, node count), or why the run's filter left it out."""
     msg = ((spec.get("Failure") or {}).get("Message") or "").strip().splitlines()
     if not msg:
-        return "not selected ([Feature:…], [Flaky], or [Serial]/[Disruptive] without their pass)"
+        return unselected_reason(spec)
     text = re.sub(r"\s+", " ", msg[0])
     text = re.sub(r"Driver \"?loop\.stowage\.dev\"? ", "", text)
     return text[:110].replace("|", "/")
@@ -68,7 +91,8 @@ def ending(spec):
 
 def specs_in_scope(paths, scope):
     """Each test in scope once: its ending in the report where it ran (passed or failed), else
-    where it was skipped. Set-up and tear-down nodes count only when they fail."""
+    where it skipped itself (saying why), else where the run left it out. Set-up and tear-down
+    nodes count only when they fail."""
     chosen = {}
     setup_failures = []
     for path in paths:
@@ -83,7 +107,7 @@ def specs_in_scope(paths, scope):
                 name = full_name(spec)
                 if not any(r.search(name) for r in scope):
                     continue
-                if name not in chosen or ending(spec) != "skipped":
+                if name not in chosen or ending(spec) != "skipped" or said_why(spec):
                     chosen[name] = spec
     return list(chosen.values()), setup_failures
 
