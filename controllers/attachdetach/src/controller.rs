@@ -23,15 +23,14 @@ use tokio::task::JoinSet;
 use crate::Config;
 use crate::actual::Actual;
 use crate::core::{Nodes, next_deadline, reconcile, reconcile_attaches};
-use crate::desired::{Desired, PodRef};
+use crate::desired::Desired;
 use crate::exec::Executor;
-use crate::ingest::{PodKey, PodSeen, awaits_attach};
+use crate::ingest::awaits_attach;
 use crate::metrics::Metrics;
+use crate::state::{Parts, State};
 
 /// Event reporter name.
 const COMPONENT: &str = "stowage-attachdetach";
-/// How long a failed node status patch waits before the next try.
-pub(crate) const STATUS_RETRY: Duration = Duration::from_secs(1);
 /// Events handled in a row before a pending pass runs anyway, so a storm cannot starve it.
 const MAX_BACKLOG: usize = 1024;
 /// Time between two full passes, as a multiple of what the last pass cost, within the bounds
@@ -46,54 +45,21 @@ const PASS_GAP_FACTOR: u32 = 10;
 const MIN_PASS_GAP: Duration = Duration::from_millis(1);
 const MAX_PASS_GAP: Duration = Duration::from_millis(50);
 
-/// The owning task's state.
-pub(crate) struct Controller {
+/// The owning task: its write tasks, its handles, the decision state, and the pacing of its
+/// passes. Only this file holds it; the parts work on `state::Parts`.
+struct Controller {
     /// Write tasks: aborted with the controller when leadership ends, so a former leader
     /// stops writing at once.
-    pub(crate) tasks: JoinSet<()>,
-    pub(crate) cluster: Arc<Informers>,
-    pub(crate) config: Config,
-    pub(crate) executor: Arc<Executor>,
-    pub(crate) desired: Desired,
-    pub(crate) actual: Actual,
-    pub(crate) nodes: Nodes,
-    /// Active scheduled pods, managed node or not (a node may become managed later).
-    pub(crate) pods: HashMap<PodKey, PodSeen>,
-    /// (namespace, claim) → names of active pods that mount it.
-    pub(crate) claim_pods: HashMap<(String, String), HashSet<String>>,
-    /// Pods to resolve again before the next pass.
-    pub(crate) dirty_pods: HashSet<PodKey>,
-    /// When a dirty pod's watch event arrived, and from it when each (volume, node) a pod
-    /// wants was first wanted and not yet attached: the start of an attach's decision latency.
-    pub(crate) pod_seen: HashMap<PodKey, Instant>,
-    pub(crate) wanted_since: HashMap<(String, String), Instant>,
-    /// Volumes a resolved pod wants: their attaches are decided by the next attach step.
-    pub(crate) attach_dirty: BTreeSet<String>,
-    /// When each detach now held back for unmount was first wanted (the full pass's count).
-    pub(crate) waiting_since: Vec<Instant>,
-    /// VolumeAttachment name → (volume, node).
-    pub(crate) va_keys: HashMap<String, (String, String)>,
-    /// PV name → attachments naming it that arrived before the PV.
-    pub(crate) unresolved: HashMap<String, HashSet<String>>,
-    /// PV name → VolumeAttachments naming it (any driver), for the PV finalizer.
-    pub(crate) pv_attachments: HashMap<String, HashSet<String>>,
-    /// PVs whose attacher finalizer is to be checked at the next pass, and those being patched.
-    pub(crate) pv_dirty: HashSet<String>,
-    pub(crate) pv_patching: HashSet<String>,
-    /// Nodes with a status patch in flight, and nodes whose last patch failed (retry time).
-    pub(crate) status_in_flight: HashSet<String>,
-    pub(crate) status_retry: HashMap<String, Instant>,
-    /// A pass is due.
-    pub(crate) dirty: bool,
-    /// Events handled since the last pass.
-    pub(crate) backlog: usize,
+    tasks: JoinSet<()>,
+    cluster: Arc<Informers>,
+    config: Config,
+    executor: Arc<Executor>,
     /// When a pass is due without new events.
-    pub(crate) wake_at: Option<Instant>,
-    /// While loading the initial state: no events for what was already there.
-    pub(crate) quiet: bool,
-    pub(crate) last_pass: Option<Instant>,
+    wake_at: Option<Instant>,
+    last_pass: Option<Instant>,
     /// The wait the last pass's cost earned (see `PASS_GAP_FACTOR`).
-    pub(crate) pass_gap: Duration,
+    pass_gap: Duration,
+    st: State,
 }
 
 /// Runs the controller until a watch ends or the future is dropped.
@@ -124,35 +90,37 @@ pub async fn run(cluster: Arc<Informers>, metrics: Metrics, config: Config) -> a
         }),
         cluster,
         config: config.clone(),
-        desired: Desired::default(),
-        actual: Actual::default(),
-        nodes: Nodes::new(),
-        pods: HashMap::new(),
-        claim_pods: HashMap::new(),
-        dirty_pods: HashSet::new(),
-        pod_seen: HashMap::new(),
-        wanted_since: HashMap::new(),
-        attach_dirty: BTreeSet::new(),
-        waiting_since: Vec::new(),
-        va_keys: HashMap::new(),
-        unresolved: HashMap::new(),
-        pv_attachments: HashMap::new(),
-        pv_dirty: HashSet::new(),
-        pv_patching: HashSet::new(),
-        status_in_flight: HashSet::new(),
-        status_retry: HashMap::new(),
-        dirty: true,
-        backlog: 0,
+        st: State {
+            desired: Desired::default(),
+            actual: Actual::default(),
+            nodes: Nodes::new(),
+            pods: HashMap::new(),
+            claim_pods: HashMap::new(),
+            dirty_pods: HashSet::new(),
+            pod_seen: HashMap::new(),
+            wanted_since: HashMap::new(),
+            attach_dirty: BTreeSet::new(),
+            waiting_since: Vec::new(),
+            va_keys: HashMap::new(),
+            unresolved: HashMap::new(),
+            pv_attachments: HashMap::new(),
+            pv_dirty: HashSet::new(),
+            pv_patching: HashSet::new(),
+            status_in_flight: HashSet::new(),
+            status_retry: HashMap::new(),
+            dirty: true,
+            backlog: 0,
+            quiet: false,
+        },
         wake_at: None,
-        quiet: false,
         last_pass: None,
         pass_gap: MIN_PASS_GAP,
     };
-    c.load();
+    c.parts().load();
     tracing::info!(
-        desired = c.desired.len(),
-        actual = c.actual.len(),
-        nodes = c.nodes.len(),
+        desired = c.st.desired.len(),
+        actual = c.st.actual.len(),
+        nodes = c.st.nodes.len(),
         "attach/detach state loaded"
     );
 
@@ -171,68 +139,77 @@ pub async fn run(cluster: Arc<Informers>, metrics: Metrics, config: Config) -> a
         let throttled = c
             .last_pass
             .map(|t| t + c.pass_gap)
-            .filter(|t| c.dirty && *t > Instant::now());
+            .filter(|t| c.st.dirty && *t > Instant::now());
         tokio::select! {
             biased;
-            _ = std::future::ready(()), if c.backlog >= MAX_BACKLOG => c.catch_up(),
-            Some(done) = done_rx.recv() => c.finish(done),
+            _ = std::future::ready(()), if c.st.backlog >= MAX_BACKLOG => c.catch_up(),
+            Some(done) = done_rx.recv() => {
+                if let Some(now) = c.parts().finish(done) {
+                    c.update_wake(now);
+                }
+            }
             Some(_) = c.tasks.join_next(), if !c.tasks.is_empty() => {}
             r = pod_feed.next() => match r? {
-                Change::Applied(p) | Change::Deleted(p) => c.pod_changed(&p),
-                Change::Resynced => c.resync(false),
+                Change::Applied(p) | Change::Deleted(p) => c.parts().pod_changed(&p),
+                Change::Resynced => c.parts().resync(false),
             },
             r = node_feed.next() => match r? {
-                Change::Applied(n) => c.node_applied(&n),
-                Change::Deleted(n) => c.node_deleted(&n.name_any()),
-                Change::Resynced => c.resync(false),
+                Change::Applied(n) => c.parts().node_applied(&n),
+                Change::Deleted(n) => c.parts().node_deleted(&n.name_any()),
+                Change::Resynced => c.parts().resync(false),
             },
             r = pvc_feed.next() => match r? {
                 Change::Applied(pvc) | Change::Deleted(pvc) => {
-                    c.claim_changed(&pvc.namespace().unwrap_or_default(), &pvc.name_any())
+                    c.parts().claim_changed(&pvc.namespace().unwrap_or_default(), &pvc.name_any())
                 }
-                Change::Resynced => c.resync(false),
+                Change::Resynced => c.parts().resync(false),
             },
             r = pv_feed.next() => match r? {
-                Change::Applied(pv) | Change::Deleted(pv) => c.volume_changed(&pv),
-                Change::Resynced => c.resync(false),
+                Change::Applied(pv) | Change::Deleted(pv) => c.parts().volume_changed(&pv),
+                Change::Resynced => c.parts().resync(false),
             },
             r = va_feed.next() => match r? {
                 Change::Applied(va) => {
-                    c.va_applied(&va);
+                    c.parts().va_applied(&va);
                 }
-                Change::Deleted(va) => c.va_deleted(&va),
-                Change::Resynced => c.resync(false),
+                Change::Deleted(va) => c.parts().va_deleted(&va),
+                Change::Resynced => c.parts().resync(false),
             },
             // attachRequired may have changed: every pod's volumes are re-resolved.
             r = driver_feed.next() => {
                 r?;
-                c.all_pods_dirty();
+                c.parts().all_pods_dirty();
             }
-            _ = resync.tick() => c.resync(true),
+            _ = resync.tick() => c.parts().resync(true),
             _ = tokio::time::sleep_until(wake.unwrap_or_else(Instant::now)), if wake.is_some() => {
                 c.wake_at = None;
-                c.dirty = true;
+                c.st.dirty = true;
             }
             // Pods resolved and their attaches started as soon as no event is waiting: a new pod
             // does not wait for a full pass (nor for its spacing).
-            _ = std::future::ready(()), if !c.dirty_pods.is_empty() || !c.attach_dirty.is_empty() => c.attach_step(),
-            _ = std::future::ready(()), if c.dirty && throttled.is_none() => c.pass(),
+            _ = std::future::ready(()), if !c.st.dirty_pods.is_empty() || !c.st.attach_dirty.is_empty() => c.attach_step(),
+            _ = std::future::ready(()), if c.st.dirty && throttled.is_none() => c.pass(),
             _ = tokio::time::sleep_until(throttled.unwrap_or_else(Instant::now)), if throttled.is_some() => c.pass(),
         }
     }
 }
 
 impl Controller {
-    pub(crate) fn touch(&mut self) {
-        self.dirty = true;
-        self.backlog += 1;
+    /// The state and the handles a part works with, borrowed for one change or one pass.
+    fn parts(&mut self) -> Parts<'_> {
+        Parts {
+            st: &mut self.st,
+            cluster: &self.cluster,
+            executor: &self.executor,
+            tasks: &mut self.tasks,
+        }
     }
 
     /// A storm of events held everything back: resolve pods, and run the full pass if one is due.
     pub(crate) fn catch_up(&mut self) {
         self.attach_step();
-        self.backlog = 0;
-        if self.dirty {
+        self.st.backlog = 0;
+        if self.st.dirty {
             self.pass();
         }
     }
@@ -241,77 +218,57 @@ impl Controller {
     /// of a pass, for those volumes only: `core::reconcile_attaches`). A pod that let go of a
     /// volume has marked a full pass due while being resolved.
     pub(crate) fn attach_step(&mut self) {
-        self.refresh_pods();
-        if self.attach_dirty.is_empty() {
+        self.parts().refresh_pods();
+        if self.st.attach_dirty.is_empty() {
             return;
         }
-        let volumes = std::mem::take(&mut self.attach_dirty);
+        let volumes = std::mem::take(&mut self.st.attach_dirty);
         let now = Instant::now();
-        let actions = reconcile_attaches(&self.desired, &self.actual, &self.nodes, now, &volumes);
+        let actions = reconcile_attaches(&self.st.desired, &self.st.actual, &self.st.nodes, now, &volumes);
         self.executor.metrics.attach_steps.inc();
-        self.apply(actions, now);
+        self.parts().apply(actions, now);
     }
 
     /// One reconciler pass.
     pub(crate) fn pass(&mut self) {
         let started = Instant::now();
-        self.refresh_pods();
+        self.parts().refresh_pods();
         // The full pass decides every attach too.
-        self.attach_dirty.clear();
+        self.st.attach_dirty.clear();
         let now = Instant::now();
         self.last_pass = Some(now);
         let timer = self.executor.metrics.reconcile_seconds.start_timer();
-        let actions = reconcile(&self.desired, &self.actual, &self.nodes, now, &self.config);
+        let actions = reconcile(
+            &self.st.desired,
+            &self.st.actual,
+            &self.st.nodes,
+            now,
+            &self.config,
+        );
         timer.observe_duration();
         self.executor.metrics.reconciles.inc();
-        self.dirty = false;
-        self.backlog = 0;
-        self.waiting_since.clear();
-        self.apply(actions, now);
-        self.update_inventory();
+        self.st.dirty = false;
+        self.st.backlog = 0;
+        self.st.waiting_since.clear();
+        self.parts().apply(actions, now);
+        self.parts().update_inventory();
         // What no attach is started for (already attached, or no longer wanted) has no latency.
-        let (desired, actual) = (&self.desired, &self.actual);
-        self.wanted_since
+        let (desired, actual) = (&self.st.desired, &self.st.actual);
+        self.st
+            .wanted_since
             .retain(|(v, n), _| desired.get(v, n).is_some() && awaits_attach(actual, v, n));
-        self.forget_gone_nodes();
-        self.sync_pv_finalizers();
+        self.parts().forget_gone_nodes();
+        self.parts().sync_pv_finalizers();
         self.update_wake(now);
         self.pass_gap = (started.elapsed() * PASS_GAP_FACTOR).clamp(MIN_PASS_GAP, MAX_PASS_GAP);
     }
 
     pub(crate) fn update_wake(&mut self, now: Instant) {
-        let retry = self.status_retry.values().copied().filter(|t| *t > now).min();
-        self.wake_at = [next_deadline(&self.actual, &self.config, now), retry]
+        let retry = self.st.status_retry.values().copied().filter(|t| *t > now).min();
+        self.wake_at = [next_deadline(&self.st.actual, &self.config, now), retry]
             .into_iter()
             .flatten()
             .min();
-    }
-
-    pub(crate) fn pod_events(
-        &self,
-        volume: &str,
-        node: &str,
-        warning: bool,
-        reason: &'static str,
-        note: impl Fn(&str) -> String,
-    ) {
-        let Some(d) = self.desired.get(volume, node) else {
-            return;
-        };
-        let text = note(&d.spec.pv_name);
-        for pod in d.pods.values() {
-            self.pod_event(pod, warning, reason, text.clone());
-        }
-    }
-
-    pub(crate) fn pod_event(&self, pod: &PodRef, warning: bool, reason: &'static str, note: String) {
-        let on = pod.reference();
-        // Queued: events never hold up the reconciler.
-        if warning {
-            self.executor.events.warning(&on, reason, "Attach", note);
-        } else {
-            self.executor.events.normal(&on, reason, "Attach", note);
-        }
     }
 }
 

@@ -18,13 +18,13 @@ use stowage_common::store::informers::Informers;
 use stowage_common::store::{StoredClaim, StoredVolume};
 
 use crate::actual::Actual;
-use crate::controller::Controller;
 use crate::core::pass_unaffected;
 use crate::desired::{Kind, Lookup, PodRef, driver_attachable, kept_note, resolve_pod};
 use crate::metrics::observe_attempt;
 use crate::read::{
     NodeInfo, VaState, is_loop, pod_claims, pod_is_active, pv_finalizer_change, unique_volume_name,
 };
+use crate::state::{Parts, PodKey, PodSeen};
 use crate::translate::{is_csi_name, is_managed_name, managed, pv_target};
 
 /// Resolves pod volumes through the shared stores.
@@ -42,16 +42,6 @@ impl Lookup for Stores<'_> {
     }
 }
 
-/// (namespace, name).
-pub(crate) type PodKey = (String, String);
-
-/// What the controller remembers of a scheduled, active pod.
-pub(crate) struct PodSeen {
-    uid: String,
-    node: String,
-    claims: Vec<String>,
-}
-
 /// Reason of the Warning on a pod whose claims no longer resolve to volumes it keeps.
 pub(crate) const REASON_VOLUME_KEPT: &str = "VolumeKeptAttached";
 
@@ -60,11 +50,11 @@ fn kept_subject(uid: &str) -> Subject {
     Subject::new("pod", uid).about("kept")
 }
 
-impl Controller {
+impl Parts<'_> {
     /// Initial state: nodes (and what their status says is attached, so a restart keeps it),
     /// then attachments, then pods.
     pub(crate) fn load(&mut self) {
-        self.quiet = true;
+        self.st.quiet = true;
         for node in self.cluster.nodes.store().state() {
             let info = NodeInfo::of(&node);
             let name = node.name_any();
@@ -72,28 +62,29 @@ impl Controller {
             // controller does not have) is left to the node status as it is.
             for (volume, path) in &info.volumes_attached {
                 if let Some((driver, handle)) = managed(volume) {
-                    self.actual.entry(volume, &name, driver, handle).reported = Some(path.clone());
+                    self.st.actual.entry(volume, &name, driver, handle).reported = Some(path.clone());
                 }
             }
-            self.nodes.insert(name, info);
+            self.st.nodes.insert(name, info);
         }
         for va in self.cluster.attachments.store().state() {
             self.va_applied(&va);
         }
         // PV finalizers left from before a restart are checked once.
-        self.pv_dirty
+        self.st
+            .pv_dirty
             .extend(self.cluster.pvs.store().state().iter().map(|p| p.name_any()));
         self.all_pods_dirty();
         self.refresh_pods();
-        self.quiet = false;
-        self.dirty = true;
+        self.st.quiet = false;
+        self.st.dirty = true;
     }
 
     /// Reloads everything from the stores. `verify` also drops attachments known only from node
     /// status that have no VolumeAttachment (upstream's periodic verify, from the store: a CSI
     /// volume without one is not attached).
     pub(crate) fn resync(&mut self, verify: bool) {
-        self.quiet = true;
+        self.st.quiet = true;
         let live: HashSet<String> = self
             .cluster
             .nodes
@@ -106,6 +97,7 @@ impl Controller {
             })
             .collect();
         let gone: Vec<String> = self
+            .st
             .nodes
             .iter()
             .filter(|(n, i)| !i.deleted && !live.contains(*n))
@@ -117,14 +109,15 @@ impl Controller {
         let vas = self.cluster.attachments.store().state();
         let names: HashSet<String> = vas.iter().map(|v| v.name_any()).collect();
         // The PV finalizer index from scratch, and every PV checked (a missed event heals here).
-        self.pv_attachments.clear();
-        self.pv_dirty
+        self.st.pv_attachments.clear();
+        self.st
+            .pv_dirty
             .extend(self.cluster.pvs.store().state().iter().map(|p| p.name_any()));
         for va in &vas {
             self.va_applied(va);
         }
         let now = Instant::now();
-        for ((volume, _), a) in self.actual.iter_mut() {
+        for ((volume, _), a) in self.st.actual.iter_mut() {
             if a.va.as_ref().is_some_and(|v| !names.contains(&v.name)) {
                 a.va = None;
             }
@@ -134,11 +127,11 @@ impl Controller {
                 a.reported = None;
             }
         }
-        self.va_keys.retain(|name, _| names.contains(name));
-        self.actual.tidy_all(now);
+        self.st.va_keys.retain(|name, _| names.contains(name));
+        self.st.actual.tidy_all(now);
         self.all_pods_dirty();
-        self.quiet = false;
-        self.dirty = true;
+        self.st.quiet = false;
+        self.st.dirty = true;
     }
 
     pub(crate) fn all_pods_dirty(&mut self) {
@@ -150,37 +143,41 @@ impl Controller {
             .iter()
             .map(|p| (p.namespace().unwrap_or_default(), p.name_any()))
             .collect::<Vec<_>>();
-        self.dirty_pods.extend(keys);
+        self.st.dirty_pods.extend(keys);
         // Pods that vanished without an event (missed while a watch was down).
-        self.dirty_pods.extend(self.pods.keys().cloned());
-        self.touch();
+        self.st.dirty_pods.extend(self.st.pods.keys().cloned());
+        self.st.touch();
     }
 
     /// A pod event: the pod is resolved again by the next attach step (`Controller::attach_step`),
     /// which starts a full pass only if the pod let go of a volume.
     pub(crate) fn pod_changed(&mut self, pod: &StoredPod) {
         let key = (pod.namespace().unwrap_or_default(), pod.name_any());
-        self.pod_seen.entry(key.clone()).or_insert_with(Instant::now);
-        self.dirty_pods.insert(key);
-        self.backlog += 1;
+        self.st.pod_seen.entry(key.clone()).or_insert_with(Instant::now);
+        self.st.dirty_pods.insert(key);
+        self.st.backlog += 1;
     }
 
     pub(crate) fn claim_changed(&mut self, ns: &str, name: &str) {
-        if let Some(pods) = self.claim_pods.get(&(ns.to_string(), name.to_string())) {
+        if let Some(pods) = self.st.claim_pods.get(&(ns.to_string(), name.to_string())) {
             let keys: Vec<PodKey> = pods.iter().map(|p| (ns.to_string(), p.clone())).collect();
-            self.dirty_pods.extend(keys);
-            self.touch();
+            self.st.dirty_pods.extend(keys);
+            self.st.touch();
         }
     }
 
     pub(crate) fn volume_changed(&mut self, pv: &StoredVolume) {
         let name = pv.meta().name.clone().unwrap_or_default();
         if let Some(spec) = pv.source() {
-            if pv_finalizer_change(pv.meta(), is_loop(&spec), self.pv_attachments.contains_key(&name))
-                .is_some()
+            if pv_finalizer_change(
+                pv.meta(),
+                is_loop(&spec),
+                self.st.pv_attachments.contains_key(&name),
+            )
+            .is_some()
             {
-                self.pv_dirty.insert(name.clone());
-                self.touch();
+                self.st.pv_dirty.insert(name.clone());
+                self.st.touch();
             }
             if let Some(cr) = &spec.claim_ref
                 && let (Some(ns), Some(claim)) = (cr.namespace.as_deref(), cr.name.as_deref())
@@ -189,7 +186,7 @@ impl Controller {
             }
         }
         // Attachments that arrived before their volume can be placed now.
-        if let Some(waiting) = self.unresolved.remove(&name) {
+        if let Some(waiting) = self.st.unresolved.remove(&name) {
             for name in waiting {
                 if let Some(va) = self.cluster.attachments.store().get(&ObjectRef::new(&name)) {
                     self.va_applied(&va);
@@ -201,15 +198,15 @@ impl Controller {
     pub(crate) fn node_applied(&mut self, node: &Node) {
         let name = node.name_any();
         let info = NodeInfo::of(node);
-        let old = self.nodes.get(&name);
+        let old = self.st.nodes.get(&name);
         // Older than the copy our own status patch returned.
         if old.is_some_and(|o| is_newer(o.resource_version.as_deref(), info.resource_version.as_deref())) {
             return;
         }
         let managed_changed = old.is_none_or(|o| o.managed != info.managed);
         if old != Some(&info) {
-            self.nodes.insert(name.clone(), info);
-            self.touch();
+            self.st.nodes.insert(name.clone(), info);
+            self.st.touch();
         }
         if managed_changed {
             self.pods_on_node_dirty(&name);
@@ -221,43 +218,45 @@ impl Controller {
     /// force-detached only after --max-wait-for-unmount or with the out-of-service taint. It is
     /// forgotten once nothing is attached to it and no pod wants anything there.
     pub(crate) fn node_deleted(&mut self, name: &str) {
-        self.status_retry.remove(name);
-        let Some(info) = self.nodes.remove(name) else {
+        self.st.status_retry.remove(name);
+        let Some(info) = self.st.nodes.remove(name) else {
             return;
         };
         if !info.deleted {
             self.pods_on_node_dirty(name);
-            self.touch();
+            self.st.touch();
         }
-        self.nodes.insert(name.to_string(), info.gone());
+        self.st.nodes.insert(name.to_string(), info.gone());
     }
 
     /// Drops deleted nodes that nothing refers to any more.
     pub(crate) fn forget_gone_nodes(&mut self) {
-        if !self.nodes.values().any(|n| n.deleted) {
+        if !self.st.nodes.values().any(|n| n.deleted) {
             return;
         }
-        let mut used: HashSet<&str> = self.actual.iter().map(|((_, n), _)| n.as_str()).collect();
-        used.extend(self.desired.iter().map(|(n, _)| n.as_str()));
-        self.nodes
+        let mut used: HashSet<&str> = self.st.actual.iter().map(|((_, n), _)| n.as_str()).collect();
+        used.extend(self.st.desired.iter().map(|(n, _)| n.as_str()));
+        self.st
+            .nodes
             .retain(|name, n| !n.deleted || used.contains(name.as_str()));
     }
 
     pub(crate) fn pods_on_node_dirty(&mut self, node: &str) {
         let keys: Vec<PodKey> = self
+            .st
             .pods
             .iter()
             .filter(|(_, p)| p.node == node)
             .map(|(k, _)| k.clone())
             .collect();
         if !keys.is_empty() {
-            self.dirty_pods.extend(keys);
-            self.touch();
+            self.st.dirty_pods.extend(keys);
+            self.st.touch();
         }
     }
 
     pub(crate) fn refresh_pods(&mut self) {
-        let keys: Vec<PodKey> = self.dirty_pods.drain().collect();
+        let keys: Vec<PodKey> = self.st.dirty_pods.drain().collect();
         for key in keys {
             self.refresh_pod(key);
         }
@@ -271,38 +270,39 @@ impl Controller {
             .store()
             .get(&ObjectRef::new(&key.1).within(&key.0))
             .filter(|p| pod_is_active(p));
-        if let Some(old) = self.pods.remove(&key) {
+        if let Some(old) = self.st.pods.remove(&key) {
             for c in &old.claims {
                 let ck = (key.0.clone(), c.clone());
-                if let Some(set) = self.claim_pods.get_mut(&ck) {
+                if let Some(set) = self.st.claim_pods.get_mut(&ck) {
                     set.remove(&key.1);
                     if set.is_empty() {
-                        self.claim_pods.remove(&ck);
+                        self.st.claim_pods.remove(&ck);
                     }
                 }
             }
             if pod.as_ref().and_then(|p| p.uid()).as_deref() != Some(old.uid.as_str()) {
-                if self.desired.remove_pod(&old.uid) {
-                    self.touch();
+                if self.st.desired.remove_pod(&old.uid) {
+                    self.st.touch();
                 }
                 self.executor.events.forget(&kept_subject(&old.uid));
             }
         }
-        let seen = self.pod_seen.remove(&key);
+        let seen = self.st.pod_seen.remove(&key);
         let Some(pod) = pod else { return };
         let uid = pod.uid().unwrap_or_default();
         let node = pod.node_name().unwrap_or_default().to_string();
         let claims = pod_claims(&pod);
         for c in &claims {
-            self.claim_pods
+            self.st
+                .claim_pods
                 .entry((key.0.clone(), c.clone()))
                 .or_default()
                 .insert(key.1.clone());
         }
         // A deleted node's pods stay desired until they go (pod GC): their volumes may still be
         // mounted there.
-        if self.nodes.get(&node).is_some_and(|n| n.managed) {
-            let stores = Stores(&self.cluster);
+        if self.st.nodes.get(&node).is_some_and(|n| n.managed) {
+            let stores = Stores(self.cluster);
             let resolved = resolve_pod(&pod, &stores);
             let volumes = resolved.attachable;
             if !resolved.unresolved.is_empty() {
@@ -311,23 +311,25 @@ impl Controller {
             for v in &volumes {
                 // Only an attach still to start has a decision latency: a pod update of a running
                 // pod must not leave a stale start for a later re-attach of its volume.
-                if let Some(t) = seen.filter(|_| awaits_attach(&self.actual, &v.name, &node)) {
-                    self.wanted_since
+                if let Some(t) = seen.filter(|_| awaits_attach(&self.st.actual, &v.name, &node)) {
+                    self.st
+                        .wanted_since
                         .entry((v.name.clone(), node.clone()))
                         .or_insert(t);
                 }
-                self.attach_dirty.insert(v.name.clone());
+                self.st.attach_dirty.insert(v.name.clone());
             }
             // While the pod lives, what it already wanted stays even if its claim no longer
             // resolves; only a driver that stopped needing attachment lets it go (upstream).
             let still_attachable =
                 |v: &crate::desired::VolumeSpec| driver_attachable(stores.driver(&v.driver).as_deref());
             let update = self
+                .st
                 .desired
                 .update_pod(PodRef::of(&pod), &node, volumes, still_attachable);
             // Only a volume let go of can lead to a detach, which needs the full pass.
             if update.released {
-                self.touch();
+                self.st.touch();
             }
             if update.kept.is_empty() {
                 // Resolved again: a later loss is news at once.
@@ -349,10 +351,10 @@ impl Controller {
                     tracing::warn!(pod = %format!("{}/{}", key.0, key.1), %note, "volumes kept for a running pod whose claims no longer resolve");
                 }
             }
-        } else if self.desired.remove_pod(&uid) {
-            self.touch();
+        } else if self.st.desired.remove_pod(&uid) {
+            self.st.touch();
         }
-        self.pods.insert(key, PodSeen { uid, node, claims });
+        self.st.pods.insert(key, PodSeen { uid, node, claims });
     }
 
     /// (volume, node, driver, handle) of an attachment, through its PV (translated when it is a
@@ -385,7 +387,8 @@ impl Controller {
         let Some(csi) = target.filter(|t| !matches!(t.kind, Kind::InTree)) else {
             // Left alone until its volume shows up, as upstream skips it.
             if remember {
-                self.unresolved
+                self.st
+                    .unresolved
                     .entry(pv_name.to_string())
                     .or_default()
                     .insert(va.name_any());
@@ -401,18 +404,19 @@ impl Controller {
     /// whether it did.
     pub(crate) fn va_applied(&mut self, va: &VolumeAttachment) -> bool {
         if let Some(pv) = va.spec.source.persistent_volume_name.as_deref() {
-            self.pv_attachments
+            self.st
+                .pv_attachments
                 .entry(pv.to_string())
                 .or_default()
                 .insert(va.name_any());
-            self.pv_dirty.insert(pv.to_string());
+            self.st.pv_dirty.insert(pv.to_string());
         }
         let name = va.name_any();
         let Some((volume, node, driver, handle)) = self.resolve_va(va, true) else {
             return false;
         };
         let state = VaState::of(va);
-        let e = self.actual.entry(&volume, &node, &driver, &handle);
+        let e = self.st.actual.entry(&volume, &node, &driver, &handle);
         let before = e.clone();
         if let Some(old) = &e.va
             && old.name == state.name
@@ -443,7 +447,7 @@ impl Controller {
         e.va = Some(state);
         // The attachment object is the truth from now on.
         e.reported = None;
-        self.va_keys.insert(name, (volume.clone(), node.clone()));
+        self.st.va_keys.insert(name, (volume.clone(), node.clone()));
         if let Some(t) = started {
             self.executor
                 .metrics
@@ -454,7 +458,7 @@ impl Controller {
         if let Some(t) = failed_attempt {
             observe_attempt(&driver, VOLUME_ATTACH, false, t);
         }
-        if !self.quiet {
+        if !self.st.quiet {
             if newly_attached {
                 self.pod_events(&volume, &node, false, "SuccessfulAttachVolume", |pv| {
                     crate::read::attach_succeeded_note(pv)
@@ -466,8 +470,9 @@ impl Controller {
                 });
             }
         }
-        let wanted = self.desired.get(&volume, &node).is_some();
+        let wanted = self.st.desired.get(&volume, &node).is_some();
         let unaffected = self
+            .st
             .actual
             .get(&volume, &node)
             .is_some_and(|after| pass_unaffected(&before, after, wanted));
@@ -478,10 +483,10 @@ impl Controller {
             .as_deref()
             .unwrap_or_default();
         if unaffected && self.pv_settled(pv, &driver) {
-            self.backlog += 1;
+            self.st.backlog += 1;
             return false;
         }
-        self.touch();
+        self.st.touch();
         true
     }
 
@@ -489,10 +494,10 @@ impl Controller {
     /// pass to patch): then it leaves the set the pass checks. `driver`: the PV's CSI driver, as
     /// the attachment was just resolved through it, so only the PV's metadata is read here.
     fn pv_settled(&mut self, name: &str, driver: &str) -> bool {
-        if self.pv_patching.contains(name) {
+        if self.st.pv_patching.contains(name) {
             return false;
         }
-        let attached = self.pv_attachments.contains_key(name);
+        let attached = self.st.pv_attachments.contains_key(name);
         let is_loop = driver == crate::read::LOOP_DRIVER;
         let settled = self
             .cluster
@@ -501,7 +506,7 @@ impl Controller {
             .get(&ObjectRef::new(name))
             .is_some_and(|pv| pv_finalizer_change(pv.meta(), is_loop, attached).is_none());
         if settled {
-            self.pv_dirty.remove(name);
+            self.st.pv_dirty.remove(name);
         }
         settled
     }
@@ -509,29 +514,29 @@ impl Controller {
     pub(crate) fn va_deleted(&mut self, va: &VolumeAttachment) {
         let name = va.name_any();
         if let Some(pv) = va.spec.source.persistent_volume_name.as_deref() {
-            if let Some(set) = self.pv_attachments.get_mut(pv) {
+            if let Some(set) = self.st.pv_attachments.get_mut(pv) {
                 set.remove(&name);
                 if set.is_empty() {
-                    self.pv_attachments.remove(pv);
+                    self.st.pv_attachments.remove(pv);
                 }
             }
-            self.pv_dirty.insert(pv.to_string());
-            self.touch();
+            self.st.pv_dirty.insert(pv.to_string());
+            self.st.touch();
         }
         if let Some(pv) = va.spec.source.persistent_volume_name.as_deref()
-            && let Some(set) = self.unresolved.get_mut(pv)
+            && let Some(set) = self.st.unresolved.get_mut(pv)
         {
             set.remove(&name);
             if set.is_empty() {
-                self.unresolved.remove(pv);
+                self.st.unresolved.remove(pv);
             }
         }
-        let key = match self.va_keys.remove(&name) {
+        let key = match self.st.va_keys.remove(&name) {
             Some(k) => Some(k),
             None => self.resolve_va(va, false).map(|(v, n, _, _)| (v, n)),
         };
         let Some((volume, node)) = key else { return };
-        let Some(e) = self.actual.get_mut(&volume, &node) else {
+        let Some(e) = self.st.actual.get_mut(&volume, &node) else {
             return;
         };
         if e.va.as_ref().is_some_and(|v| v.name != name) {
@@ -547,8 +552,8 @@ impl Controller {
                 .observe(t.elapsed().as_secs_f64());
             observe_attempt(&e.driver, VOLUME_DETACH, true, t);
         }
-        self.actual.tidy(&volume, &node, Instant::now());
-        self.touch();
+        self.st.actual.tidy(&volume, &node, Instant::now());
+        self.st.touch();
     }
 }
 

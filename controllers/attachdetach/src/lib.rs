@@ -3,9 +3,12 @@
 //!
 //! Files, in the order a newcomer reads them: `core` (the pure pass: desired, actual and nodes
 //! in, actions out), `desired` and `actual` (the two states, pure), `controller` (`Controller`,
-//! the one task that owns the state and runs passes), `ingest` (informer events into the
-//! state), `exec` (`Executor`: actions into API writes), `results` (`Outcome`: what the writes
-//! report, folded back into the state, metrics and events), `error`, `metrics`, `objects`.
+//! the one task that owns the state and runs passes; only that file holds it), `state` (the
+//! decision state, and `Parts`: that state with the handles a part works through), `ingest`
+//! (informer events into the state), `start` (the actions of a pass started as write tasks),
+//! `exec` (`Executor` and `Outcome`: the write tasks and what they report), `results` (the
+//! reports folded back into the state, metrics and events), `error`, `metrics`, `read`. The
+//! files import one another in one direction.
 
 pub mod actual;
 pub mod controller;
@@ -17,6 +20,8 @@ pub mod ingest;
 pub mod metrics;
 pub mod read;
 pub mod results;
+pub mod start;
+pub mod state;
 pub mod translate;
 pub mod vecmap;
 

@@ -3,49 +3,16 @@
 
 use tokio::time::Instant;
 
-use k8s_openapi::api::core::v1::Node;
 use kube::runtime::reflector::ObjectRef;
 use kube::{Resource, ResourceExt};
-use stowage_common::store::VolumeAttachment;
 
-use crate::controller::{Controller, STATUS_RETRY};
-use crate::core::{ForceReason, pass_unaffected};
-use crate::error::Error;
+use crate::core::pass_unaffected;
+use crate::exec::Outcome;
 use crate::metrics::observe_attempt;
 use crate::read::VaState;
+use crate::state::{Parts, STATUS_RETRY};
 use stowage_common::errors::MetricLabel;
 use stowage_common::observe::storageops::{VOLUME_ATTACH, VOLUME_DETACH};
-
-/// Results of the write tasks.
-pub(crate) enum Outcome {
-    Attach {
-        volume: String,
-        node: String,
-        va_name: String,
-        result: Result<VolumeAttachment, Error>,
-    },
-    Detach {
-        volume: String,
-        node: String,
-        forced: Option<ForceReason>,
-        /// `Some` while the VolumeAttachment still exists (finalizers), `None` once gone.
-        result: Result<Option<VolumeAttachment>, Error>,
-    },
-    Status {
-        node: String,
-        /// Boxed: a `Node` is ~1.5 KB, and every outcome is moved at that size.
-        result: Result<Box<Node>, Error>,
-    },
-    Release {
-        volume: String,
-        node: String,
-        result: Result<VolumeAttachment, Error>,
-    },
-    PvFinalizer {
-        pv: String,
-        result: Result<(), Error>,
-    },
-}
 
 impl stowage_common::runtime::owed::Work for Outcome {
     /// Whether `self` and `other` report the same piece of work.
@@ -82,9 +49,11 @@ impl stowage_common::runtime::owed::Work for Outcome {
     }
 }
 
-impl Controller {
+impl Parts<'_> {
     /// Takes a write task's result back into the state.
-    pub(crate) fn finish(&mut self, done: Outcome) {
+    /// Folds a finished write task into the state; returns the time it was folded at when it
+    /// made a full pass due (the controller then moves its wake-up).
+    pub(crate) fn finish(&mut self, done: Outcome) -> Option<Instant> {
         let now = Instant::now();
         let m = self.executor.metrics.clone();
         let mut pass_due = true;
@@ -97,9 +66,9 @@ impl Controller {
             } => {
                 m.queue_depth.with_label_values(&["attach"]).dec();
                 // The entry with its create still in flight: what the result is compared with.
-                let before = self.actual.get(&volume, &node).cloned().unwrap_or_default();
+                let before = self.st.actual.get(&volume, &node).cloned().unwrap_or_default();
                 let clear_op = |c: &mut Self| {
-                    if let Some(e) = c.actual.get_mut(&volume, &node) {
+                    if let Some(e) = c.st.actual.get_mut(&volume, &node) {
                         e.op = None;
                     }
                 };
@@ -115,9 +84,10 @@ impl Controller {
                         // brought a newer copy, the object adds nothing, but the create leaving
                         // the entry still changes it (a volume no longer wanted can now be
                         // detached).
-                        let wanted = self.desired.get(&volume, &node).is_some();
+                        let wanted = self.st.desired.get(&volume, &node).is_some();
                         pass_due = marked
                             || !self
+                                .st
                                 .actual
                                 .get(&volume, &node)
                                 .is_some_and(|after| pass_unaffected(&before, after, wanted));
@@ -132,7 +102,7 @@ impl Controller {
                                 self.va_applied(&va);
                             }
                             None => {
-                                if let Some(e) = self.actual.get_mut(&volume, &node)
+                                if let Some(e) = self.st.actual.get_mut(&volume, &node)
                                     && e.va.is_none()
                                 {
                                     // Its watch event is on the way; a resync corrects a miss.
@@ -151,7 +121,7 @@ impl Controller {
                             .with_label_values(&["attach", err.metric_label()])
                             .inc();
                         tracing::warn!(%volume, %node, error = %err, "attach failed");
-                        if let Some(e) = self.actual.get_mut(&volume, &node) {
+                        if let Some(e) = self.st.actual.get_mut(&volume, &node) {
                             e.failed(now);
                             if let Some(t) = e.attach_started.take() {
                                 observe_attempt(&e.driver, VOLUME_ATTACH, false, t);
@@ -163,7 +133,7 @@ impl Controller {
                         });
                     }
                 }
-                self.actual.tidy(&volume, &node, now);
+                self.st.actual.tidy(&volume, &node, now);
             }
             Outcome::Detach {
                 volume,
@@ -172,7 +142,7 @@ impl Controller {
                 result,
             } => {
                 m.queue_depth.with_label_values(&["detach"]).dec();
-                if let Some(e) = self.actual.get_mut(&volume, &node) {
+                if let Some(e) = self.st.actual.get_mut(&volume, &node) {
                     e.op = None;
                 }
                 match result {
@@ -188,7 +158,7 @@ impl Controller {
                                 self.va_applied(&va);
                             }
                             None => {
-                                if let Some(e) = self.actual.get_mut(&volume, &node) {
+                                if let Some(e) = self.st.actual.get_mut(&volume, &node) {
                                     e.va = None;
                                     e.reported = None;
                                     e.detach_requested = None;
@@ -206,7 +176,7 @@ impl Controller {
                             .with_label_values(&["detach", err.metric_label()])
                             .inc();
                         tracing::warn!(%volume, %node, error = %err, "detach failed");
-                        if let Some(e) = self.actual.get_mut(&volume, &node) {
+                        if let Some(e) = self.st.actual.get_mut(&volume, &node) {
                             e.failed(now);
                             if let Some(t) = e.detach_started.take() {
                                 observe_attempt(&e.driver, VOLUME_DETACH, false, t);
@@ -214,10 +184,10 @@ impl Controller {
                         }
                     }
                 }
-                self.actual.tidy(&volume, &node, now);
+                self.st.actual.tidy(&volume, &node, now);
             }
             Outcome::Release { volume, node, result } => {
-                if let Some(e) = self.actual.get_mut(&volume, &node) {
+                if let Some(e) = self.st.actual.get_mut(&volume, &node) {
                     e.op = None;
                 }
                 match result {
@@ -244,15 +214,15 @@ impl Controller {
                             .with_label_values(&["release", err.metric_label()])
                             .inc();
                         tracing::warn!(%volume, %node, error = %err, "release of a dead node's attachment failed");
-                        if let Some(e) = self.actual.get_mut(&volume, &node) {
+                        if let Some(e) = self.st.actual.get_mut(&volume, &node) {
                             e.failed(now);
                         }
                     }
                 }
-                self.actual.tidy(&volume, &node, now);
+                self.st.actual.tidy(&volume, &node, now);
             }
             Outcome::PvFinalizer { pv, result } => {
-                self.pv_patching.remove(&pv);
+                self.st.pv_patching.remove(&pv);
                 match result {
                     Ok(()) => {
                         m.operations.with_label_values(&["pv_finalizer", "success"]).inc();
@@ -267,17 +237,17 @@ impl Controller {
                         // A conflict is decided again on the newer copy; other errors wait for
                         // the next change or the periodic resync.
                         if e.is_conflict() {
-                            self.pv_dirty.insert(pv);
+                            self.st.pv_dirty.insert(pv);
                         }
                     }
                 }
             }
             Outcome::Status { node, result } => {
-                self.status_in_flight.remove(&node);
+                self.st.status_in_flight.remove(&node);
                 match result {
                     Ok(n) => {
                         m.operations.with_label_values(&["node_status", "success"]).inc();
-                        self.status_retry.remove(&node);
+                        self.st.status_retry.remove(&node);
                         self.node_applied(&n);
                     }
                     Err(e) if e.is_not_found() => {
@@ -289,19 +259,20 @@ impl Controller {
                             .with_label_values(&["node_status", e.metric_label()])
                             .inc();
                         tracing::warn!(%node, error = %e, "node status update failed");
-                        self.status_retry.insert(node, now + STATUS_RETRY);
+                        self.st.status_retry.insert(node, now + STATUS_RETRY);
                     }
                 }
             }
         }
         if pass_due {
-            self.dirty = true;
-            self.update_wake(now);
+            self.st.dirty = true;
+            return Some(now);
         }
+        None
     }
 
     pub(crate) fn succeeded(&mut self, volume: &str, node: &str) {
-        if let Some(e) = self.actual.get_mut(volume, node) {
+        if let Some(e) = self.st.actual.get_mut(volume, node) {
             e.succeeded();
         }
     }
