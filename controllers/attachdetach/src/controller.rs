@@ -132,7 +132,11 @@ pub async fn run(cluster: Arc<Informers>, metrics: Metrics, config: Config) -> a
     // reconciler, a pass compares the whole desired state with the whole actual state (a detach
     // is decided from every pod of every node, a node's status write carries its whole list),
     // so the unit of work is a pass over dirty state, not a key; passes are spaced and throttled
-    // as a whole, and write tasks draw from two budgets instead of one window.
+    // as a whole, and write tasks draw from two budgets instead of one window. Nor the agent's
+    // pass skeleton (its `passes::wait`): those passes re-read the stores whatever changed, while
+    // this loop folds each event into dirty state as it comes (an attach step answers a pod at
+    // once, without a full pass), bounds the events it folds before a pass (`MAX_BACKLOG`) and
+    // spaces full passes by what the last one cost (`PASS_GAP_FACTOR`).
     loop {
         let wake = c.wake_at;
         // A due pass that came too soon after the last one waits for the interval.

@@ -12,6 +12,7 @@ pub mod images;
 pub mod metrics;
 pub mod node;
 mod panic_hook;
+mod passes;
 pub mod paths;
 pub mod probe;
 pub mod state;

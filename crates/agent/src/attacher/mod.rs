@@ -25,7 +25,10 @@ use crate::ctx::{Ctx, is_ours};
 use crate::paths::VA_FINALIZER;
 use crate::tracker::{OpKey, Tracker};
 use exec::{device_ok, execute};
+use stowage_common::runtime::driver::Inputs;
 use stowage_common::runtime::owed::{Owed, Work};
+
+use crate::passes::{self, Woke};
 use stowage_common::vocab::annotations::is_loop_attacher_finalizer;
 
 mod exec;
@@ -104,8 +107,9 @@ pub fn cache_behind(cached: Option<&str>, written: &str) -> bool {
 /// `stale_grace`: how long the sweep waits before releasing an unaccounted device (`sweep.rs`).
 pub async fn run(ctx: Arc<Ctx>, mut stop: watch::Receiver<bool>, stale_grace: Duration) {
     tokio::join!(ctx.vas.ready(), ctx.pvs.ready());
-    let mut vas_rx = ctx.vas.feed();
-    let mut pvs_rx = ctx.pvs.feed();
+    let mut inputs = Inputs::new()
+        .feed(ctx.vas.feed(), |_| ())
+        .feed(ctx.pvs.feed(), |_| ());
     let (tx, mut rx) = mpsc::unbounded_channel::<Outcome>();
     let mut tracker = Tracker::default();
     let mut tasks = JoinSet::new();
@@ -179,22 +183,23 @@ pub async fn run(ctx: Arc<Ctx>, mut stop: watch::Receiver<bool>, stale_grace: Du
             .next_expiry(now)
             .map_or(now + VERIFY_PERIOD, |t| t.min(now + VERIFY_PERIOD));
         // The next pass reads the stores whatever changed; a feed that ended stops the loop.
-        let fed = tokio::select! {
-            r = vas_rx.next() => r.map(drop),
-            r = pvs_rx.next() => r.map(drop),
-            Some(d) = rx.recv() => {
-                finish(&mut tracker, &mut written, d);
-                Ok(())
+        let fold = |d| finish(&mut tracker, &mut written, d);
+        match passes::wait(
+            &mut inputs,
+            &mut rx,
+            fold,
+            std::future::pending(),
+            wake,
+            &mut stop,
+        )
+        .await
+        {
+            Ok(Woke::Look) => {}
+            Ok(Woke::Stop) => break,
+            Err(e) => {
+                tracing::error!(error = %e, "attacher stops");
+                break;
             }
-            _ = tokio::time::sleep_until(wake) => Ok(()),
-            _ = stop.changed() => break,
-        };
-        while let Ok(d) = rx.try_recv() {
-            finish(&mut tracker, &mut written, d);
-        }
-        if let Err(e) = fed.and_then(|()| vas_rx.drain()).and_then(|()| pvs_rx.drain()) {
-            tracing::error!(error = %e, "attacher stops");
-            break;
         }
     }
     let _ = tokio::time::timeout(Duration::from_secs(30), async {

@@ -32,7 +32,10 @@ use crate::paths::unique_name;
 use crate::probe::{Health, Prober};
 use crate::state::{Actual, Desired, DesiredVolume, PodInfo};
 use crate::tracker::Tracker;
+use stowage_common::runtime::driver::Inputs;
 use stowage_common::runtime::owed::Owed;
+
+use crate::passes::{self, Woke};
 
 mod claim;
 mod exec;
@@ -70,11 +73,12 @@ pub async fn run(ctx: Arc<Ctx>, mut link: NodeLink, mut stop: watch::Receiver<bo
         ctx.vas.ready(),
         link.node.ready()
     );
-    let mut node_rx = link.node.feed();
-    let mut pods_rx = ctx.pods.feed();
-    let mut pvcs_rx = ctx.pvcs.feed();
-    let mut pvs_rx = ctx.pvs.feed();
-    let mut vas_rx = ctx.vas.feed();
+    let mut inputs = Inputs::new()
+        .feed(link.node.feed(), |_| ())
+        .feed(ctx.pods.feed(), |_| ())
+        .feed(ctx.pvcs.feed(), |_| ())
+        .feed(ctx.pvs.feed(), |_| ())
+        .feed(ctx.vas.feed(), |_| ());
     let (done_tx, mut done_rx) = mpsc::unbounded_channel::<Outcome>();
     let mut tasks = JoinSet::new();
     let mut tracker = Tracker::default();
@@ -146,33 +150,17 @@ pub async fn run(ctx: Arc<Ctx>, mut link: NodeLink, mut stop: watch::Receiver<bo
             .map_or(now + PERIOD, |t| t.min(now + PERIOD));
         // What changed does not matter (the next pass reads the stores); a feed that ended does:
         // its informer stopped, and the agent must exit rather than decide on a frozen store.
-        let fed = tokio::select! {
-            r = pods_rx.next() => r.map(drop),
-            r = pvcs_rx.next() => r.map(drop),
-            r = pvs_rx.next() => r.map(drop),
-            r = vas_rx.next() => r.map(drop),
-            r = node_rx.next() => r.map(drop),
-            _ = link.reported.changed() => Ok(()),
-            Some(done) = done_rx.recv() => {
-                finish(&mut tracker, &mut expanded, done);
-                Ok(())
-            }
-            _ = tokio::time::sleep_until(wake) => Ok(()),
-            _ = stop.changed() => break,
+        let reported = async {
+            let _ = link.reported.changed().await;
         };
-        // Fold everything else that queued up into this one wake-up.
-        while let Ok(done) = done_rx.try_recv() {
-            finish(&mut tracker, &mut expanded, done);
-        }
-        let drained = fed
-            .and_then(|()| pods_rx.drain())
-            .and_then(|()| pvcs_rx.drain())
-            .and_then(|()| pvs_rx.drain())
-            .and_then(|()| vas_rx.drain())
-            .and_then(|()| node_rx.drain());
-        if let Err(e) = drained {
-            tracing::error!(error = %e, "volume manager stops");
-            break;
+        let fold = |done| finish(&mut tracker, &mut expanded, done);
+        match passes::wait(&mut inputs, &mut done_rx, fold, reported, wake, &mut stop).await {
+            Ok(Woke::Look) => {}
+            Ok(Woke::Stop) => break,
+            Err(e) => {
+                tracing::error!(error = %e, "volume manager stops");
+                break;
+            }
         }
         // Let a burst of changes settle before the next full pass.
         tokio::time::sleep(Duration::from_millis(20)).await;

@@ -144,7 +144,7 @@ impl<I: Send + 'static> Inputs<I> {
     }
 
     /// An input already announced, if any.
-    fn ready(&mut self) -> anyhow::Result<Option<I>> {
+    pub fn ready(&mut self) -> anyhow::Result<Option<I>> {
         match self.streams.next().now_or_never() {
             Some(Some(r)) => r.map(Some),
             _ => Ok(None),
@@ -152,7 +152,7 @@ impl<I: Send + 'static> Inputs<I> {
     }
 
     /// The next input; pending forever without inputs. Cancel-safe.
-    async fn next(&mut self) -> anyhow::Result<I> {
+    pub async fn next(&mut self) -> anyhow::Result<I> {
         match self.streams.next().await {
             Some(r) => r,
             None => std::future::pending().await,
