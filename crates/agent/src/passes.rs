@@ -95,39 +95,22 @@ mod tests {
         let (tx, mut inputs) = feed();
         let (_done_tx, mut done) = mpsc::unbounded_channel::<u32>();
         let (stop_tx, mut stop) = watch::channel(false);
-        let soon = Instant::now() + Duration::from_millis(10);
-        let woke = wait(
-            &mut inputs,
-            &mut done,
-            |_| {},
-            std::future::pending(),
-            soon,
-            &mut stop,
+        // Waits with nothing to fold and nothing else to wait for, until `after` from now.
+        let mut idle = async |inputs: &mut Inputs<()>, after: Duration| {
+            let wake = Instant::now() + after;
+            wait(inputs, &mut done, |_| {}, std::future::pending(), wake, &mut stop).await
+        };
+        assert_eq!(
+            idle(&mut inputs, Duration::from_millis(10)).await.unwrap(),
+            Woke::Look
         );
-        assert_eq!(woke.await.unwrap(), Woke::Look);
 
         stop_tx.send(true).unwrap();
-        let far = Instant::now() + Duration::from_secs(60);
-        let woke = wait(
-            &mut inputs,
-            &mut done,
-            |_| {},
-            std::future::pending(),
-            far,
-            &mut stop,
-        );
-        assert_eq!(woke.await.unwrap(), Woke::Stop);
+        let far = Duration::from_secs(60);
+        assert_eq!(idle(&mut inputs, far).await.unwrap(), Woke::Stop);
 
         drop(tx);
-        let woke = wait(
-            &mut inputs,
-            &mut done,
-            |_| {},
-            std::future::pending(),
-            far,
-            &mut stop,
-        );
-        let err = woke.await.unwrap_err();
+        let err = idle(&mut inputs, far).await.unwrap_err();
         assert!(err.to_string().contains("thing"), "{err}");
     }
 }
