@@ -123,28 +123,8 @@ fn no_class(_: &str) -> Option<Arc<k8s_openapi::api::storage::v1::StorageClass>>
     None
 }
 
-fn no_node(_: &str) -> Option<BTreeMap<String, String>> {
-    None
-}
-
-fn no_room(_: &str) -> Vec<(String, u128)> {
-    vec![]
-}
-
-fn no_pods(_: &str) -> Vec<crate::core::PodUse> {
-    vec![]
-}
-
 fn env() -> Env<'static> {
-    Env {
-        class: &no_class,
-        default_class: None,
-        node_labels: &no_node,
-        pods_of: &no_pods,
-        local: false,
-        room: &no_room,
-        publishing: &|| false,
-    }
+    super::env_with(&no_class)
 }
 
 const SIZES: [&str; 4] = ["1Gi", "2Gi", "5Gi", "10Gi"];

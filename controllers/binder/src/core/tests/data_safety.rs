@@ -19,28 +19,8 @@ fn loop_class(name: &str) -> Option<Arc<StorageClass>> {
     (name == "loop").then(|| Arc::new(storage_class("loop", LOOP_DRIVER).build()))
 }
 
-fn no_node(_: &str) -> Option<BTreeMap<String, String>> {
-    None
-}
-
-fn no_room(_: &str) -> Vec<(String, u128)> {
-    vec![]
-}
-
-fn no_pods(_: &str) -> Vec<crate::core::PodUse> {
-    vec![]
-}
-
 fn env() -> Env<'static> {
-    Env {
-        class: &loop_class,
-        default_class: None,
-        node_labels: &no_node,
-        pods_of: &no_pods,
-        local: false,
-        room: &no_room,
-        publishing: &|| false,
-    }
+    super::env_with(&loop_class)
 }
 
 fn cache(pvs: &[&PersistentVolume], claims: &[&PersistentVolumeClaim]) -> Cache {
