@@ -69,7 +69,7 @@ impl Target {
 /// its unique name is a CSI one (a driver and a handle; migrated in-tree volumes are named so
 /// after translation) or an iSCSI or FC plugin's; this gives its (driver or plugin, handle).
 /// The desired side wants only managed volumes (`desired::resolve_pod`), and the actual side
-/// tracks only managed ones (`Controller::load` from node status, `Controller::resolve_va` from
+/// tracks only managed ones (`ingest::Parts::load` from node status, `ingest::Parts::resolve_va` from
 /// VolumeAttachments), so what it does not manage (an old in-tree plugin's entry in a node's
 /// `status.volumesAttached`, another writer's, a VolumeAttachment of a volume whose source does
 /// not translate) is never tracked and so never detached: upstream cannot detach a volume whose

@@ -340,7 +340,7 @@ impl Executor {
 
     /// Carries out one action, timing the end-to-end operations KCM's PV controller times:
     /// a claim's provisioning from the first step to Bound, a volume's deletion from its start
-    /// to the object's removal (`Controller::pv_gone`); each failed step on the way is counted.
+    /// to the object's removal (`ingest::Ingest::pv_gone`); each failed step on the way is counted.
     pub(crate) async fn apply(
         &self,
         action: &Action,

@@ -12,7 +12,6 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::ResourceExt;
 use kube::api::ObjectMeta;
 
-use crate::core::reference_to;
 use crate::pv::*;
 
 pub use stowage_loopdriver::{ImageError, ImageStore};

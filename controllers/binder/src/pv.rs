@@ -2,7 +2,8 @@
 //! annotations and finalizers of `stowage_common::vocab`, and the built-in driver's name and
 //! handle rule, from the driver's crate (common knows no driver).
 
-use k8s_openapi::api::core::v1::PersistentVolume;
+use k8s_openapi::api::core::v1::{ObjectReference, PersistentVolume, PersistentVolumeClaim};
+use kube::ResourceExt;
 pub use stowage_common::store::pv::*;
 pub use stowage_common::vocab::annotations::*;
 pub use stowage_common::vocab::migration::*;
@@ -29,4 +30,17 @@ pub fn loop_handle(pv: &PersistentVolume) -> Option<&str> {
 /// topology key); `None` for a volume in a shared store.
 pub fn loop_node(pv: &PersistentVolume) -> Option<&str> {
     affinity_value(pv, stowage_loopdriver::TOPOLOGY_KEY)
+}
+
+/// The claimRef a bind writes (and the built-in provisioner's pre-bound PV carries).
+pub fn reference_to(claim: &PersistentVolumeClaim) -> ObjectReference {
+    ObjectReference {
+        kind: Some("PersistentVolumeClaim".into()),
+        api_version: Some("v1".into()),
+        namespace: claim.namespace(),
+        name: Some(claim.name_any()),
+        uid: claim.metadata.uid.clone(),
+        resource_version: claim.resource_version(),
+        field_path: None,
+    }
 }

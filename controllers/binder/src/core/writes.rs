@@ -3,19 +3,6 @@
 
 use super::*;
 
-/// The claimRef a bind writes.
-pub fn reference_to(claim: &PersistentVolumeClaim) -> ObjectReference {
-    ObjectReference {
-        kind: Some("PersistentVolumeClaim".into()),
-        api_version: Some("v1".into()),
-        namespace: claim.namespace(),
-        name: Some(claim.name_any()),
-        uid: claim.metadata.uid.clone(),
-        resource_version: claim.resource_version(),
-        field_path: None,
-    }
-}
-
 pub(super) fn ref_is_exact(pv: &PersistentVolume, claim: &PersistentVolumeClaim) -> bool {
     claim_ref(pv).is_some_and(|(ns, name, uid)| {
         ns == claim.namespace().unwrap_or_default()
