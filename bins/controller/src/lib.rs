@@ -1,8 +1,9 @@
 //! `stowage-controller`: one leader-elected process that runs the selected storage controllers.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::bail;
 use clap::Parser;
@@ -76,6 +77,11 @@ pub struct Args {
     /// Identity written into the Lease (default: hostname and a random suffix).
     #[arg(long)]
     pub leader_elect_identity: Option<String>,
+    /// Fill the caches while standing by (lists and watches: reads only, no writes before the
+    /// lease is ours), so a takeover does not wait for the lists of every object; `false` lists
+    /// only on becoming leader, as kube-controller-manager does.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub warm_standby: bool,
     /// Directory of the built-in driver's image files (shared mode: the store every agent mounts
     /// too; unused in local mode).
     #[arg(long, default_value = "/var/lib/stowage/images")]
@@ -383,7 +389,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         leader_gauge.set(true);
         tokio::select! {
             _ = shutdown => {}
-            r = lead(client, &controllers, &registry, &wiring) => r?,
+            r = lead(client, &controllers, &registry, &wiring, None, &leader_gauge) => r?,
         }
         return Ok(());
     }
@@ -399,9 +405,22 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         &identity,
         timings,
     );
-    tracing::info!(%identity, lease = %args.leader_elect_resource_name, "standing for leader");
+    tracing::info!(%identity, lease = %args.leader_elect_resource_name, warm_standby = args.warm_standby, "standing for leader");
     let (tx, mut leading) = watch::channel(false);
     let election = tokio::spawn(leader::run(elector, tx, shutdown));
+    // A warm standby's informers run from now on, across terms of leadership; they only read.
+    let mut warm_tasks = JoinSet::new();
+    let warm = args.warm_standby.then(|| {
+        let cluster = start_informers(client.clone(), &registry, &wiring, &mut warm_tasks);
+        let (synced, gauge) = (cluster.clone(), leader_gauge.clone());
+        warm_tasks.spawn(async move {
+            let t0 = Instant::now();
+            synced.ready().await;
+            gauge.caches_synced(true);
+            tracing::info!(listed_ms = elapsed_ms(t0), "standby: caches synced");
+        });
+        cluster
+    });
 
     // Controllers run while `leading` is true and are dropped (stopped) the moment it turns false.
     loop {
@@ -411,7 +430,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         leader_gauge.set(true);
         tokio::select! {
             r = leading.wait_for(|l| !*l) => { let _ = r; }
-            r = lead(client.clone(), &controllers, &registry, &wiring) => {
+            r = lead(client.clone(), &controllers, &registry, &wiring, warm.as_ref(), &leader_gauge) => {
                 if let Err(e) = r {
                     // /healthz turns red so an orchestrator restarts us; until then, retry
                     // slowly rather than spin on a failure that returns at once.
@@ -422,6 +441,10 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             }
         }
         leader_gauge.set(false);
+        if warm.is_none() {
+            // A cold replica's caches went with its term.
+            leader_gauge.caches_synced(false);
+        }
         wiring.rival.paused.set(0);
         if election.is_finished() {
             break;
@@ -442,21 +465,25 @@ fn in_span<F: std::future::Future>(name: &'static str, f: F) -> tracing::instrum
 
 /// One term of leadership: the conflict detector beside the controllers. With
 /// `--on-conflict=pause` the controllers stop while a conflict holds (dropped, as when leadership
-/// is lost, so no write of theirs is left running) and start again, from fresh caches, once it is
-/// over; the Lease is kept meanwhile so no standby takes over into the same conflict.
+/// is lost, so no write of theirs is left running) and start again, from the caches as they stand (fresh ones when cold), once it is
+/// over; the Lease is kept meanwhile so no standby takes over into the same conflict. `warm`: the
+/// informers a warm standby started (else each run starts its own).
 async fn lead(
     client: Client,
     controllers: &[&'static str],
     registry: &Registry,
     wiring: &Wiring,
+    warm: Option<&Arc<Informers>>,
+    gauge: &stowage_common::observe::metrics::Leader,
 ) -> anyhow::Result<()> {
+    let run = || run_controllers(client.clone(), controllers, registry, wiring, warm, gauge);
     if wiring.on_conflict == OnConflict::Ignore {
-        return run_controllers(client, controllers, registry, wiring).await;
+        return run().await;
     }
     let (mut conflict, _detector) =
         rival::spawn(client.clone(), controllers, wiring.quiet, wiring.rival.clone());
     if wiring.on_conflict == OnConflict::Warn {
-        return run_controllers(client, controllers, registry, wiring).await;
+        return run().await;
     }
     loop {
         if *conflict.borrow() {
@@ -469,7 +496,7 @@ async fn lead(
             tracing::info!("conflict over: starting the controllers again");
         }
         tokio::select! {
-            r = run_controllers(client.clone(), controllers, registry, wiring) => return r,
+            r = run() => return r,
             r = conflict.wait_for(|c| *c) => {
                 if r.is_err() {
                     anyhow::bail!("the conflict detector stopped");
@@ -479,20 +506,47 @@ async fn lead(
     }
 }
 
+/// The shared informers (reads only), on `tasks`.
+fn start_informers(
+    client: Client,
+    registry: &Registry,
+    wiring: &Wiring,
+    tasks: &mut JoinSet<()>,
+) -> Arc<Informers> {
+    // Local mode: the binder reads the room each node's store publishes.
+    let local = wiring.binder.1.store_mode.is_local();
+    Informers::start_with(client, registry.clone(), tasks, local)
+}
+
+fn elapsed_ms(t0: Instant) -> u64 {
+    u64::try_from(t0.elapsed().as_millis()).unwrap_or(u64::MAX)
+}
+
 /// Runs the selected controllers until one fails or the future is dropped (leadership lost):
-/// starts the shared informers, waits for their first lists, then spawns each controller.
+/// starts the shared informers (unless a warm standby's are given), waits for their first
+/// lists, then spawns each controller.
 async fn run_controllers(
     client: Client,
     controllers: &[&'static str],
     registry: &Registry,
     wiring: &Wiring,
+    warm: Option<&Arc<Informers>>,
+    gauge: &stowage_common::observe::metrics::Leader,
 ) -> anyhow::Result<()> {
     let mut informers = JoinSet::new();
-    // Local mode: the binder reads the room each node's store publishes.
-    let local = wiring.binder.1.store_mode.is_local();
-    let cluster = Informers::start_with(client, registry.clone(), &mut informers, local);
+    let cluster = match warm {
+        Some(cluster) => cluster.clone(),
+        None => start_informers(client, registry, wiring, &mut informers),
+    };
+    let t0 = Instant::now();
     cluster.ready().await;
-    tracing::info!(controllers = ?controllers, "leading: caches synced, controllers started");
+    gauge.caches_synced(true);
+    tracing::info!(
+        controllers = ?controllers,
+        warm = warm.is_some(),
+        waited_ms = elapsed_ms(t0),
+        "leading: caches synced, controllers started"
+    );
     let mut running: JoinSet<(&'static str, anyhow::Result<()>)> = JoinSet::new();
     for &name in controllers {
         let cluster = cluster.clone();

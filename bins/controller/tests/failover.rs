@@ -1,10 +1,12 @@
 //! Leader failover in the middle of a 200-claim burst: every claim ends Bound, no volume holds
-//! two claims, and nothing the first leader half-wrote is left inconsistent.
+//! two claims, and nothing the first leader half-wrote is left inconsistent. And the standby
+//! while it waits: warm (caches full, no writes) or cold (nothing held), then its takeover.
 
 use std::collections::HashMap;
 use std::time::Duration;
 
 use futures::{StreamExt, stream};
+use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
 use kube::Api;
 use kube::api::PostParams;
@@ -15,7 +17,11 @@ use stowage_testkit::{ControlPlane, eventually};
 const N: usize = 200;
 
 fn replica(cp: &ControlPlane, id: &str, images: &std::path::Path) -> Running {
-    let args = vec![
+    replica_with(cp, id, images, &[])
+}
+
+fn replica_with(cp: &ControlPlane, id: &str, images: &std::path::Path, extra: &[&str]) -> Running {
+    let mut args = vec![
         format!("--kubeconfig={}", cp.kubeconfig().display()),
         "--controllers=binder".into(),
         "--leader-elect-resource-namespace=default".into(),
@@ -28,6 +34,7 @@ fn replica(cp: &ControlPlane, id: &str, images: &std::path::Path) -> Running {
         "--kube-api-burst=40".into(),
         format!("--image-dir={}", images.display()),
     ];
+    args.extend(extra.iter().map(|a| a.to_string()));
     Running::start(
         std::path::Path::new(env!("CARGO_BIN_EXE_stowage-controller")),
         &args,
@@ -38,7 +45,20 @@ fn replica(cp: &ControlPlane, id: &str, images: &std::path::Path) -> Running {
 }
 
 fn leads(r: &Running) -> bool {
-    r.metrics().ok().and_then(|m| m.value("stowage_leader")) == Some(1.0)
+    gauge(r, "stowage_leader") == Some(1.0)
+}
+
+fn gauge(r: &Running, name: &str) -> Option<f64> {
+    r.metrics().ok().and_then(|m| m.value(name))
+}
+
+/// Requests other than reads this replica sent (its client metrics, lease renewals included).
+fn writes(r: &Running) -> f64 {
+    let m = r.metrics().unwrap();
+    ["POST", "PUT", "PATCH", "DELETE"]
+        .iter()
+        .map(|v| m.sum_where("rest_client_requests_total", &[("method", v)]))
+        .sum()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -140,4 +160,125 @@ async fn failover_mid_burst_binds_every_claim_exactly_once() {
         );
         assert_eq!(v.status.unwrap().phase.as_deref(), Some("Bound"));
     }
+}
+
+/// A standby's wait and its takeover: with `warm` its caches fill while it waits and it writes
+/// nothing; without, it holds no cache until it leads. Either way it binds new work after the
+/// leader dies.
+async fn standby_then_takeover(warm: bool) {
+    let cp = tokio::task::spawn_blocking(ControlPlane::start)
+        .await
+        .unwrap()
+        .unwrap();
+    let images = tempfile::tempdir().unwrap();
+    let client = cp.client().await;
+    let pvs: Api<PersistentVolume> = Api::all(client.clone());
+    let claims: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), "default");
+    let leases: Api<Lease> = Api::namespaced(client.clone(), "default");
+    let pair = |i: usize| {
+        let (pvs, claims) = (pvs.clone(), claims.clone());
+        async move {
+            let pp = PostParams::default();
+            pvs.create(&pp, &pv(&format!("w{i:02}")).class("standby").build())
+                .await
+                .unwrap();
+            claims
+                .create(&pp, &pvc("default", &format!("w{i:02}")).class("standby").build())
+                .await
+                .unwrap();
+        }
+    };
+    let bound = |name: String| {
+        let claims = claims.clone();
+        async move {
+            eventually(Duration::from_secs(120), || async {
+                let c = claims.get(&name).await.map_err(|e| e.to_string())?;
+                match c.status.and_then(|s| s.phase).as_deref() {
+                    Some("Bound") => Ok(()),
+                    p => Err(format!("{name}: {p:?}")),
+                }
+            })
+            .await
+        }
+    };
+    for i in 0..20 {
+        pair(i).await;
+    }
+    let mut a = replica(&cp, "a", images.path());
+    eventually(Duration::from_secs(60), || async {
+        if leads(&a) {
+            Ok(())
+        } else {
+            Err("a does not lead yet".to_string())
+        }
+    })
+    .await;
+    bound("w19".into()).await;
+
+    let flag = format!("--warm-standby={warm}");
+    let b = replica_with(&cp, "b", images.path(), &[flag.as_str()]);
+    // b has stood for the Lease through several of a's renewals.
+    let renew_time = || async {
+        leases
+            .get("stowage-controller")
+            .await
+            .ok()
+            .and_then(|l| l.spec)
+            .and_then(|s| s.renew_time)
+            .map(|t| t.0)
+    };
+    eventually(Duration::from_secs(60), || async {
+        if gauge(&b, "stowage_leader") == Some(0.0) {
+            Ok(())
+        } else {
+            Err("b serves no metrics yet".to_string())
+        }
+    })
+    .await;
+    let first = renew_time().await;
+    eventually(Duration::from_secs(60), || async {
+        let now = renew_time().await;
+        let synced = gauge(&b, "stowage_caches_synced");
+        match (now != first, synced) {
+            (true, Some(s)) if s == f64::from(u8::from(warm)) => Ok(()),
+            _ => Err(format!(
+                "lease renewed: {}, b's caches_synced {synced:?}",
+                now != first
+            )),
+        }
+    })
+    .await;
+    assert!(!leads(&b), "a still leads");
+    assert_eq!(writes(&b), 0.0, "a standby writes nothing:\n{}", b.log_text());
+    assert_eq!(
+        b.log_text().contains("standby: caches synced"),
+        warm,
+        "{}",
+        b.log_text()
+    );
+
+    a.sigkill();
+    pair(20).await;
+    bound("w20".into()).await;
+    assert!(leads(&b), "b took over:\n{}", b.log_text());
+    assert_eq!(gauge(&b, "stowage_caches_synced"), Some(1.0));
+    let log = b.log_text();
+    let leading = log
+        .lines()
+        .find(|l| l.contains("leading: caches synced"))
+        .unwrap_or_else(|| panic!("b never led:\n{log}"));
+    assert!(
+        leading.contains(&format!("warm={warm}")) || leading.contains(&format!("\"warm\":{warm}")),
+        "{leading}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_warm_standby_fills_its_caches_while_it_waits_writes_nothing_and_takes_over() {
+    standby_then_takeover(true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cold_standby_holds_no_cache_until_it_leads() {
+    standby_then_takeover(false).await;
 }

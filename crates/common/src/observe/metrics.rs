@@ -117,9 +117,16 @@ pub struct Leader {
     ours: IntGauge,
     client_go: IntGauge,
     transitions: prometheus::IntCounter,
+    caches: IntGauge,
 }
 
 impl Leader {
+    /// Whether this replica's informers hold their first lists (a warm standby's do before it
+    /// leads).
+    pub fn caches_synced(&self, synced: bool) {
+        self.caches.set(i64::from(synced));
+    }
+
     pub fn set(&self, leading: bool) {
         if leading && self.ours.get() == 0 {
             self.transitions.inc();
@@ -151,13 +158,20 @@ pub fn leader_metrics(registry: &Registry, name: &str) -> Leader {
     .expect("static metric definition");
     register(registry, ours.clone());
     register(registry, status.clone());
+    let caches = IntGauge::new(
+        "stowage_caches_synced",
+        "1 while this replica's caches hold their first lists: a warm standby's before it leads, a cold one's only while it leads.",
+    )
+    .expect("static metric definition");
     register(registry, transitions.clone());
+    register(registry, caches.clone());
     let client_go = status.with_label_values(&[name]);
     client_go.set(0);
     Leader {
         ours,
         client_go,
         transitions,
+        caches,
     }
 }
 

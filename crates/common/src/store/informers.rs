@@ -1,5 +1,5 @@
 //! The state every controller shares: one client, one metrics registry and one informer per
-//! resource type, started once when this replica becomes leader.
+//! resource type, started once: at start-up on a warm standby, else when this replica becomes leader.
 
 use std::sync::Arc;
 
