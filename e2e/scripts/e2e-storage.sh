@@ -12,7 +12,9 @@
 #      (e2e/storage/controllers.txt: protection, the PV lifecycle, VolumeAttachment, StatefulSets,
 #      local PVs, the CSI mock suite's attach, reclaim, capacity and limit tests),
 #      [Disruptive], [Serial], [Feature:…] and [Flaky] skipped; then the controllers' [Serial] and
-#      [Disruptive] tests in a one-process pass of their own;
+#      [Disruptive] tests in a one-process pass of their own, and the External suites'
+#      [Disruptive] ones (a kubelet stopped and started over SSH with volumes in use: every node
+#      serves SSH, realnode.sh REALNODE_SSH) in another;
 #   4. write JUnit, ginkgo's JSON reports and a Markdown summary (per suite: ran, passed, failed,
 #      skipped, time) to e2e/results/storage-<time>/, print the summary, take the cluster down.
 # Environment: E2E_NODES (2), E2E_PROCS (3), E2E_SUITES (all, external: the driver's suites, or
@@ -91,11 +93,18 @@ for f in target/image/e2e-*.oci.tar; do archives+=("$f"); done
 export REALNODE_NODES=$nodes REALNODE_IMAGES="${archives[*]}" REALNODE_STORE=$store
 [ "$driver_name" = ext.loop.stowage.dev ] && export REALNODE_EXTERNAL=1
 [ "$controllers" = kcm ] && export REALNODE_KCM=storage
+# The disruptive tests SSH to a node to stop, start and restart its kubelet and to read its mounts.
+export REALNODE_SSH=1
 trap './e2e/scripts/realnode.sh down >/dev/null 2>&1 || true' EXIT
 ./e2e/scripts/realnode.sh up
 export KUBECONFIG=$top/.realnode/kubeconfig
 kubectl=$top/e2e/bin/kubectl
 echo "e2e-storage: cluster up after $(( $(date +%s) - start ))s"
+# The framework's SSH client: the cluster's key, as root (KUBE_SSH_KEY_PATH wins over the
+# provider's default key).
+KUBE_SSH_KEY_PATH=$(sed -n 's|^nodes serve SSH .*, key \(.*\)$|\1|p' .realnode/devcluster.log | head -1)
+[ -n "$KUBE_SSH_KEY_PATH" ] || { echo "e2e-storage: the nodes serve no SSH" >&2; exit 1; }
+export KUBE_SSH_KEY_PATH KUBE_SSH_USER=root
 
 # Every node must hold every test image before the suite starts.
 missing=0
@@ -127,7 +136,7 @@ fi
 kubelet_dir=$(sed -n 's/^agent: {mode: csi, kubeletDir: \([^,]*\),.*/\1/p' .realnode/values.yaml)
 # The focus: one expression per selected test group (ginkgo ORs its --focus flags), each narrowed
 # by E2E_FOCUS; `scope` tells the summary which of the binary's tests the run is about.
-focus=() scope=()
+focus=() scope=() external_focus=()
 narrow() { if [ -n "${E2E_FOCUS:-}" ]; then echo "$1.*($E2E_FOCUS)"; else echo "$1"; fi; }
 if [ "$suites" != controllers ]; then
   external="External.Storage.*Driver: ${driver_name//./\\.}\\]"
@@ -138,6 +147,7 @@ if [ "$suites" != controllers ]; then
     external="$external.*($(grep -v '^#' "$subset" | paste -sd'|'))"
   fi
   focus+=("$(narrow "$external")")
+  external_focus=("--focus=$(narrow "$external")")
 fi
 if [ "$suites" != external ]; then
   list=e2e/storage/controllers.txt
@@ -159,15 +169,24 @@ set +e
   --output-dir="$results" --junit-report=junit.xml --json-report=report.json \
   "$bin/e2e.test" -- "${suite_args[@]}" >"$results/e2e.log" 2>&1 || rc=1
 reports=("$results/report.json")
-# The controllers' [Serial] and [Disruptive] tests (a cordoned node, the default class changed),
-# one at a time with nothing else running. The External suites' disruptive ones restart a kubelet
-# over SSH, which these nodes do not serve (docs/csi.md).
+# The controllers' [Serial] and [Disruptive] tests (a cordoned node, the default class changed, a
+# kubelet stopped), one at a time with nothing else running.
 if [ "$suites" != external ]; then
   "$bin/ginkgo" --procs=1 --timeout=1h --no-color --poll-progress-after=10m \
     "${focus_flags[@]}" --label-filter='Serial || Disruptive' --skip='External.Storage|\[Feature:[^]]*\]|\[Flaky\]' \
     --output-dir="$results" --junit-report=junit-serial.xml --json-report=report-serial.json \
     "$bin/e2e.test" -- "${suite_args[@]}" >"$results/e2e-serial.log" 2>&1 || rc=1
   reports+=("$results/report-serial.json")
+fi
+# The External suites' [Disruptive] tests: the kubelet of a pod's node stopped, started or
+# restarted over SSH while the pod's volume is in use, one at a time. Their [Serial] ones (limits,
+# stress) are not run.
+if [ "$suites" != controllers ]; then
+  "$bin/ginkgo" --procs=1 --timeout=1h --no-color --poll-progress-after=10m \
+    "${external_focus[@]}" --label-filter='Disruptive' --skip='\[Serial\]|\[Feature:[^]]*\]|\[Flaky\]' \
+    --output-dir="$results" --junit-report=junit-disruptive.xml --json-report=report-disruptive.json \
+    "$bin/e2e.test" -- "${suite_args[@]}" >"$results/e2e-disruptive.log" 2>&1 || rc=1
+  reports+=("$results/report-disruptive.json")
 fi
 set -e
 python3 e2e/scripts/e2e-summary.py "${scope_flags[@]}" --wall "$(( $(date +%s) - start ))" "${reports[@]}" \

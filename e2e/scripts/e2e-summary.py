@@ -59,9 +59,9 @@ def unselected_reason(spec):
     if any(label.startswith("Feature:") for label in labels) or "[Feature:" in name:
         return "[Feature:…]: a feature this cluster does not enable"
     if has("Disruptive") and name.startswith("External Storage"):
-        return "[Disruptive]: restarts a node's kubelet over SSH, which these nodes do not serve"
+        return "[Disruptive]: left out of the disruptive pass by the run's focus"
     if has("Serial"):
-        return "[Serial]: only the controllers' tests have a serial pass here"
+        return "[Serial]: the External suites' [Serial] tests (limits, stress) are not run here"
     return "not selected by the run's focus"
 
 

@@ -3,8 +3,8 @@
 # mkfs.ext4/resize2fs (e2fsprogs), mkfs.xfs/xfs_growfs (xfsprogs), blkid; for `make image` (e2e/scripts/image.sh): mmdebstrap (the
 # Debian base layer), skopeo (checks the OCI archive), jq (writes its JSON); for the real-node
 # cluster: containerd + runc (ctr), the CNI plugins, tini (node 2's PID 1), and a static busybox for the pod and sandbox
-# images; prometheus (Debian's package: the real-node Prometheus test runs its binary, never its
-# service). Go and Rust come with the machine image.
+# images; prometheus and openssh-server (Debian's packages: the tests run their binaries, never
+# their services). Go and Rust come with the machine image.
 set -euo pipefail
 missing=()
 for tool in losetup:util-linux mount:mount mkfs.ext4:e2fsprogs resize2fs:e2fsprogs mkfs.xfs:xfsprogs xfs_growfs:xfsprogs blkid:util-linux findmnt:util-linux curl:curl \
@@ -23,8 +23,14 @@ if [ ${#missing[@]} -gt 0 ]; then
   # No recommends: skopeo's would add container networking plugins the build does not use.
   apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
-if ! command -v prometheus >/dev/null 2>&1; then
-  echo "deps: installing prometheus (its service neither started nor enabled)"
+# Packages whose service the tests run themselves, with their own configuration: prometheus (the
+# real-node Prometheus test), openssh-server (the real nodes' SSH for upstream's disruptive storage
+# tests, on each node's own address). Their services are neither started nor enabled.
+services=()
+command -v prometheus >/dev/null 2>&1 || services+=(prometheus)
+[ -x /usr/sbin/sshd ] || services+=(openssh-server)
+if [ ${#services[@]} -gt 0 ]; then
+  echo "deps: installing ${services[*]} (their services neither started nor enabled)"
   export DEBIAN_FRONTEND=noninteractive
   # policy-rc.d answering 101 is Debian's way to keep a package's postinst from starting its
   # service; a machine that already has one (container images do) keeps its own.
@@ -34,7 +40,9 @@ if ! command -v prometheus >/dev/null 2>&1; then
     trap 'rm -f "$policy"' EXIT
   fi
   [ ${#missing[@]} -gt 0 ] || apt-get update -qq
-  apt-get install -y -qq --no-install-recommends prometheus >/dev/null
-  # Nor started at the next boot: the tests start their own with a throw-away config.
-  if command -v systemctl >/dev/null; then systemctl disable prometheus.service >/dev/null 2>&1 || true; fi
+  apt-get install -y -qq --no-install-recommends "${services[@]}" >/dev/null
+  # Nor started at the next boot.
+  if command -v systemctl >/dev/null; then
+    systemctl disable prometheus.service ssh.service >/dev/null 2>&1 || true
+  fi
 fi

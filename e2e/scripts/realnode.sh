@@ -14,6 +14,7 @@
 # (node plugins, controller plugin, the upstream external-provisioner and external-attacher;
 # docs/csi.md) and creates its CSIDriver. REALNODE_KCM=storage keeps kube-controller-manager's own
 # storage controllers and scales stowage-controller to zero: the same cluster under KCM's.
+# REALNODE_SSH=1 gives every node SSH and a kubelet unit (see up).
 set -euo pipefail
 top=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$top"
@@ -39,6 +40,9 @@ up() {
   for img in ${REALNODE_IMAGES:-}; do extra+=(--image "$img"); done
   [ "${REALNODE_EXTERNAL:-0}" = 1 ] && extra+=(--external-driver-images "$dir/images")
   [ "${REALNODE_KCM:-}" = storage ] && extra+=(--kcm-controllers '*')
+  # REALNODE_SSH=1: every node serves SSH on its node IP for root (the key in devcluster.log), and
+  # `systemctl start|stop|restart kubelet` there acts on its kubelet (upstream's disruptive tests).
+  [ "${REALNODE_SSH:-0}" = 1 ] && extra+=(--ssh)
   # The store is a shared mount on each node, as on a real host (the chart's HostToContainer
   # propagation needs it). REALNODE_STORE=local: every node but the first gets a directory of its
   # own there (nodes share no store, stowage in local mode); otherwise one directory for all

@@ -40,6 +40,11 @@ struct Args {
     /// mode: nodes share no store); without it all nodes see the one directory (shared mode).
     #[arg(long, requires = "image_store")]
     own_image_stores: bool,
+    /// With --real-node: every node serves SSH on its node IP for root with a key made in
+    /// `<dir>/ssh`, and `systemctl start|stop|restart kubelet` there acts on its kubelet (what
+    /// upstream's disruptive storage tests ask of a node; `realnode::ssh`).
+    #[arg(long, requires = "real_node")]
+    ssh: bool,
 }
 
 fn main() {
@@ -69,6 +74,18 @@ fn main() {
                             let dir = n.image_store(store, args.own_image_stores)?;
                             println!("node {} image store {}", n.name, dir.display());
                         }
+                    }
+                    if args.ssh {
+                        use stowage_testkit::realnode::ssh;
+                        let key = ssh::ClusterKey::create(&cp.dir().join("ssh"))?;
+                        for n in c.nodes() {
+                            n.serve_ssh(&key)?;
+                        }
+                        println!(
+                            "nodes serve SSH on their node IPs, port 22, user {}, key {}",
+                            ssh::USER,
+                            key.private.display()
+                        );
                     }
                     if let Some(images) = &args.external_driver_images {
                         use stowage_testkit::realnode::external;
@@ -108,7 +125,18 @@ fn main() {
         .enable_all()
         .build()
         .expect("tokio runtime");
-    rt.block_on(stowage_common::runtime::shutdown::signalled());
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|s| {
+        // The nodes' kubelets as units their SSH sessions' `systemctl` starts and stops.
+        if args.ssh {
+            for n in cluster.iter().flat_map(|c| c.nodes()) {
+                let stop = &stop;
+                s.spawn(move || n.serve_units(stop));
+            }
+        }
+        rt.block_on(stowage_common::runtime::shutdown::signalled());
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    });
     drop(cluster);
     cp.stop();
     let _ = std::fs::remove_dir_all(cp.dir().join("etcd"));

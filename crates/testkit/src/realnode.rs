@@ -28,6 +28,7 @@ use nodens::Isolation;
 
 pub mod external;
 mod nodens;
+pub mod ssh;
 
 /// The first node's name, and its bearer token (`system:node:realnode` in `system:nodes`, so the
 /// Node authorizer admits the kubelet); every test control plane accepts it.
@@ -603,6 +604,14 @@ imageGCHighThresholdPercent: 100
             }
         }
         stop(child, grace);
+    }
+
+    /// Whether the kubelet this node started is still running.
+    pub fn kubelet_running(&self) -> bool {
+        let mut children = self.children.lock().unwrap_or_else(|p| p.into_inner());
+        children
+            .iter_mut()
+            .any(|(n, c)| n == "kubelet" && matches!(c.try_wait(), Ok(None)))
     }
 
     pub fn start_kubelet_again(&self) -> anyhow::Result<()> {
