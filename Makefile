@@ -101,9 +101,10 @@ image: deps ## Build the OCI image archive target/image/stowage-<version>.oci.ta
 	@./e2e/scripts/image.sh
 
 .PHONY: lint
-lint: ## cargo fmt --check, clippy -D warnings, helm lint
+lint: ## cargo fmt --check, clippy -D warnings, helm lint, no module loop in the controllers, common or the agent
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
+	python3 e2e/scripts/module-loops.py controllers/*/src crates/common/src crates/agent/src
 	@if [ -d charts/stowage ]; then ./e2e/scripts/helm.sh lint --strict charts/stowage; fi
 
 .PHONY: demo
