@@ -96,6 +96,8 @@ export REALNODE_NODES=$nodes REALNODE_IMAGES="${archives[*]}" REALNODE_STORE=$st
 # The disruptive tests SSH to a node to stop, start and restart its kubelet and to read its mounts.
 export REALNODE_SSH=1
 trap './e2e/scripts/realnode.sh down >/dev/null 2>&1 || true' EXIT
+# A fresh cluster: one a run before this left behind (or is still taking down) would be reused.
+./e2e/scripts/realnode.sh down >/dev/null 2>&1 || true
 ./e2e/scripts/realnode.sh up
 export KUBECONFIG=$top/.realnode/kubeconfig
 kubectl=$top/e2e/bin/kubectl
@@ -160,8 +162,9 @@ focus_flags=()
 for f in "${focus[@]}"; do focus_flags+=("--focus=$f"); done
 scope_flags=()
 for f in "${scope[@]}"; do scope_flags+=("--scope=$f"); done
+# -num-nodes as a cluster's e2e job passes it (tests that need two nodes skip themselves without).
 suite_args=(-kubeconfig="$KUBECONFIG" -storage.testdriver="$driver" -kubelet-root-dir="$kubelet_dir"
-  -provider=skeleton -node-os-distro=debian)
+  -provider=skeleton -node-os-distro=debian -num-nodes="$nodes")
 rc=0
 set +e
 "$bin/ginkgo" --procs="$procs" --timeout=3h --no-color --poll-progress-after=10m \
