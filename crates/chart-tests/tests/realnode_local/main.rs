@@ -17,7 +17,7 @@
 //!
 //! Needs root and the archives `make test` builds, like the other real-node scenarios.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use stowage_chart_tests::Helm;
 use stowage_testkit::host::Cleanup;
@@ -103,12 +103,18 @@ async fn node_local_volumes_on_two_real_nodes() {
         );
     }
     k.show("installed in local mode on two nodes");
-    // Each agent marked its own store: two stores, two ids.
-    let ids = [marker_id(&stores[0].1), marker_id(&stores[1].1)];
-    assert!(
-        !ids[0].is_empty() && !ids[1].is_empty() && ids[0] != ids[1],
-        "{ids:?}"
-    );
+    // Each agent marks its own store when its image loop starts, which may be a moment after its
+    // pod is Running: two stores, two ids.
+    let ids = stowage_testkit::eventually(Duration::from_secs(60), || async {
+        let ids = [marker_id(&stores[0].1), marker_id(&stores[1].1)];
+        if ids.iter().all(|id| !id.is_empty()) {
+            Ok(ids)
+        } else {
+            Err(format!("store markers {ids:?}"))
+        }
+    })
+    .await;
+    assert_ne!(ids[0], ids[1], "{ids:?}");
 
     // Claims created with their pods, three on each node.
     let names: Vec<(String, &str)> = (0..6)
