@@ -61,16 +61,28 @@ fn writes(r: &Running) -> f64 {
         .sum()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn failover_mid_burst_binds_every_claim_exactly_once() {
+/// A control plane of the test's own (the standbys' write counts are theirs alone), an image
+/// dir, and the PV and claim APIs.
+async fn world() -> (
+    ControlPlane,
+    tempfile::TempDir,
+    kube::Client,
+    Api<PersistentVolume>,
+    Api<PersistentVolumeClaim>,
+) {
     let cp = tokio::task::spawn_blocking(ControlPlane::start)
         .await
         .unwrap()
         .unwrap();
-    let images = tempfile::tempdir().unwrap();
     let client = cp.client().await;
-    let pvs: Api<PersistentVolume> = Api::all(client.clone());
-    let claims: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), "default");
+    let pvs = Api::all(client.clone());
+    let claims = Api::namespaced(client.clone(), "default");
+    (cp, tempfile::tempdir().unwrap(), client, pvs, claims)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failover_mid_burst_binds_every_claim_exactly_once() {
+    let (cp, images, _client, pvs, claims) = world().await;
     let mut a = replica(&cp, "a", images.path());
     let mut b = replica(&cp, "b", images.path());
     eventually(Duration::from_secs(60), || async {
@@ -166,14 +178,7 @@ async fn failover_mid_burst_binds_every_claim_exactly_once() {
 /// nothing; without, it holds no cache until it leads. Either way it binds new work after the
 /// leader dies.
 async fn standby_then_takeover(warm: bool) {
-    let cp = tokio::task::spawn_blocking(ControlPlane::start)
-        .await
-        .unwrap()
-        .unwrap();
-    let images = tempfile::tempdir().unwrap();
-    let client = cp.client().await;
-    let pvs: Api<PersistentVolume> = Api::all(client.clone());
-    let claims: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), "default");
+    let (cp, images, client, pvs, claims) = world().await;
     let leases: Api<Lease> = Api::namespaced(client.clone(), "default");
     let pair = |i: usize| {
         let (pvs, claims) = (pvs.clone(), claims.clone());
