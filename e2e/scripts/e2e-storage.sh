@@ -151,12 +151,17 @@ if [ "$suites" != controllers ]; then
   focus+=("$(narrow "$external")")
   external_focus=("--focus=$(narrow "$external")")
 fi
+# The controllers' tests that skip themselves unless the provider is one of the framework's SSH
+# providers (csimock's kubelet restart) also get a pass with -provider=local (the same no-op
+# provider as skeleton, under which GenericPersistentVolume skips itself instead).
+ssh_focus=()
 if [ "$suites" != external ]; then
   list=e2e/storage/controllers.txt
   [ "${E2E_SUBSET:-0}" = 1 ] && list=e2e/storage/subset-controllers.txt
   mapfile -t own < <(grep -v '^#' e2e/storage/controllers.txt)
   scope+=("${own[@]}")
   while read -r line; do focus+=("$(narrow "$line")"); done < <(grep -v '^#' "$list")
+  while read -r line; do ssh_focus+=("--focus=$(narrow "$line")"); done < <(grep -v '^#' "$list" | grep -F 'when kubelet restart')
 fi
 focus_flags=()
 for f in "${focus[@]}"; do focus_flags+=("--focus=$f"); done
@@ -180,6 +185,13 @@ if [ "$suites" != external ]; then
     --output-dir="$results" --junit-report=junit-serial.xml --json-report=report-serial.json \
     "$bin/e2e.test" -- "${suite_args[@]}" >"$results/e2e-serial.log" 2>&1 || rc=1
   reports+=("$results/report-serial.json")
+fi
+if [ ${#ssh_focus[@]} -gt 0 ]; then
+  "$bin/ginkgo" --procs=1 --timeout=1h --no-color --poll-progress-after=10m \
+    "${ssh_focus[@]}" --label-filter='Serial || Disruptive' --skip='External.Storage|\[Feature:[^]]*\]|\[Flaky\]' \
+    --output-dir="$results" --junit-report=junit-ssh-provider.xml --json-report=report-ssh-provider.json \
+    "$bin/e2e.test" -- "${suite_args[@]/-provider=skeleton/-provider=local}" >"$results/e2e-ssh-provider.log" 2>&1 || rc=1
+  reports+=("$results/report-ssh-provider.json")
 fi
 # The External suites' [Disruptive] tests: the kubelet of a pod's node stopped, started or
 # restarted over SSH while the pod's volume is in use, one at a time. Their [Serial] ones (limits,
