@@ -66,15 +66,17 @@ async fn node_local_volumes_on_two_real_nodes() {
         base: store2.clone(),
         images: store2.clone(),
     };
-    let cluster = RealNode::start_cluster(&cp, &archives, 2).unwrap_or_else(|e| panic!("real nodes: {e:#}"));
-    let (node1, node2) = (&cluster[0], &cluster[1]);
     // Node 1's disk is small: a tmpfs at its store path (the guard unmounts it with the store).
+    // Mounted before the nodes start: node 1's mount namespace is a copy of the host's made then
+    // (this machine's `/` is private, so a later host mount would not reach it).
     let small = std::process::Command::new("mount")
         .args(["-t", "tmpfs", "-o", "size=512m", "tmpfs"])
         .arg(&images)
         .status()
         .unwrap();
     assert!(small.success(), "mount a tmpfs at {}", images.display());
+    let cluster = RealNode::start_cluster(&cp, &archives, 2).unwrap_or_else(|e| panic!("real nodes: {e:#}"));
+    let (node1, node2) = (&cluster[0], &cluster[1]);
     let stores = [
         (NODE_NAME, node1.image_store(&images, true).unwrap()),
         (NODE2_NAME, node2.image_store(&images, true).unwrap()),
