@@ -465,9 +465,10 @@ fn in_span<F: std::future::Future>(name: &'static str, f: F) -> tracing::instrum
 
 /// One term of leadership: the conflict detector beside the controllers. With
 /// `--on-conflict=pause` the controllers stop while a conflict holds (dropped, as when leadership
-/// is lost, so no write of theirs is left running) and start again, from the caches as they stand (fresh ones when cold), once it is
-/// over; the Lease is kept meanwhile so no standby takes over into the same conflict. `warm`: the
-/// informers a warm standby started (else each run starts its own).
+/// is lost, so no write of theirs is left running) and start again once it is over, on the
+/// caches as they stand (fresh ones when cold); the Lease is kept meanwhile so no standby takes
+/// over into the same conflict. `warm`: the informers a warm standby started (else each run
+/// starts its own).
 async fn lead(
     client: Client,
     controllers: &[&'static str],
