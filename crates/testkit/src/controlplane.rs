@@ -42,6 +42,19 @@ fn apiserver_minor(bin: &Path) -> u32 {
 /// The admin bearer token of every test control plane (loopback only, thrown away with it).
 const ADMIN_TOKEN: &str = "stowage-admin-token";
 
+/// Admin users a run can tell apart in the audit log (`replica-0` …): the takeover bench runs each
+/// replica of a controller as one of them, so the apiserver's own record says which replica wrote
+/// what, and when. Only their writes are audited, so other runs' audit logs stay empty.
+pub const REPLICA_USERS: usize = 4;
+
+pub fn replica_user(i: usize) -> String {
+    format!("replica-{i}")
+}
+
+fn replica_token(i: usize) -> String {
+    format!("stowage-replica-{i}-token")
+}
+
 /// The apiserver's Service range; its first address is the `kubernetes` Service's
 /// (`crate::realnode::SERVICE_IP`, checked by a test).
 pub const SERVICE_RANGE: &str = "10.0.0.0/24";
@@ -125,7 +138,16 @@ impl ControlPlane {
                 crate::realnode::node_name(i)
             ));
         }
+        for i in 0..REPLICA_USERS {
+            tokens.push_str(&format!(
+                "{},{},{}-uid,system:masters\n",
+                replica_token(i),
+                replica_user(i),
+                replica_user(i)
+            ));
+        }
         std::fs::write(dir.join("tokens.csv"), tokens)?;
+        std::fs::write(dir.join("audit-policy.yaml"), audit_policy())?;
         let d = |f: &str| dir.join(f).display().to_string();
         let mut apiserver_cmd = vec![
             apiserver_bin.display().to_string(),
@@ -146,6 +168,9 @@ impl ControlPlane {
             format!("--service-cluster-ip-range={SERVICE_RANGE}"),
             "--authorization-mode=Node,RBAC".into(),
             format!("--token-auth-file={}", d("tokens.csv")),
+            format!("--audit-policy-file={}", d("audit-policy.yaml")),
+            format!("--audit-log-path={}", d("audit.log")),
+            "--audit-log-format=json".into(),
             "--allow-privileged=true".into(),
             // A real node is reached by its address: its name resolves nowhere here.
             "--kubelet-preferred-address-types=InternalIP,Hostname".into(),
@@ -334,6 +359,24 @@ impl ControlPlane {
         self.dir.join("kubeconfig")
     }
 
+    /// A kubeconfig for admin user `replica_user(i)` (group `system:masters`), whose writes the
+    /// audit log records.
+    pub fn replica_kubeconfig(&self, i: usize) -> anyhow::Result<PathBuf> {
+        anyhow::ensure!(
+            i < REPLICA_USERS,
+            "replica {i}: only {REPLICA_USERS} replica users"
+        );
+        let admin = std::fs::read_to_string(self.kubeconfig())?;
+        let path = self.dir.join(format!("kubeconfig-{}", replica_user(i)));
+        std::fs::write(&path, admin.replace(ADMIN_TOKEN, &replica_token(i)))?;
+        Ok(path)
+    }
+
+    /// The apiserver's audit log: one JSON event per line, for the replica users' writes only.
+    pub fn audit_log(&self) -> PathBuf {
+        self.dir.join("audit.log")
+    }
+
     pub fn port(&self) -> u16 {
         self.port
     }
@@ -507,6 +550,19 @@ fn write_pki(dir: &Path, node_host: &str) -> anyhow::Result<()> {
     std::fs::write(dir.join("sa.key"), sa.serialize_pem())?;
     std::fs::write(dir.join("sa.pub"), sa.public_key_pem())?;
     Ok(())
+}
+
+/// Audits the replica users' writes (metadata only, when answered) and nothing else.
+fn audit_policy() -> String {
+    let users: Vec<String> = (0..REPLICA_USERS)
+        .map(|i| format!("\"{}\"", replica_user(i)))
+        .collect();
+    format!(
+        "apiVersion: audit.k8s.io/v1\nkind: Policy\nomitStages: [\"RequestReceived\"]\nrules:\n\
+         - level: Metadata\n  users: [{}]\n  verbs: [\"create\", \"update\", \"patch\", \"delete\", \"deletecollection\"]\n\
+         - level: None\n",
+        users.join(", ")
+    )
 }
 
 fn write_kubeconfig(dir: &Path, port: u16) -> anyhow::Result<()> {
