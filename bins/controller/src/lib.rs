@@ -407,7 +407,14 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     );
     tracing::info!(%identity, lease = %args.leader_elect_resource_name, warm_standby = args.warm_standby, "standing for leader");
     let (tx, mut leading) = watch::channel(false);
-    let election = tokio::spawn(leader::run(elector, tx, shutdown));
+    // The election ends (releasing the lease) only when told to, after the controllers of a
+    // term have stopped: a release sent while their writes were still going out would let the
+    // next leader start beside them.
+    let (release, released) = tokio::sync::oneshot::channel::<()>();
+    let election = tokio::spawn(leader::run(elector, tx, async move {
+        let _ = released.await;
+    }));
+    tokio::pin!(shutdown);
     // A warm standby's informers run from now on, across terms of leadership; they only read.
     let mut warm_tasks = JoinSet::new();
     let warm = args.warm_standby.then(|| {
@@ -424,12 +431,14 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
 
     // Controllers run while `leading` is true and are dropped (stopped) the moment it turns false.
     loop {
-        if leading.wait_for(|l| *l).await.is_err() {
-            break; // the election ended: shutdown
+        tokio::select! {
+            _ = &mut shutdown => break,
+            r = leading.wait_for(|l| *l) => if r.is_err() { break },
         }
         leader_gauge.set(true);
-        tokio::select! {
-            r = leading.wait_for(|l| !*l) => { let _ = r; }
+        let stopping = tokio::select! {
+            _ = &mut shutdown => true,
+            r = leading.wait_for(|l| !*l) => { let _ = r; false }
             r = lead(client.clone(), &controllers, &registry, &wiring, warm.as_ref(), &leader_gauge) => {
                 if let Err(e) = r {
                     // /healthz turns red so an orchestrator restarts us; until then, retry
@@ -438,23 +447,37 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
                     health.alive.store(false, Ordering::Relaxed);
                     tokio::time::sleep(Duration::from_secs(5)).await;
                 }
+                false
             }
-        }
+        };
+        // The term's controllers are dropped here: their tasks are aborted, no write of theirs
+        // is left to send.
         leader_gauge.set(false);
         if warm.is_none() {
             // A cold replica's caches went with its term.
             leader_gauge.caches_synced(false);
         }
         wiring.rival.paused.set(0);
+        if stopping {
+            // Requests the controllers had already sent can still be queued in the apiserver
+            // (seen: one received 12 ms after a release sent at once); the Lease is held a
+            // moment longer so that they land before a standby can take over.
+            tokio::time::sleep(RELEASE_DRAIN).await;
+            break;
+        }
         if election.is_finished() {
             break;
         }
     }
     leader_gauge.set(false);
-    // The election task releases the lease before it ends.
+    // Only now: the election task releases the lease (if held) and ends.
+    let _ = release.send(());
     let _ = election.await;
     Ok(())
 }
+
+/// How long a leader told to stop keeps its Lease after its controllers stopped (see `run`).
+const RELEASE_DRAIN: Duration = Duration::from_millis(500);
 
 /// Runs `f` in a span naming the controller, so every line it logs can be filtered by it
 /// (`"span":{"controller":"binder",…}` in JSON lines, a `run{controller=binder}:` prefix in text).

@@ -20,9 +20,15 @@ fn replica(cp: &ControlPlane, id: &str, images: &std::path::Path) -> Running {
     replica_with(cp, id, images, &[])
 }
 
+/// `extra` may name another `--kubeconfig=` (a replica user's, for the audit log).
 fn replica_with(cp: &ControlPlane, id: &str, images: &std::path::Path, extra: &[&str]) -> Running {
+    let kubeconfig = extra
+        .iter()
+        .find(|a| a.starts_with("--kubeconfig="))
+        .map(|a| a.to_string())
+        .unwrap_or_else(|| format!("--kubeconfig={}", cp.kubeconfig().display()));
     let mut args = vec![
-        format!("--kubeconfig={}", cp.kubeconfig().display()),
+        kubeconfig,
         "--controllers=binder".into(),
         "--leader-elect-resource-namespace=default".into(),
         format!("--leader-elect-identity={id}"),
@@ -34,7 +40,12 @@ fn replica_with(cp: &ControlPlane, id: &str, images: &std::path::Path, extra: &[
         "--kube-api-burst=40".into(),
         format!("--image-dir={}", images.display()),
     ];
-    args.extend(extra.iter().map(|a| a.to_string()));
+    args.extend(
+        extra
+            .iter()
+            .filter(|a| !a.starts_with("--kubeconfig="))
+            .map(|a| a.to_string()),
+    );
     Running::start(
         std::path::Path::new(env!("CARGO_BIN_EXE_stowage-controller")),
         &args,
@@ -172,6 +183,118 @@ async fn failover_mid_burst_binds_every_claim_exactly_once() {
         );
         assert_eq!(v.status.unwrap().phase.as_deref(), Some("Bound"));
     }
+}
+
+/// The writes user `user` made, in the order the apiserver received them: (time, resource).
+fn audited(cp: &ControlPlane, user: &str) -> Vec<(String, String)> {
+    let text = std::fs::read_to_string(cp.audit_log()).unwrap();
+    let mut out: Vec<(String, String)> = text
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|e| e["stage"] == "ResponseComplete" && e["user"]["username"] == user)
+        .map(|e| {
+            (
+                e["requestReceivedTimestamp"].as_str().unwrap().to_string(),
+                e["objectRef"]["resource"].as_str().unwrap_or("").to_string(),
+            )
+        })
+        .collect();
+    // RFC 3339 in UTC with a fixed precision: text order is time order.
+    out.sort();
+    out
+}
+
+/// SIGTERM to a leader mid-burst: its controllers stop before it releases the Lease, so the
+/// release is the last write the apiserver receives from it, and the standby binds the rest.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_told_to_stop_releases_the_lease_after_its_last_write() {
+    let (cp, images, _client, pvs, claims) = world().await;
+    let (kc_a, kc_b) = (
+        cp.replica_kubeconfig(0).unwrap(),
+        cp.replica_kubeconfig(1).unwrap(),
+    );
+    let (kc_a, kc_b) = (
+        format!("--kubeconfig={}", kc_a.display()),
+        format!("--kubeconfig={}", kc_b.display()),
+    );
+    let mut a = replica_with(&cp, "a", images.path(), &[kc_a.as_str()]);
+    eventually(Duration::from_secs(60), || async {
+        if leads(&a) {
+            Ok(())
+        } else {
+            Err("a does not lead yet".to_string())
+        }
+    })
+    .await;
+    let b = replica_with(&cp, "b", images.path(), &[kc_b.as_str()]);
+    stream::iter(0..N)
+        .map(|i| {
+            let (pvs, claims) = (pvs.clone(), claims.clone());
+            async move {
+                let pp = PostParams::default();
+                pvs.create(&pp, &pv(&format!("g{i:03}")).class("graceful").build())
+                    .await
+                    .unwrap();
+                claims
+                    .create(
+                        &pp,
+                        &pvc("default", &format!("g{i:03}")).class("graceful").build(),
+                    )
+                    .await
+                    .unwrap();
+            }
+        })
+        .buffer_unordered(32)
+        .collect::<Vec<_>>()
+        .await;
+    let bound = || async {
+        let list = claims
+            .list(&Default::default())
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok::<usize, String>(
+            list.items
+                .iter()
+                .filter(|c| c.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Bound"))
+                .count(),
+        )
+    };
+    eventually(Duration::from_secs(120), || async {
+        let n = bound().await?;
+        if n >= 10 { Ok(n) } else { Err(format!("{n} bound")) }
+    })
+    .await;
+    a.sigterm();
+    assert_eq!(a.wait_exit(Duration::from_secs(30)), Some(0), "{}", a.log_text());
+    assert!(a.log_text().contains("released leadership"), "{}", a.log_text());
+    eventually(Duration::from_secs(300), || async {
+        let n = bound().await?;
+        if n == N {
+            Ok(())
+        } else {
+            Err(format!("{n}/{N} bound"))
+        }
+    })
+    .await;
+    assert!(leads(&b), "b took over:\n{}", b.log_text());
+
+    let a_writes = audited(&cp, "replica-0");
+    let (last_at, last) = a_writes.last().expect("a wrote nothing").clone();
+    assert_eq!(last, "leases", "a's last write is its release: {a_writes:?}");
+    assert!(
+        a_writes.iter().any(|(_, r)| r == "persistentvolumeclaims"),
+        "a bound claims before it stopped: {a_writes:?}"
+    );
+    // b's first write other than the Lease came after a's release.
+    let b_first = audited(&cp, "replica-1")
+        .into_iter()
+        .find(|(_, r)| r != "leases")
+        .expect("b bound the rest");
+    assert!(
+        b_first.0 > last_at,
+        "b wrote at {} before a released at {last_at}",
+        b_first.0
+    );
 }
 
 /// A standby's wait and its takeover: with `warm` its caches fill while it waits and it writes
