@@ -6,7 +6,8 @@
 # Environment (all optional; the binary's --help lists the same settings as flags):
 #   BENCH_SIZES=full|small     full = the sizes (static 1,000 + 10,000 pairs, burst 10,000,
 #                              1,000 pods over 50 nodes, 500 expansions); small = N 200 (10 nodes)
-#   BENCH_WORKLOADS=static,burst,attach,expand,agent   (agent: loop devices, needs root)
+#   BENCH_WORKLOADS=static,burst,attach,expand,agent,takeover   (agent: loop devices, needs root;
+#                              takeover: two replicas of each side, the leader stopped, run last)
 #   BENCH_IMPLS=floor,upstream,stowage   floor: the apiserver's write floor of each workload
 #                              (a bare writer, no limit, no logic; run first, once per workload)
 #   BENCH_FLOOR_CONCURRENCY=16,64,256  one floor row per value; the best one is the floor
@@ -16,6 +17,8 @@
 #   BENCH_STALL_TIMEOUT=120s   a run gives up when nothing progresses for this long
 #   BENCH_ROUNDS=1             run each workload's whole plan this many times in turn; the report
 #                              adds each round's ratios against upstream and the floor, and medians
+#   BENCH_TAKEOVER_SIZES=10000,50000 BENCH_TAKEOVER_PODS=1000 BENCH_TAKEOVER_NEW=100
+#   BENCH_TAKEOVER_STOPS=kill,term   how the takeover's leader is stopped (one run per value and side)
 #   BENCH_STOWAGE_ARGS="..."   extra flags for every stowage-controller run (space-separated)
 #   BENCH_UPSTREAM_ARGS="..."  extra flags for every kube-controller-manager run (space-separated)
 set -euo pipefail

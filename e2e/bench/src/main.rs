@@ -10,6 +10,7 @@ mod fixtures;
 mod floor;
 mod procstat;
 mod report;
+mod takeover;
 mod tracker;
 mod window;
 mod workload;
@@ -131,13 +132,13 @@ struct Args {
     /// Without a subcommand: the benchmark.
     #[command(subcommand)]
     command: Option<Command>,
-    /// Workloads to run: static, burst, attach, expand, agent (not in the default list: it needs
-    /// root for loop devices and mounts, and has no upstream counterpart).
+    /// Workloads to run: static, burst, attach, expand, agent (it needs root for loop devices and
+    /// mounts, and has no upstream counterpart), takeover (two replicas of each side, run last).
     #[arg(
         long,
         env = "BENCH_WORKLOADS",
         value_delimiter = ',',
-        default_value = "static,burst,attach,expand,agent"
+        default_value = "static,burst,attach,expand,agent,takeover"
     )]
     workloads: Vec<String>,
     /// Implementations to run, in this order (the floor first whatever its place: floor, upstream,
@@ -217,6 +218,23 @@ struct Args {
     upstream_args: String,
     #[arg(long, env = "BENCH_KCM_BIN")]
     kcm_bin: Option<PathBuf>,
+    /// Bound pairs of workload `takeover`, one workload per value.
+    #[arg(long, env = "BENCH_TAKEOVER_SIZES", value_delimiter = ',')]
+    takeover_sizes: Option<Vec<usize>>,
+    /// Pods with attachments among the takeover's pairs (spread over BENCH_ATTACH_NODES nodes).
+    #[arg(long, env = "BENCH_TAKEOVER_PODS")]
+    takeover_pods: Option<usize>,
+    /// New claims of each takeover phase (the new pods are one per node).
+    #[arg(long, env = "BENCH_TAKEOVER_NEW", default_value_t = 100)]
+    takeover_new: usize,
+    /// How the takeover's leader is stopped, one run per value and implementation.
+    #[arg(
+        long,
+        env = "BENCH_TAKEOVER_STOPS",
+        value_delimiter = ',',
+        default_value = "kill,term"
+    )]
+    takeover_stops: Vec<takeover::Stop>,
     /// Volumes (and pods) of workload `agent`.
     #[arg(long, env = "BENCH_AGENT_VOLUMES", default_value_t = 200)]
     agent_volumes: usize,
@@ -233,6 +251,31 @@ enum Command {
 }
 
 impl Args {
+    /// The sizes of workload `takeover`, if it was asked for.
+    fn takeovers(&self) -> Vec<takeover::Sizes> {
+        if !self.workloads.iter().any(|w| w.trim() == "takeover") {
+            return Vec::new();
+        }
+        let small = self.sizes == Sizes::Small;
+        let pairs = self
+            .takeover_sizes
+            .clone()
+            .unwrap_or_else(|| if small { vec![200] } else { vec![10_000, 50_000] });
+        let nodes = self.attach_nodes.unwrap_or(if small { 10 } else { 50 }).max(1);
+        pairs
+            .into_iter()
+            .map(|n| takeover::Sizes {
+                pairs: n,
+                pods: self
+                    .takeover_pods
+                    .unwrap_or(if small { 100 } else { 1_000 })
+                    .min(n),
+                nodes,
+                new_claims: self.takeover_new,
+            })
+            .collect()
+    }
+
     fn workloads(&self) -> anyhow::Result<Vec<Workload>> {
         let small = self.sizes == Sizes::Small;
         let pick = |v: Option<usize>, full: usize| v.unwrap_or(if small { 200 } else { full });
@@ -260,9 +303,11 @@ impl Args {
                 "expand" => out.push(Workload::Expand {
                     n: pick(self.expand_size, 500),
                 }),
-                // Run on its own after the side-by-side workloads (see `agent.rs`).
-                "agent" => {}
-                other => bail!("unknown workload {other:?} (known: static, burst, attach, expand, agent)"),
+                // Run on their own after the side-by-side workloads (see `agent.rs`, `takeover.rs`).
+                "agent" | "takeover" => {}
+                other => bail!(
+                    "unknown workload {other:?} (known: static, burst, attach, expand, agent, takeover)"
+                ),
             }
         }
         Ok(out)
@@ -319,7 +364,8 @@ async fn run(args: Args) -> anyhow::Result<()> {
     if agent_n.is_some() {
         bins.push((&agent_bin, "cargo build --release"));
     }
-    if !workloads.is_empty() {
+    let takeovers = args.takeovers();
+    if !workloads.is_empty() || !takeovers.is_empty() {
         bins.extend([
             (&stowage_bin, "cargo build --release"),
             (&kcm_bin, "make controlplane"),
@@ -379,6 +425,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
             .flat_map(|w| (1..=rounds).map(move |k| (round_name(&w.name(), k, rounds), w.describe())))
             .collect(),
         results: Vec::new(),
+        takeovers: Vec::new(),
     };
     // Runs whose flags are identical (stowage's defaults may equal the `equal` limits) are run once.
     let mut by_config: HashMap<(String, Impl, String), RunResult> = HashMap::new();
@@ -433,6 +480,23 @@ async fn run(args: Args) -> anyhow::Result<()> {
         eprintln!("stowage-bench: {}: {}", r.workload, outcome(&r, &rss));
         report.workloads.push((r.workload.clone(), agent::describe(n)));
         report.results.push(r);
+    }
+
+    let sides: Vec<Impl> = args
+        .impls
+        .iter()
+        .filter_map(|i| match i {
+            ImplArg::Upstream => Some(Impl::Upstream),
+            ImplArg::Stowage => Some(Impl::Stowage),
+            ImplArg::Floor => None,
+        })
+        .collect();
+    for t in &takeovers {
+        eprintln!("stowage-bench: {} / {:?}", takeover::name(t), args.takeover_stops);
+        report.workloads.push((takeover::name(t), takeover::describe(t)));
+        let rows = takeover::run(&cp, &env.objects, &env.setup, *t, &sides, &args.takeover_stops).await?;
+        report.takeovers.extend(rows);
+        save(&report, &out_dir, stamp)?;
     }
 
     let md = save(&report, &out_dir, stamp)?;

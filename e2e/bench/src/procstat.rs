@@ -14,10 +14,18 @@ pub fn cpu_seconds(pid: u32) -> Option<f64> {
 
 /// Peak resident set size in bytes (`VmHWM` of `/proc/<pid>/status`).
 pub fn peak_rss_bytes(pid: u32) -> Option<u64> {
+    status_kib(pid, "VmHWM:").map(|k| k * 1024)
+}
+
+/// Resident set size now, in bytes (`VmRSS`).
+pub fn rss_bytes(pid: u32) -> Option<u64> {
+    status_kib(pid, "VmRSS:").map(|k| k * 1024)
+}
+
+fn status_kib(pid: u32, field: &str) -> Option<u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024)
+    let line = status.lines().find(|l| l.starts_with(field))?;
+    line.split_whitespace().nth(1)?.parse().ok()
 }
 
 fn clock_tick() -> f64 {
@@ -39,5 +47,6 @@ mod tests {
         assert!(x > 0);
         assert!(super::cpu_seconds(pid).unwrap() >= 0.0);
         assert!(super::peak_rss_bytes(pid).unwrap() > 1024 * 1024);
+        assert!(super::rss_bytes(pid).unwrap() <= super::peak_rss_bytes(pid).unwrap());
     }
 }

@@ -96,6 +96,9 @@ pub struct Report {
     pub settings: serde_json::Value,
     pub workloads: Vec<(String, String)>,
     pub results: Vec<RunResult>,
+    /// Workload `takeover`: its own shape (two replicas, intervals from the lease).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub takeovers: Vec<crate::takeover::TakeoverResult>,
 }
 
 #[derive(Debug, Serialize)]
@@ -347,6 +350,15 @@ impl Report {
         out.push_str(&self.rounds());
         out.push_str(&self.per_object());
         out.push_str(&self.scaling());
+        for (name, what) in &self.workloads {
+            let rows: Vec<_> = self
+                .takeovers
+                .iter()
+                .filter(|r| &r.workload == name)
+                .cloned()
+                .collect();
+            out.push_str(&crate::takeover::markdown(&rows, what));
+        }
         out
     }
 
@@ -570,6 +582,7 @@ mod tests {
                 .map(|w| (w.to_string(), format!("{w} caption")))
                 .collect(),
             results,
+            takeovers: Vec::new(),
         }
     }
 
