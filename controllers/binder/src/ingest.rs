@@ -87,16 +87,30 @@ impl Ingest<'_> {
         }
         // A key backing off after a failure keeps its delay: the resync must not turn the
         // backoff into a retry every period (a change to the object still wakes it).
+        // Claims waiting to bind are queued first, the pass over everything else after them: at
+        // a start (a takeover, a cold start) that pass takes seconds at tens of thousands of
+        // objects, and in one FIFO new work would wait behind it.
+        let mut rest = Vec::with_capacity(pvs.len() + claims.len());
         for pv in pvs {
-            self.requeue(Key::Volume(pv.name_any()));
+            rest.push(Key::Volume(pv.name_any()));
             self.cache.put_pv(pv);
         }
         for c in claims {
             let key = claim_key(c.as_ref());
-            self.requeue(Key::Claim(key.clone()));
             if self.cache.put_claim(c.clone()) {
                 self.track_claim(&key, Some(&c.decode()));
             }
+            // Only claims in the unbound index pay for reading their phase.
+            let waiting = self.unbound.by_claim.contains_key(&key)
+                && c.binding().is_ok_and(|b| b.phase.as_deref() != Some("Bound"));
+            if waiting {
+                self.requeue(Key::Claim(key));
+            } else {
+                rest.push(Key::Claim(key));
+            }
+        }
+        for key in rest {
+            self.requeue(key);
         }
     }
 
