@@ -3,7 +3,8 @@
 # that module's files (and of this script), and links <folder>/bin to it. A warm cache makes this
 # a no-op; a cold machine builds once.
 #   build-go-tool.sh <folder under e2e/> <binary name> <package import path>
-# GO_TOOL_LDFLAGS, if set, replaces the default -ldflags (and is part of the key).
+# GO_TOOL_LDFLAGS, if set, replaces the default -ldflags; GO_TOOL_TAGS are build tags (both are
+# part of the key).
 set -euo pipefail
 dir=$1 name=$2 pkg=$3
 self="$(cd "$(dirname "$0")" && pwd)/build-go-tool.sh"
@@ -11,7 +12,8 @@ here=$(cd "$(dirname "$0")/../$dir" && pwd)
 cd "$here"
 
 ldflags=${GO_TOOL_LDFLAGS:--s -w}
-key=$( (cat go.mod go.sum "$self"; echo "$ldflags") | sha256sum | cut -c1-16)
+tags=${GO_TOOL_TAGS:-}
+key=$( (cat go.mod go.sum "$self"; echo "$ldflags"; echo "$tags") | sha256sum | cut -c1-16)
 cache_root=${STOWAGE_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/stowage}
 out="$cache_root/$name/$key"
 if [ -x "$out/$name" ]; then
@@ -20,7 +22,7 @@ else
   echo "$name: building $key into $out"
   tmp="$out.partial.$$"
   rm -rf "$tmp" && mkdir -p "$tmp"
-  CGO_ENABLED=0 go build -trimpath -ldflags "$ldflags" -o "$tmp/$name" "$pkg"
+  CGO_ENABLED=0 go build -trimpath -tags "$tags" -ldflags "$ldflags" -o "$tmp/$name" "$pkg"
   rm -rf "$out" && mv "$tmp" "$out"
 fi
 ln -sfn "$out" "$here/bin"
