@@ -91,6 +91,47 @@ async fn world() -> (
     (cp, tempfile::tempdir().unwrap(), client, pvs, claims)
 }
 
+/// N volumes and N claims of `class`, named `<pv>NNN` and `<claim>NNN`, 32 creates in flight.
+async fn burst(
+    pvs: &Api<PersistentVolume>,
+    claims: &Api<PersistentVolumeClaim>,
+    (pv_prefix, claim_prefix): (&str, &str),
+    class: &str,
+) {
+    stream::iter(0..N)
+        .map(|i| async move {
+            let pp = PostParams::default();
+            pvs.create(&pp, &pv(&format!("{pv_prefix}{i:03}")).class(class).build())
+                .await
+                .unwrap();
+            claims
+                .create(
+                    &pp,
+                    &pvc("default", &format!("{claim_prefix}{i:03}"))
+                        .class(class)
+                        .build(),
+                )
+                .await
+                .unwrap();
+        })
+        .buffer_unordered(32)
+        .collect::<Vec<_>>()
+        .await;
+}
+
+/// How many claims are `Bound`.
+async fn bound_count(claims: &Api<PersistentVolumeClaim>) -> Result<usize, String> {
+    let list = claims
+        .list(&Default::default())
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(list
+        .items
+        .iter()
+        .filter(|c| c.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Bound"))
+        .count())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failover_mid_burst_binds_every_claim_exactly_once() {
     let (cp, images, _client, pvs, claims) = world().await;
@@ -105,44 +146,11 @@ async fn failover_mid_burst_binds_every_claim_exactly_once() {
     })
     .await;
 
-    stream::iter(0..N)
-        .map(|i| {
-            let (pvs, claims) = (pvs.clone(), claims.clone());
-            async move {
-                pvs.create(
-                    &PostParams::default(),
-                    &pv(&format!("v{i:03}")).class("burst").build(),
-                )
-                .await
-                .unwrap();
-                claims
-                    .create(
-                        &PostParams::default(),
-                        &pvc("default", &format!("c{i:03}")).class("burst").build(),
-                    )
-                    .await
-                    .unwrap();
-            }
-        })
-        .buffer_unordered(32)
-        .collect::<Vec<_>>()
-        .await;
+    burst(&pvs, &claims, ("v", "c"), "burst").await;
 
     // Kill the leader once binding is under way but far from done.
-    let bound_count = || async {
-        let list = claims
-            .list(&Default::default())
-            .await
-            .map_err(|e| e.to_string())?;
-        Ok::<usize, String>(
-            list.items
-                .iter()
-                .filter(|c| c.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Bound"))
-                .count(),
-        )
-    };
     let at_kill = eventually(Duration::from_secs(120), || async {
-        let n = bound_count().await?;
+        let n = bound_count(&claims).await?;
         if n >= 10 { Ok(n) } else { Err(format!("{n} bound")) }
     })
     .await;
@@ -154,7 +162,7 @@ async fn failover_mid_burst_binds_every_claim_exactly_once() {
     );
 
     eventually(Duration::from_secs(300), || async {
-        let n = bound_count().await?;
+        let n = bound_count(&claims).await?;
         if n == N {
             Ok(())
         } else {
@@ -227,40 +235,9 @@ async fn a_leader_told_to_stop_releases_the_lease_after_its_last_write() {
     })
     .await;
     let b = replica_with(&cp, "b", images.path(), &[kc_b.as_str()]);
-    stream::iter(0..N)
-        .map(|i| {
-            let (pvs, claims) = (pvs.clone(), claims.clone());
-            async move {
-                let pp = PostParams::default();
-                pvs.create(&pp, &pv(&format!("g{i:03}")).class("graceful").build())
-                    .await
-                    .unwrap();
-                claims
-                    .create(
-                        &pp,
-                        &pvc("default", &format!("g{i:03}")).class("graceful").build(),
-                    )
-                    .await
-                    .unwrap();
-            }
-        })
-        .buffer_unordered(32)
-        .collect::<Vec<_>>()
-        .await;
-    let bound = || async {
-        let list = claims
-            .list(&Default::default())
-            .await
-            .map_err(|e| e.to_string())?;
-        Ok::<usize, String>(
-            list.items
-                .iter()
-                .filter(|c| c.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Bound"))
-                .count(),
-        )
-    };
+    burst(&pvs, &claims, ("g", "g"), "graceful").await;
     eventually(Duration::from_secs(120), || async {
-        let n = bound().await?;
+        let n = bound_count(&claims).await?;
         if n >= 10 { Ok(n) } else { Err(format!("{n} bound")) }
     })
     .await;
@@ -268,7 +245,7 @@ async fn a_leader_told_to_stop_releases_the_lease_after_its_last_write() {
     assert_eq!(a.wait_exit(Duration::from_secs(30)), Some(0), "{}", a.log_text());
     assert!(a.log_text().contains("released leadership"), "{}", a.log_text());
     eventually(Duration::from_secs(300), || async {
-        let n = bound().await?;
+        let n = bound_count(&claims).await?;
         if n == N {
             Ok(())
         } else {

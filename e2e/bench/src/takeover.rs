@@ -29,16 +29,14 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Node, PersistentVolumeClaim, Pod};
 use k8s_openapi::api::storage::v1::{VolumeAttachment, VolumeAttachmentSource, VolumeAttachmentSpec};
 use k8s_openapi::jiff::Timestamp;
+use kube::ResourceExt;
 use kube::api::{Api, ObjectMeta, Patch, PatchParams};
-use kube::runtime::{WatchStreamExt, watcher};
-use kube::{Resource, ResourceExt};
+use kube::runtime::watcher;
 use serde::Serialize;
-use serde::de::DeserializeOwned;
 use serde_json::json;
 use stowage_attachdetach::read::{attachment_name, unique_volume_name};
 use stowage_testkit::ControlPlane;
@@ -50,6 +48,8 @@ use tokio::task::JoinHandle;
 use crate::controller::{Impl, Setup};
 use crate::fixtures::{Objects, Pair, RUN_LABEL, attach_driver, claim_name, label, pod, pod_name, pv_name};
 use crate::procstat;
+use crate::tracker::follow;
+use crate::workload::each;
 
 /// The lease settings of both sides: client-go's and kube-controller-manager's defaults.
 const LEASE: [(&str, &str); 3] = [
@@ -286,41 +286,6 @@ impl Drop for Replica {
     }
 }
 
-/// Follows `api` for the whole workload, calling `f` on every object seen; returns once the
-/// initial list is in.
-async fn follow<K>(
-    api: Api<K>,
-    cfg: watcher::Config,
-    mut f: impl FnMut(&K) + Send + 'static,
-) -> anyhow::Result<JoinHandle<()>>
-where
-    K: Resource + Clone + DeserializeOwned + std::fmt::Debug + Send + 'static,
-{
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    let task = tokio::spawn(async move {
-        let mut tx = Some(tx);
-        let mut stream = watcher(api, cfg).default_backoff().boxed();
-        while let Some(ev) = stream.next().await {
-            match ev {
-                Ok(watcher::Event::Apply(o) | watcher::Event::InitApply(o)) => f(&o),
-                Ok(watcher::Event::InitDone) => {
-                    if let Some(tx) = tx.take() {
-                        let _ = tx.send(());
-                    }
-                }
-                _ => {}
-            }
-        }
-    });
-    match tokio::time::timeout(Duration::from_secs(300), rx).await {
-        Ok(Ok(())) => Ok(task),
-        _ => {
-            task.abort();
-            bail!("watch did not finish its initial list within 300 s")
-        }
-    }
-}
-
 /// The bench's watches: claims, attachments (which it also marks attached, as an external
 /// attacher would), and leases.
 async fn watches(o: &Objects, ns: &str, run: &str, seen: &Shared) -> anyhow::Result<Vec<JoinHandle<()>>> {
@@ -512,21 +477,17 @@ async fn prepare(o: &Objects, run: &str, s: Sizes) -> anyhow::Result<()> {
     )
     .await?;
     let status = json!({"status": {"attached": true}});
-    futures::stream::iter(&attached)
-        .map(|(pv, node)| {
-            let (vas, status) = (&vas, &status);
-            let name = attachment_name(pv, &driver, node);
-            async move {
-                vas.patch_status(&name, &PatchParams::default(), &Patch::Merge(status))
-                    .await
-            }
-        })
-        .buffer_unordered(o.concurrency)
-        .collect::<Vec<_>>()
-        .await
-        .into_iter()
-        .collect::<Result<Vec<_>, _>>()
-        .context("mark the old attachments attached")?;
+    each(o.concurrency, attached.iter().collect(), |(pv, node)| {
+        let (vas, status) = (&vas, &status);
+        let name = attachment_name(pv, &driver, node);
+        async move {
+            vas.patch_status(&name, &PatchParams::default(), &Patch::Merge(status))
+                .await
+                .map(|_| ())
+                .with_context(|| format!("mark {name} attached"))
+        }
+    })
+    .await?;
     let node_api: Api<Node> = Api::all(c.clone());
     for (j, node) in nodes.iter().enumerate() {
         let listed: Vec<serde_json::Value> = (j..s.pods)
@@ -656,20 +617,16 @@ async fn plant(o: &Objects, ns: &str, seen: &Shared, markers: &[String]) -> anyh
     }
     let pvcs: Api<PersistentVolumeClaim> = Api::namespaced(o.client.clone(), ns);
     let strip = json!({"metadata": {"annotations": {BIND_COMPLETED: null}}});
-    futures::stream::iter(markers)
-        .map(|m| {
-            let (pvcs, strip) = (&pvcs, &strip);
-            async move {
-                pvcs.patch(m, &PatchParams::default(), &Patch::Merge(strip))
-                    .await
-                    .with_context(|| format!("strip {m}"))
-            }
-        })
-        .buffer_unordered(o.concurrency)
-        .collect::<Vec<_>>()
-        .await
-        .into_iter()
-        .collect::<Result<Vec<_>, _>>()?;
+    each(o.concurrency, markers.iter().collect(), |m| {
+        let (pvcs, strip) = (&pvcs, &strip);
+        async move {
+            pvcs.patch(m, &PatchParams::default(), &Patch::Merge(strip))
+                .await
+                .map(|_| ())
+                .with_context(|| format!("strip {m}"))
+        }
+    })
+    .await?;
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         let planted = lock(seen)

@@ -101,32 +101,47 @@ where
     K: kube::Resource + Clone + DeserializeOwned + Debug + Send + 'static,
     F: Fn(&K) -> Option<String> + Send + 'static,
 {
+    follow(api, config, move |o| {
+        if let Some(k) = key_of(o) {
+            tracker.observe(&k);
+        }
+    })
+    .await
+}
+
+/// Watches `api`, calling `f` on every object seen (relists replay every object); returns once
+/// the initial list is in.
+pub async fn follow<K>(
+    api: Api<K>,
+    config: watcher::Config,
+    mut f: impl FnMut(&K) + Send + 'static,
+) -> anyhow::Result<JoinHandle<()>>
+where
+    K: kube::Resource + Clone + DeserializeOwned + Debug + Send + 'static,
+{
     let (tx, rx) = tokio::sync::oneshot::channel();
     let task = tokio::spawn(async move {
         let mut tx = Some(tx);
         let mut stream = watcher(api, config).default_backoff().boxed();
         while let Some(ev) = stream.next().await {
             match ev {
-                Ok(watcher::Event::Apply(o) | watcher::Event::InitApply(o)) => {
-                    if let Some(k) = key_of(&o) {
-                        tracker.observe(&k);
-                    }
-                }
+                Ok(watcher::Event::Apply(o) | watcher::Event::InitApply(o)) => f(&o),
                 Ok(watcher::Event::InitDone) => {
                     if let Some(tx) = tx.take() {
                         let _ = tx.send(());
                     }
                 }
-                // Errors are retried by the backoff; a relist replays every object.
+                // Errors are retried by the backoff.
                 _ => {}
             }
         }
     });
-    match tokio::time::timeout(Duration::from_secs(120), rx).await {
+    // Generous: the takeover workload's first list holds 50,000 claims.
+    match tokio::time::timeout(Duration::from_secs(300), rx).await {
         Ok(Ok(())) => Ok(task),
         _ => {
             task.abort();
-            Err(anyhow!("watch did not finish its initial list within 120 s"))
+            Err(anyhow!("watch did not finish its initial list within 300 s"))
         }
     }
 }

@@ -432,7 +432,8 @@ impl Trigger {
     }
 }
 
-async fn each<T, F, Fut>(concurrency: usize, items: Vec<T>, f: F) -> anyhow::Result<()>
+/// Runs `f` on every item, `concurrency` at a time; the first error ends it.
+pub(crate) async fn each<T, F, Fut>(concurrency: usize, items: Vec<T>, f: F) -> anyhow::Result<()>
 where
     F: Fn(T) -> Fut,
     Fut: Future<Output = anyhow::Result<()>>,
