@@ -75,21 +75,35 @@ struct Controller {
 }
 
 pub async fn run(cluster: Arc<Informers>, metrics: Metrics, config: Config) -> anyhow::Result<()> {
+    prepare(cluster, metrics, config).lead().await
+}
+
+/// A binder built before its term: the cache, volume index, unbound claims and pod index filled
+/// from the stores and, on a warm standby, kept current from their feeds while the replica waits
+/// (`Follow`), so a term starts deciding at once.
+pub struct Prepared {
+    ctl: Controller,
+    inputs: Inputs<Input>,
+    resync: Duration,
+}
+
+/// The binder's state from the stores as they are (full, on a warm standby: its task waits for
+/// them). Nothing is queued yet: a term queues every key when it starts.
+pub fn prepare(cluster: Arc<Informers>, metrics: Metrics, config: Config) -> Prepared {
     metrics.attach(cluster.pvs.store().clone(), cluster.pvcs.store().clone());
     // Subscribe before reading the stores so nothing falls between the two.
-    let pv_feed = cluster.pvs.feed();
-    let pvc_feed = cluster.pvcs.feed();
-    let class_feed = cluster.classes.feed();
-    let pod_feed = cluster.pods.feed();
+    let inputs = Inputs::new()
+        .feed(cluster.pvs.feed(), Input::Volume)
+        .feed(cluster.pvcs.feed(), Input::Claim)
+        .feed(cluster.pods.feed(), Input::Pod)
+        .feed(cluster.classes.feed(), |_| Input::Class);
     let client = cluster.client.clone();
     let mut ctl = Controller {
         window: Window::new(config.max_in_flight),
         cache: Cache::default(),
-        // One queue, reported as kube-controller-manager's two (its claim and volume queues).
-        queue: WorkQueue::default().named_by(&["claims", "volumes"], |k| match k {
-            Key::Claim(_) => 0,
-            Key::Volume(_) => 1,
-        }),
+        // Unnamed until the term starts: keys a standby's changes touch are not work (see
+        // `Prepared::follow`), and its queue metrics stay the leader's.
+        queue: WorkQueue::default(),
         unbound: Unbound::default(),
         pods: PodIndex::default(),
         executor: Arc::new(Executor {
@@ -107,17 +121,53 @@ pub async fn run(cluster: Arc<Informers>, metrics: Metrics, config: Config) -> a
     };
     ctl.ingest().pods_resync();
     ctl.ingest().resync();
-    let inputs = Inputs::new()
-        .feed(pv_feed, Input::Volume)
-        .feed(pvc_feed, Input::Claim)
-        .feed(pod_feed, Input::Pod)
-        .feed(class_feed, |_| Input::Class)
-        .every(Instant::now() + config.resync, config.resync, || Input::Resync)
-        // First check at once: the gauge is right from the start of the term.
-        .every(Instant::now(), stowage_loopdriver::image::RECHECK, || {
-            Input::StoreCheck
+    ctl.queue = WorkQueue::default();
+    Prepared {
+        ctl,
+        inputs,
+        resync: config.resync,
+    }
+}
+
+impl Prepared {
+    /// The term: every key queued (the claims waiting to bind first), then the run loop until a
+    /// feed fails or the future is dropped.
+    pub async fn lead(self) -> anyhow::Result<()> {
+        let Prepared {
+            mut ctl,
+            inputs,
+            resync,
+        } = self;
+        // One queue, reported as kube-controller-manager's two (its claim and volume queues).
+        ctl.queue = WorkQueue::default().named_by(&["claims", "volumes"], |k| match k {
+            Key::Claim(_) => 0,
+            Key::Volume(_) => 1,
         });
-    driver::run(ctl, inputs, Pace::default()).await
+        ctl.unbound.woken.clear();
+        ctl.ingest().resync();
+        let inputs = inputs
+            .every(Instant::now() + resync, resync, || Input::Resync)
+            // First check at once: the gauge is right from the start of the term.
+            .every(Instant::now(), stowage_loopdriver::image::RECHECK, || {
+                Input::StoreCheck
+            });
+        driver::run(ctl, inputs, Pace::default()).await
+    }
+}
+
+impl stowage_common::runtime::standby::Follow for Prepared {
+    /// Takes in each change as a term would, minus the work: the keys it touches and the classes
+    /// it wakes are dropped, as the term queues everything when it starts.
+    async fn follow(&mut self) -> anyhow::Result<()> {
+        loop {
+            let input = self.inputs.next().await?;
+            self.ctl.input(input);
+            if !self.ctl.queue.is_empty() {
+                self.ctl.queue = WorkQueue::default();
+            }
+            self.ctl.unbound.woken.clear();
+        }
+    }
 }
 
 pub(crate) enum Input {

@@ -21,5 +21,5 @@ pub mod pv;
 
 pub mod selector;
 
-pub use controller::{Config, run};
+pub use controller::{Config, Prepared, prepare, run};
 pub use metrics::Metrics;

@@ -1,4 +1,5 @@
-//! The controller runtime: the run loop, work queue, write window, leader election, shutdown.
+//! The controller runtime: the run loop, work queue, write window, leader election, shutdown, and
+//! the decision state a warm standby keeps.
 
 pub mod backoff;
 pub mod driver;
@@ -7,3 +8,4 @@ pub mod leader;
 pub mod owed;
 pub mod queue;
 pub mod shutdown;
+pub mod standby;
